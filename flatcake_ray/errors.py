@@ -1,0 +1,59 @@
+"""Typed errors of FlatCake-Ray.
+
+Every error a caller can act on has its own class; all derive from :class:`FlatCakeError`.
+A rejected call never changes what is already stored.
+"""
+
+from __future__ import annotations
+
+
+class FlatCakeError(Exception):
+    """Base class of every FlatCake-Ray error."""
+
+
+class GVAError(FlatCakeError, ValueError):
+    """A GVA field (medium, node id or offset) is out of range, or a GVA is malformed."""
+
+
+class InvalidKeyError(FlatCakeError, TypeError):
+    """A page key is not bytes, str or int, or is empty."""
+
+
+class MixedNamespaceError(FlatCakeError, ValueError):
+    """One call named pages of more than one namespace."""
+
+
+class ShapeError(FlatCakeError, ValueError):
+    """A KV buffer has the wrong shape, dtype, layout or device for this store."""
+
+
+class MediumFullError(FlatCakeError):
+    """The target medium (and the spill medium) has no room, and nothing is reclaimable."""
+
+
+class StoreClosedError(FlatCakeError):
+    """The store (or service) was closed; no further calls are accepted."""
+
+
+class StoreWriteError(FlatCakeError):
+    """Writing a segment failed; nothing of it was published."""
+
+
+class ConfigError(FlatCakeError, ValueError):
+    """A configuration value (argument or FLATCAKE_* variable) is invalid."""
+
+
+class LeaseError(FlatCakeError):
+    """A lease is unknown, expired or already released."""
+
+
+class ServiceError(FlatCakeError):
+    """The Ray service is not running, or a storage node cannot be reached."""
+
+
+class TransportUnavailableError(FlatCakeError):
+    """A transport needs hardware or a library this machine lacks."""
+
+
+class TraceFormatError(FlatCakeError, ValueError):
+    """A trace line is not in a format the readers know."""
