@@ -117,23 +117,36 @@ class StoreConfig:
         _require(self.layers > 0, "layers must be positive")
         _require(self.page_bytes > 0, "page_bytes must be positive")
         _require(0 <= self.node_id <= MAX_NODE_ID, f"node_id must be in 0..{MAX_NODE_ID}")
-        _require(self.dram_bytes >= 0 and self.dram_bytes % ALIGN == 0,
-                 f"dram_bytes must be a non-negative multiple of {ALIGN}")
+        _require(
+            self.dram_bytes >= 0 and self.dram_bytes % ALIGN == 0,
+            f"dram_bytes must be a non-negative multiple of {ALIGN}",
+        )
         _require(self.ssd_files_per_dir >= 0, "ssd_files_per_dir must be >= 0")
-        _require(self.ssd_file_bytes > 0 and self.ssd_file_bytes % ALIGN == 0,
-                 f"ssd_file_bytes must be a positive multiple of {ALIGN}")
+        _require(
+            self.ssd_file_bytes > 0 and self.ssd_file_bytes % ALIGN == 0,
+            f"ssd_file_bytes must be a positive multiple of {ALIGN}",
+        )
         pool_bytes = self.ssd_file_bytes * self.ssd_files_per_dir * max(1, len(self.ssd_dirs))
-        _require(pool_bytes <= MAX_OFFSET and self.dram_bytes <= MAX_OFFSET,
-                 "a medium larger than 256 TiB does not fit a 48-bit offset")
-        _require(self.ssd_min_run_bytes > 0 and self.ssd_min_run_bytes % ALIGN == 0,
-                 f"ssd_min_run_bytes must be a positive multiple of {ALIGN}")
+        _require(
+            pool_bytes <= MAX_OFFSET and self.dram_bytes <= MAX_OFFSET,
+            "a medium larger than 256 TiB does not fit a 48-bit offset",
+        )
+        _require(
+            self.ssd_min_run_bytes > 0 and self.ssd_min_run_bytes % ALIGN == 0,
+            f"ssd_min_run_bytes must be a positive multiple of {ALIGN}",
+        )
         _require(self.gap_bytes >= 0, "gap_bytes must be >= 0")
-        _require(self.max_read_bytes >= ALIGN and self.max_read_bytes % ALIGN == 0,
-                 f"max_read_bytes must be a multiple of {ALIGN}")
-        _require(0 < self.low_watermark <= self.high_watermark <= 1,
-                 "need 0 < low_watermark <= high_watermark <= 1")
-        _require(self.hugepages in ("auto", "off", "require"),
-                 "hugepages must be auto, off or require")
+        _require(
+            self.max_read_bytes >= ALIGN and self.max_read_bytes % ALIGN == 0,
+            f"max_read_bytes must be a multiple of {ALIGN}",
+        )
+        _require(
+            0 < self.low_watermark <= self.high_watermark <= 1,
+            "need 0 < low_watermark <= high_watermark <= 1",
+        )
+        _require(
+            self.hugepages in ("auto", "off", "require"), "hugepages must be auto, off or require"
+        )
 
     @property
     def ssd_folders(self) -> tuple[str, ...]:

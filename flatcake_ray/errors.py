@@ -57,3 +57,23 @@ class TransportUnavailableError(FlatCakeError):
 
 class TraceFormatError(FlatCakeError, ValueError):
     """A trace line is not in a format the readers know."""
+
+
+class UnknownRequestError(FlatCakeError, LookupError):
+    """A request id is not live in the scheduler (never submitted, dispatched or cancelled)."""
+
+
+class DuplicateRequestError(FlatCakeError, ValueError):
+    """A request id was submitted while a request with that id is still live."""
+
+
+class ClockError(FlatCakeError, ValueError):
+    """A time given to the scheduler is not finite, or is earlier than one already given."""
+
+
+class InvalidRequestError(FlatCakeError, ValueError):
+    """A request's fields are malformed (e.g. a negative byte count)."""
+
+
+class RequestStateError(FlatCakeError):
+    """A call does not fit the request's phase (e.g. prefetch_done on one not prefetching)."""

@@ -79,4 +79,6 @@ def slowest_medium(gvas: np.ndarray | list[int]) -> Medium:
     """The slowest medium a set of GVAs touches: one max and one comparison."""
     if len(gvas) == 0:
         return Medium.DRAM
-    return Medium.SSD if int(np.max(np.asarray(gvas, dtype=np.uint64))) >= SSD_FLOOR else Medium.DRAM
+    return (
+        Medium.SSD if int(np.max(np.asarray(gvas, dtype=np.uint64))) >= SSD_FLOOR else Medium.DRAM
+    )

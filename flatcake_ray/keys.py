@@ -18,7 +18,9 @@ from .errors import InvalidKeyError, MixedNamespaceError
 DEFAULT_NAMESPACE = "default"
 KeyLike = bytes | str | int
 
-# A digest is two uint64 words; (0, 0) marks an empty index slot, so no real key may have it.
+# A digest is two uint64 words. The top bit of ``hi`` is always set, so ``hi == 0`` is free
+# for the index's empty and deleted slot markers (127 bits of hash remain).
+HI_MARK = np.uint64(1 << 63)
 DIGEST_DTYPE = np.dtype([("hi", "<u8"), ("lo", "<u8")])
 
 
@@ -75,6 +77,5 @@ def digest_keys(namespace: str, keys: Iterable[KeyLike]) -> np.ndarray:
     prefix = namespace.encode() + b"\x00"
     raw = b"".join(blake2b(prefix + _key_bytes(key), digest_size=16).digest() for key in keys)
     digests = np.frombuffer(raw, dtype=DIGEST_DTYPE).copy()
-    # (0, 0) is the empty-slot marker; a real digest of zero (p = 2**-128) moves aside.
-    digests["lo"][(digests["hi"] == 0) & (digests["lo"] == 0)] = 1
+    digests["hi"] |= HI_MARK
     return digests
