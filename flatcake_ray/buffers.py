@@ -57,8 +57,8 @@ def as_page_bytes(
             f"{what}: a page is {host.shape[2]} x {host.dtype} = {host.shape[2] * host.itemsize} "
             f"bytes, this store's pages are {page_bytes} bytes"
         )
-    if not host.flags.c_contiguous:
-        raise ShapeError(f"{what} must be C-contiguous")
+    if host.strides[2] != host.itemsize:
+        raise ShapeError(f"{what}: each page must be contiguous in memory (last axis stride)")
     if writable and not host.flags.writeable:
         raise ShapeError(f"{what} is read-only")
     return host.view(np.uint8).reshape(layers, host.shape[1], page_bytes), finish

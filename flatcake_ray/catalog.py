@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,6 +112,7 @@ class Catalog:
         self.leases: dict[int, Lease] = {}
         self.counters = {"reclaimed_scopes": 0, "reclaimed_bytes": 0, "quarantined_scopes": 0}
         self.rule_counts: dict[str, int] = {}
+        self.on_free: Callable[[Scope], None] | None = None  # the store logs SSD frees
 
     # ---- lookups -------------------------------------------------------------------------
     def prefix(self, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -315,6 +317,8 @@ class Catalog:
         freed = self.space[scope.medium].release(scope.runs)
         self.counters["reclaimed_bytes"] += freed
         self._drop_scope(scope)
+        if self.on_free is not None:
+            self.on_free(scope)
         return freed
 
     def _drop_scope(self, scope: Scope) -> None:

@@ -72,8 +72,28 @@ class ClockError(FlatCakeError, ValueError):
 
 
 class InvalidRequestError(FlatCakeError, ValueError):
-    """A request's fields are malformed (e.g. a negative byte count)."""
+    """A request's fields or a scheduler call's arguments are malformed (e.g. negative bytes)."""
 
 
 class RequestStateError(FlatCakeError):
     """A call does not fit the request's phase (e.g. prefetch_done on one not prefetching)."""
+
+
+class ReadRangeError(FlatCakeError, ValueError):
+    """A read batch is malformed, or one of its ranges falls outside its source or destination."""
+
+
+class TransferError(FlatCakeError):
+    """A data transfer failed; the destination ranges of that read hold undefined bytes."""
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer did not complete within its deadline; it was cancelled before this was raised."""
+
+
+class PeerDisconnectedError(TransferError):
+    """The peer that owns the source memory is gone (died, or closed its endpoint)."""
+
+
+class TransportClosedError(FlatCakeError):
+    """The transport was closed; no further reads are accepted."""

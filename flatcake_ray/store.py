@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .buffers import as_page_bytes
-from .catalog import Catalog, Lease, PutHints, PutPlan, Segment
+from .catalog import Catalog, Lease, PutHints, PutPlan, Scope, Segment
 from .config import StoreConfig
 from .errors import ShapeError, StoreClosedError
 from .gva import Medium
@@ -80,6 +80,7 @@ class FlatCakeStore:
             fsync=config.fsync,
         )
         self._recover()
+        self.catalog.on_free = self._log_free
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _recover(self) -> None:
@@ -89,6 +90,10 @@ class FlatCakeStore:
             self.catalog.adopt_scope(scope.scope_id, scope.session_id, scope.runs, segments)
             highest = max([highest, scope.scope_id, *(s.segment_id for s in segments)])
         self.catalog.skip_ids_below(highest + 1)
+
+    def _log_free(self, scope: Scope) -> None:
+        if scope.medium is Medium.SSD:
+            self.manifest.append({"t": "free", "scope": scope.scope_id})
 
     def _segment_from_record(self, record: dict[str, Any]) -> Segment:
         layout = SegmentLayout(record["pages"], self.config.layers, self.config.page_bytes)

@@ -1,0 +1,53 @@
+"""Shared fixtures. Every test's traffic stays on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from flatcake_ray.config import StoreConfig  # noqa: E402
+from flatcake_ray.store import FlatCakeStore  # noqa: E402
+
+LAYERS = 4
+PAGE_BYTES = 8192
+
+
+def small_config(root, **overrides) -> StoreConfig:
+    base = dict(
+        root=str(root),
+        layers=LAYERS,
+        page_bytes=PAGE_BYTES,
+        dram_bytes=4 << 20,
+        ssd_file_bytes=8 << 20,
+        ssd_files_per_dir=2,
+        ssd_min_run_bytes=256 << 10,
+        fsync=False,
+    )
+    base.update(overrides)
+    return StoreConfig(**base)
+
+
+@pytest.fixture
+def make_store(tmp_path):
+    """Build stores on real files under tmp_path; all are closed at the end."""
+    stores: list[FlatCakeStore] = []
+
+    def build(**overrides) -> FlatCakeStore:
+        store = FlatCakeStore(small_config(tmp_path, **overrides))
+        stores.append(store)
+        return store
+
+    yield build
+    for store in stores:
+        store.close()
+
+
+def random_kv(pages: int, seed: int = 0, layers: int = LAYERS, page_bytes: int = PAGE_BYTES):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(layers, pages, page_bytes), dtype=np.uint8)

@@ -1,0 +1,58 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake_ray.extents import ExtentAllocator, MediumSpace, ScopeRuns
+
+
+def test_first_fit_and_merge_on_free():
+    alloc = ExtentAllocator(0, 16 * 4096)
+    a, b, c = (alloc.allocate(4096 * n) for n in (2, 3, 4))
+    assert (a, b, c) == (0, 8192, 20480)
+    alloc.free(b, 3 * 4096)
+    alloc.free(a, 2 * 4096)
+    assert alloc.allocate(5 * 4096) == 0  # the two holes merged
+    assert alloc.allocate(100 * 4096) is None
+
+
+def test_scope_runs_stay_contiguous_and_grow_in_place():
+    space = MediumSpace(region_bytes=1 << 20, regions=2, min_run=64 << 10)
+    scope = ScopeRuns()
+    offsets = [space.place(scope, 16 << 10) for _ in range(8)]
+    assert offsets == [offsets[0] + i * (16 << 10) for i in range(8)]
+    assert len(scope.runs) == 1  # grown in place, not chained
+
+
+def test_small_scopes_do_not_take_a_file_each():
+    space = MediumSpace(region_bytes=8 << 20, regions=2, min_run=64 << 10)
+    scopes = [ScopeRuns() for _ in range(20)]
+    for scope in scopes:
+        assert space.place(scope, 8 << 10) is not None
+    assert sum(s.reserved_bytes for s in scopes) == 20 * (64 << 10)
+
+
+def test_chains_a_new_run_when_blocked():
+    space = MediumSpace(region_bytes=1 << 20, regions=1, min_run=64 << 10)
+    first, blocker = ScopeRuns(), ScopeRuns()
+    space.place(first, 64 << 10)  # reserves a 128 KiB run, half used
+    space.place(blocker, 64 << 10)  # sits right after it
+    assert space.place(first, 128 << 10) is not None
+    assert len(first.runs) == 2 and first.runs[1].length == 2 * first.runs[0].length
+    assert space.release(first) == (128 + 256) << 10
+    assert space.free_bytes == (1 << 20) - blocker.reserved_bytes
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 40)), max_size=60))
+def test_runs_never_overlap(steps):
+    space = MediumSpace(region_bytes=1 << 20, regions=2, min_run=16 << 10)
+    scopes = [ScopeRuns() for _ in range(6)]
+    for scope_index, pages in steps:
+        if pages > 35:
+            space.release(scopes[scope_index])
+        else:
+            space.place(scopes[scope_index], pages * 4096)
+    runs = sorted((r.start, r.length) for s in scopes for r in s.runs)
+    for (a, la), (b, _) in zip(runs, runs[1:], strict=False):
+        assert a + la <= b
+    assert all(r.used <= r.length for s in scopes for r in s.runs)
+    assert space.free_bytes + sum(s.reserved_bytes for s in scopes) == space.capacity

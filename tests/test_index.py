@@ -1,0 +1,68 @@
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake_ray.index import PageIndex, pack_location, unpack_location
+from flatcake_ray.keys import digest_keys
+
+
+def test_insert_lookup_delete():
+    index = PageIndex(capacity=16)
+    digests = digest_keys("ns", range(1000))  # forces several rehashes
+    inserted = index.insert(digests, np.arange(1000))
+    assert inserted.all() and len(index) == 1000
+    found, values = index.lookup(digests)
+    assert found.all() and (values == np.arange(1000)).all()
+    assert index.delete(digests[:10]) == 10
+    assert index.prefix_length(digests) == 0
+    assert index.prefix_length(digests[10:]) == 990
+
+
+def test_write_once_keeps_first_value():
+    index = PageIndex()
+    digests = digest_keys("ns", [1, 2, 2, 3])
+    inserted = index.insert(digests, np.array([10, 20, 21, 30]))
+    assert inserted.tolist() == [True, True, False, True]
+    assert not index.insert(digests[:1], np.array([99])).any()
+    assert index.lookup(digests)[1].tolist() == [10, 20, 20, 30]
+
+
+def test_namespaces_and_key_types_are_distinct():
+    digests = np.concatenate([digest_keys("a", [1, "1", b"1"]), digest_keys("b", [1])])
+    assert len(np.unique(digests.view(np.void))) == 4
+
+
+def test_bytes_per_page_stays_small():
+    index = PageIndex()
+    count = 200_000
+    index.insert(digest_keys("ns", range(count)), np.arange(count))
+    assert index.nbytes / count < 80  # 24 bytes a slot at load <= 0.7
+
+
+def test_location_packing():
+    segments, pages = np.array([1, 2**30]), np.array([0, 2**24 - 1])
+    assert [a.tolist() for a in unpack_location(pack_location(segments, pages))] == [
+        segments.tolist(),
+        pages.tolist(),
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 300)), max_size=200))
+def test_matches_a_dict_model(operations):
+    index, model = PageIndex(capacity=16), {}
+    for insert, key in operations:
+        digest = digest_keys("ns", [key])
+        if insert:
+            index.insert(digest, np.array([key + 7]))
+            model.setdefault(key, key + 7)
+        else:
+            index.delete(digest)
+            model.pop(key, None)
+    keys = list(range(301))
+    found, values = index.lookup(digest_keys("ns", keys))
+    assert found.tolist() == [k in model for k in keys]
+    assert [int(v) for v, f in zip(values, found, strict=True) if f] == [
+        model[k] for k in sorted(model)
+    ]
+    assert len(index) == len(model)

@@ -1,0 +1,410 @@
+"""The single-node store on real files and real shared memory."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from flatcake_ray.config import PlacementConfig
+from flatcake_ray.errors import (
+    ConfigError,
+    InvalidKeyError,
+    MediumFullError,
+    MixedNamespaceError,
+    ShapeError,
+    StoreClosedError,
+    StoreWriteError,
+)
+from flatcake_ray.keys import PageKey
+from flatcake_ray.media import SsdPool
+from flatcake_ray.store import FlatCakeStore, PutHints
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
+
+SHORT_CHAT = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: DRAM
+
+
+def restore(store, keys, **options):
+    out = np.zeros((LAYERS, len(keys), PAGE_BYTES), dtype=np.uint8)
+    return store.get(keys, out, **options), out
+
+
+@pytest.mark.parametrize(("hints", "medium"), [(None, "SSD"), (SHORT_CHAT, "DRAM")])
+def test_round_trip_on_each_medium(make_store, hints, medium):
+    store = make_store()
+    kv = random_kv(12)
+    result = store.put(list(range(12)), kv, hints=hints)
+    assert (result.medium, result.pages_written) == (medium, 12)
+    count, out = restore(store, list(range(12)))
+    assert count == 12 and np.array_equal(out, kv)
+
+
+def test_round_trip_across_turns_and_media(make_store):
+    store = make_store()
+    kv = random_kv(30, seed=1)
+    first = store.put(list(range(10)), kv[:, :10])  # turn 1: SSD
+    second = store.put(list(range(20)), kv[:, :20], hints=SHORT_CHAT)  # turn 2: DRAM
+    third = store.put(list(range(30)), kv)
+    assert (first.medium, second.medium) == ("SSD", "DRAM")
+    assert (second.pages_skipped, third.pages_written) == (10, 10)
+    assert first.session_id == second.session_id == third.session_id
+    count, out = restore(store, list(range(30)))
+    assert count == 30 and np.array_equal(out, kv)
+
+
+def test_torch_tensors_in_and_out(make_store):
+    store = make_store()
+    kv = torch.from_numpy(random_kv(5).view(np.float16).copy())
+    store.put(["a", "b", "c", "d", "e"], kv)
+    out = torch.zeros_like(kv)
+    assert store.get(["a", "b", "c", "d", "e"], out) == 5
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))  # bitwise: NaNs included
+
+
+def test_on_disk_layout_is_layer_major(make_store):
+    store = make_store()
+    kv = random_kv(6, seed=2)
+    store.put(list(range(6)), kv)
+    base = int(store.gvas([0])[0]) & ((1 << 48) - 1)
+    file_index, offset = store.pool.locate(base)
+    with open(store.pool.paths[file_index], "rb") as pool_file:
+        pool_file.seek(offset)
+        raw = np.frombuffer(pool_file.read(LAYERS * 49152), dtype=np.uint8)
+    stride = 49152  # 6 pages x 8 KiB, already 4 KiB aligned
+    for layer in range(LAYERS):
+        expected = kv[layer].reshape(-1)  # all pages of layer l in one contiguous range
+        assert np.array_equal(raw[layer * stride : layer * stride + expected.size], expected)
+
+
+def test_t_turn_restore_costs_at_most_layers_times_turns_reads(make_store):
+    store = make_store(gap_bytes=0)
+    turns, pages_per_turn = 5, 3
+    kv = random_kv(turns * pages_per_turn, seed=3)
+    other = random_kv(2, seed=4)
+    for turn in range(1, turns + 1):
+        end = turn * pages_per_turn
+        store.put(list(range(end)), kv[:, :end])
+        store.put([f"other-{turn}-a", f"other-{turn}-b"], other)  # interleaved sessions
+    before = store.stats()["ssd_read_commands"]
+    count, out = restore(store, list(range(turns * pages_per_turn)))
+    commands = store.stats()["ssd_read_commands"] - before
+    assert count == turns * pages_per_turn and np.array_equal(out, kv)
+    assert commands <= LAYERS * turns
+
+
+def test_gap_bridging_merges_a_session_into_few_reads(make_store):
+    store = make_store(gap_bytes=64 << 10)
+    kv = random_kv(12, seed=5)
+    for end in (4, 8, 12):
+        store.put(list(range(end)), kv[:, :end])
+    before = store.stats()["ssd_read_commands"]
+    restore(store, list(range(12)))
+    assert store.stats()["ssd_read_commands"] - before == 1  # one scope run, holes < 64 KiB
+
+
+def test_failed_write_publishes_nothing(make_store, monkeypatch):
+    store = make_store()
+    store.put(["keep"], random_kv(1))
+
+    def broken_write(self, offset, buffer):
+        raise OSError(5, "injected I/O error")
+
+    monkeypatch.setattr(SsdPool, "write", broken_write)
+    with pytest.raises(StoreWriteError):
+        store.put(["x", "y"], random_kv(2))
+    monkeypatch.undo()
+    assert store.exists(["x"]) == 0 and store.exists(["keep"]) == 1
+    assert store.stats()["write_failures"] == 1
+    assert store.put(["x", "y"], random_kv(2)).pages_written == 2  # space was given back
+
+
+def test_keys_are_invisible_until_the_segment_is_written(make_store):
+    store = make_store()
+    kv = random_kv(3)
+    handle = store.begin_put(["p", "q", "r"])
+    seen_during_write = []
+    for layer in range(LAYERS):
+        handle.write_layer(layer, kv[layer])
+        seen_during_write.append(store.exists(["p"]))
+    assert seen_during_write == [0] * LAYERS
+    handle.commit()
+    assert store.exists(["p", "q", "r"]) == 3
+
+
+def test_commit_before_all_layers_is_refused(make_store):
+    store = make_store()
+    handle = store.begin_put(["p"])
+    handle.write_layer(0, random_kv(1)[0])
+    with pytest.raises(StoreWriteError):
+        handle.commit()
+    assert store.exists(["p"]) == 0
+
+
+def test_leased_scopes_survive_reclamation(make_store):
+    store = make_store(dram_bytes=1 << 20, high_watermark=0.5, low_watermark=0.3)
+    kv = random_kv(4)  # 128 KiB a session
+    store.put(["old-0", "old-1", "old-2", "old-3"], kv, hints=SHORT_CHAT)
+    store.put(["held-0", "held-1", "held-2", "held-3"], kv, hints=SHORT_CHAT)
+    lease = store.lease(["held-0", "held-1", "held-2", "held-3"])
+    for i in range(6):
+        store.put([f"new-{i}-{p}" for p in range(4)], kv, hints=SHORT_CHAT)
+    assert store.exists(["old-0"]) == 0  # oldest unreferenced: freed whole
+    assert store.exists(["held-0", "held-1", "held-2", "held-3"]) == 4
+    out = np.zeros((LAYERS, 4, PAGE_BYTES), dtype=np.uint8)
+    assert store.read_leased(lease, out, range(LAYERS)).pages_ok == 4
+    assert np.array_equal(out, kv)
+    store.release(lease)
+    assert store.stats()["reclaimed_scopes"] >= 1
+
+
+def test_full_medium_with_nothing_reclaimable_is_a_typed_error(make_store):
+    store = make_store(dram_bytes=0, ssd_file_bytes=1 << 20, ssd_files_per_dir=1)
+    store.put(["a"], random_kv(1))
+    lease = store.lease(["a"])
+    with pytest.raises(MediumFullError):
+        store.put([f"big-{i}" for i in range(200)], random_kv(200))
+    assert store.exists(["a"]) == 1
+    store.release(lease)
+
+
+def test_flipped_byte_on_disk_is_a_miss_and_quarantines(make_store):
+    store = make_store()
+    kv = random_kv(4, seed=7)
+    store.put(list(range(4)), kv)
+    file_index, offset = store.pool.locate(int(store.gvas([2])[0]) & ((1 << 48) - 1))
+    with open(store.pool.paths[file_index], "r+b") as pool_file:
+        pool_file.seek(offset + 100)
+        byte = pool_file.read(1)
+        pool_file.seek(offset + 100)
+        pool_file.write(bytes([byte[0] ^ 0xFF]))
+    count, _ = restore(store, list(range(4)))
+    assert count == 0
+    assert store.exists(list(range(4))) == 0
+    assert store.stats()["quarantined_scopes"] == 1
+
+
+def test_reopened_store_recovers_its_ssd_index(tmp_path):
+    kv = random_kv(8, seed=8)
+    with FlatCakeStore(small_config(tmp_path)) as store:
+        store.put(list(range(4)), kv[:, :4])
+        store.put(list(range(8)), kv)
+        store.put(["dram"], kv[:, :1], hints=SHORT_CHAT)
+    with FlatCakeStore(small_config(tmp_path)) as reopened:
+        count, out = restore(reopened, list(range(8)))
+        assert count == 8 and np.array_equal(out, kv)
+        assert reopened.exists(["dram"]) == 0  # DRAM is gone after a restart, by design
+        assert reopened.put(list(range(9)), random_kv(9)).pages_written == 1
+        assert reopened.exists(list(range(9))) == 9
+
+
+def test_reclaimed_ssd_scopes_stay_gone_after_restart(tmp_path):
+    config = dict(
+        ssd_file_bytes=1 << 20,
+        ssd_files_per_dir=1,
+        ssd_min_run_bytes=128 << 10,
+        high_watermark=0.6,
+        low_watermark=0.4,
+    )
+    kv = random_kv(4)  # 128 KiB a segment
+    with FlatCakeStore(small_config(tmp_path, **config)) as store:
+        for session in range(8):
+            store.put([f"s{session}-{p}" for p in range(4)], kv)
+        survivors = [s for s in range(8) if store.exists([f"s{s}-0"])]
+        assert 0 < len(survivors) < 8 and store.stats()["reclaimed_scopes"] > 0
+    with FlatCakeStore(small_config(tmp_path, **config)) as reopened:
+        assert [s for s in range(8) if reopened.exists([f"s{s}-0"])] == survivors
+        for s in survivors:
+            count, out = restore(reopened, [f"s{s}-{p}" for p in range(4)])
+            assert count == 4 and np.array_equal(out, kv)
+
+
+def test_torn_manifest_tail_is_dropped(tmp_path):
+    kv = random_kv(2)
+    with FlatCakeStore(small_config(tmp_path)) as store:
+        store.put(["a", "b"], kv)
+        store.put(["c"], kv[:, :1])
+        manifest = store.manifest.path
+    data = manifest.read_bytes()
+    manifest.write_bytes(data[:-7])  # a crash mid-append of the last record
+    with FlatCakeStore(small_config(tmp_path)) as reopened:
+        assert reopened.exists(["a", "b"]) == 2 and reopened.exists(["c"]) == 0
+
+
+def test_changed_geometry_is_refused(tmp_path):
+    FlatCakeStore(small_config(tmp_path)).close()
+    with pytest.raises(ConfigError):
+        FlatCakeStore(small_config(tmp_path, page_bytes=4096))
+
+
+def test_chat_that_turns_agentic_keeps_old_blocks_and_moves_new_turns(make_store):
+    store = make_store(
+        placement=PlacementConfig(page_tokens=256, tau_tokens=1024, l_agent_tokens=256 * 12)
+    )
+    kv = random_kv(20, seed=9)
+    turn1 = store.put(list(range(2)), kv[:, :2])  # one-shot: SSD
+    turn2 = store.put(list(range(4)), kv[:, :4])  # 2 pages appended < tau: short chat, DRAM
+    turn3 = store.put(list(range(6)), kv[:, :6])
+    turn4 = store.put(list(range(14)), kv[:, :14])  # the context crosses L_agent: agentic, SSD
+    turn5 = store.put(list(range(16)), kv[:, :16])  # stays agentic: the context only grows
+    assert [t.medium for t in (turn1, turn2, turn3, turn4, turn5)] == [
+        "SSD",
+        "DRAM",
+        "DRAM",
+        "SSD",
+        "SSD",
+    ]
+    assert turn4.rule == "agentic"
+    assert len({t.session_id for t in (turn1, turn2, turn3, turn4, turn5)}) == 1
+    gvas = store.gvas(list(range(16)))
+    assert (gvas[2:6] < 1 << 60).all() and (gvas[6:] >= 1 << 60).all()  # nothing migrated
+    count, out = restore(store, list(range(16)))
+    assert count == 16 and np.array_equal(out, kv[:, :16])
+
+
+def test_fork_of_a_shared_prefix_is_a_new_session_with_refcount_two(make_store):
+    store = make_store()
+    kv = random_kv(6)
+    base = store.put(["sys", "u1"], kv[:, :2])
+    first = store.put(["sys", "u1", "a1"], kv[:, :3])
+    fork = store.put(["sys", "u1", "b1"], kv[:, :3])
+    assert first.session_id == base.session_id != fork.session_id
+    assert fork.rule == "shared" and fork.medium == "DRAM"
+
+
+def test_explicit_session_id_wins(make_store):
+    store = make_store()
+    kv = random_kv(2)
+    a = store.put(["x"], kv[:, :1], session_id="conv-7")
+    b = store.put(["unrelated"], kv[:, :1], session_id="conv-7")
+    assert a.session_id == b.session_id == "conv-7"
+
+
+def test_write_once_second_put_changes_nothing(make_store):
+    store = make_store()
+    kv = random_kv(3, seed=10)
+    store.put(["a", "b", "c"], kv)
+    again = store.put(["a", "b", "c"], random_kv(3, seed=11))
+    assert (again.pages_written, again.pages_skipped) == (0, 3)
+    count, out = restore(store, ["a", "b", "c"])
+    assert count == 3 and np.array_equal(out, kv)
+
+
+def test_concurrent_puts_and_gets(make_store):
+    store = make_store(dram_bytes=16 << 20, ssd_file_bytes=16 << 20)
+    kv = random_kv(8, seed=12)
+    errors = []
+
+    def worker(worker_id):
+        try:
+            for i in range(10):
+                keys = [f"w{worker_id}-{i}-{p}" for p in range(8)]
+                store.put(keys, kv, hints=SHORT_CHAT if i % 2 else None)
+                count, out = restore(store, keys)
+                assert count == 8 and np.array_equal(out, kv)
+        except Exception as exc:  # handed to the main thread, which fails the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+def test_index_memory_is_reported(make_store):
+    store = make_store(
+        dram_bytes=0, ssd_file_bytes=64 << 20, ssd_files_per_dir=2, page_bytes=4096, layers=1
+    )
+    kv = np.zeros((1, 1000, 4096), dtype=np.uint8)
+    for batch in range(10):
+        store.put([f"{batch}-{p}" for p in range(1000)], kv)
+    stats = store.stats()
+    assert stats["pages_indexed"] == 10_000
+    assert 16 < stats["index_bytes_per_page"] < 200
+
+
+# ---- bad input: typed errors, and nothing already stored is lost ------------------------
+@pytest.fixture
+def loaded(make_store):
+    store = make_store()
+    kv = random_kv(3, seed=13)
+    store.put(["a", "b", "c"], kv)
+    yield store, kv
+    count, out = restore(store, ["a", "b", "c"])
+    assert count == 3 and np.array_equal(out, kv)
+
+
+@pytest.mark.parametrize(
+    "bad_kv",
+    [
+        np.zeros((LAYERS + 1, 2, PAGE_BYTES), dtype=np.uint8),
+        np.zeros((LAYERS, 3, PAGE_BYTES), dtype=np.uint8),
+        np.zeros((LAYERS, 2, PAGE_BYTES + 1), dtype=np.uint8),
+        np.zeros((LAYERS, 2, PAGE_BYTES), dtype=np.float32),
+        np.zeros((LAYERS, 2 * PAGE_BYTES), dtype=np.uint8),
+        np.zeros((LAYERS, PAGE_BYTES, 2), dtype=np.uint8).transpose(0, 2, 1),
+        [[0]],
+    ],
+)
+def test_bad_kv_shape_or_dtype(loaded, bad_kv):
+    store, _ = loaded
+    with pytest.raises(ShapeError):
+        store.put(["n1", "n2"], bad_kv)
+    assert store.exists(["n1"]) == 0
+
+
+def test_bad_output_buffer(loaded):
+    store, _ = loaded
+    with pytest.raises(ShapeError):
+        store.get(["a", "b", "c"], np.zeros((LAYERS, 2, PAGE_BYTES), dtype=np.uint8))
+    read_only = np.zeros((LAYERS, 3, PAGE_BYTES), dtype=np.uint8)
+    read_only.setflags(write=False)
+    with pytest.raises(ShapeError):
+        store.get(["a", "b", "c"], read_only)
+
+
+@pytest.mark.parametrize("bad_key", [1.5, None, b"", "", True, ("a",)])
+def test_bad_keys(loaded, bad_key):
+    store, _ = loaded
+    with pytest.raises(InvalidKeyError):
+        store.put(["n1", bad_key], random_kv(2))
+    with pytest.raises(InvalidKeyError):
+        store.exists([bad_key])
+
+
+def test_mixed_namespaces(loaded):
+    store, _ = loaded
+    keys = [PageKey("tenant-a", "k1"), PageKey("tenant-b", "k2")]
+    with pytest.raises(MixedNamespaceError):
+        store.put(keys, random_kv(2))
+    with pytest.raises(MixedNamespaceError):
+        store.exists([PageKey("tenant-a", "k1")], namespace="tenant-b")
+
+
+def test_namespaces_isolate_tenants(loaded):
+    store, _ = loaded
+    assert store.exists(["a", "b", "c"], namespace="other") == 0
+    store.put([PageKey("other", "a")], random_kv(1, seed=99))
+    assert store.exists([PageKey("other", "a")]) == 1
+
+
+def test_empty_put_and_bad_layer(loaded):
+    store, _ = loaded
+    with pytest.raises(ShapeError):
+        store.put([], np.zeros((LAYERS, 0, PAGE_BYTES), dtype=np.uint8))
+    handle = store.begin_put(["n"])
+    with pytest.raises(ShapeError):
+        handle.write_layer(LAYERS, random_kv(1)[0])
+    handle.abort()
+
+
+def test_closed_store(make_store):
+    store = make_store()
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.put(["a"], random_kv(1))
+    with pytest.raises(StoreClosedError):
+        store.exists(["a"])
