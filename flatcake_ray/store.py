@@ -114,6 +114,7 @@ class FlatCakeStore:
             if self._closed:
                 return
             self._closed = True
+            self.reader.close()
             self.manifest.close()
             self.pool.close()
             self.arena.close()
