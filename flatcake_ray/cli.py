@@ -1,4 +1,4 @@
-"""The ``flatcake-ray`` command."""
+"""The ``flatcake-ray`` command: demo, service (start/status/stop/bench), trace, replay."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .demo import add_demo_command
+
     parser = argparse.ArgumentParser(prog="flatcake-ray", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_demo_command(subparsers)
     return parser
 
 
