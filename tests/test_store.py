@@ -408,3 +408,30 @@ def test_closed_store(make_store):
         store.put(["a"], random_kv(1))
     with pytest.raises(StoreClosedError):
         store.exists(["a"])
+
+
+def test_another_process_maps_the_arena_read_only(make_store, tmp_path):
+    import subprocess
+    import sys
+
+    store = make_store()
+    kv = random_kv(2, seed=14)
+    store.put(["m0", "m1"], kv, hints=SHORT_CHAT)
+    offset = int(store.gvas(["m0"])[0])  # a DRAM GVA is its own arena offset (medium and node 0)
+    script = (
+        "import sys, numpy as np\n"
+        "from flatcake_ray.media import DramArena\n"
+        "mapping, view = DramArena.attach(sys.argv[1], int(sys.argv[2]))\n"
+        "sys.stdout.write(view[int(sys.argv[3]) : int(sys.argv[3]) + 64].tobytes().hex())\n"
+        "try:\n"
+        "    view[0] = 1\n"
+        "except ValueError:\n"
+        "    sys.stdout.write(' read-only')\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script, store.arena.path, str(store.config.dram_bytes), str(offset)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert shown == kv[0, 0, :64].tobytes().hex() + " read-only"
