@@ -7,11 +7,13 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_trace import add_trace_commands
     from .demo import add_demo_command
 
     parser = argparse.ArgumentParser(prog="flatcake-ray", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_demo_command(subparsers)
+    add_trace_commands(subparsers)
     return parser
 
 
