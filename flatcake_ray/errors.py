@@ -97,3 +97,15 @@ class PeerDisconnectedError(TransferError):
 
 class TransportClosedError(FlatCakeError):
     """The transport was closed; no further reads are accepted."""
+
+
+class RestoreError(FlatCakeError):
+    """A pipelined restore failed in a worker; ``__cause__`` is the worker's exception."""
+
+
+class RestoreTimeoutError(FlatCakeError, TimeoutError):
+    """A wait on a restore (or one of its layers) ran past its timeout; the restore goes on."""
+
+
+class ShipBufferFullError(ServiceError):
+    """A storage node's ship buffer has no room for a shipped SSD read right now."""

@@ -1,55 +1,48 @@
 """FC-MAS: the medium-aware dual-queue request scheduler (paper section 3.3).
 
-A pure state machine: no I/O, no threads, no clock of its own. Two callers drive it, the live
-client (wall clock, SSD prefetches run by the restore pipeline) and the trace-replay model
-(virtual clock, modelled prefetch durations); they differ only in where ``now`` comes from and
-who runs a prefetch.
+A pure state machine (no I/O, no threads, no clock of its own) driven by the live client
+(wall clock, prefetches run by the restore pipeline) and by the trace-replay model (virtual
+clock, modelled prefetch durations).
 
-Contract. The caller serialises calls (one thread, or under its lock). Every ``now`` is the
-caller's clock in seconds and never goes backwards from one call to the next, ``ClockError``
-otherwise; ``arrival`` is such a ``now``, stamped at submission.
+Contract. The caller serialises calls. Every ``now`` (``arrival`` included: it is stamped at
+submission) is the caller's clock in seconds and never goes backwards, else ``ClockError``.
 
-1. ``submit(request_id, arrival, gvas, kv_bytes)`` once a request's prefix hits are resolved.
-   With no SSD GVA it is ready at once; one that touches SSD waits for its prefetch, and the
+1. ``submit(request_id, arrival, gvas, kv_bytes)`` once the prefix hits are resolved. With no
+   SSD GVA the request is ready at once; one that touches SSD waits for its prefetch, and the
    caller keeps its DRAM pages pinned until it is dispatched or cancelled.
-2. ``start_prefetches(now)`` after every submit, ``prefetch_done`` and ``cancel``: it returns
-   the SSD requests whose prefetch the caller must start now, and counts them against the
-   staging budget until the caller reports them.
-3. ``prefetch_done(request_id, now)`` once a started prefetch's data is in: the request is ready.
-4. ``pop_ready(now, max_n)`` when the engine can take work: ready requests, oldest arrival
-   first. A dispatched request leaves the scheduler; its id may then be submitted again.
-5. ``cancel(request_id, now)`` at any point before dispatch (client aborted). If its prefetch
-   is in flight the caller stops that I/O first and must not report it done afterwards; the
-   budget is freed at once.
+2. ``start_prefetches(now)`` after every submit, ``prefetch_done`` and ``cancel``: the SSD
+   requests whose prefetch the caller must start now; they hold budget until reported.
+3. ``prefetch_done(request_id, now)`` once a started prefetch's data is in: it becomes ready.
+4. ``pop_ready(now, max_n)`` when the engine takes work: ready requests, oldest arrival first.
+   A dispatched request leaves the scheduler; its id may be submitted again.
+5. ``cancel(request_id, now)`` at any point before dispatch. If its prefetch is in flight the
+   caller stops that I/O first and does not report it done; its budget is freed at once.
 
-A started prefetch is never revoked: when the budget is full, prefetches not yet started wait.
+A started prefetch is never revoked: when the budget is full, unstarted prefetches wait.
 
-Policies. ``"fc-mas"``: DRAM-ready requests go to a ready heap keyed by (arrival, sequence)
-and are dispatched at once; SSD requests wait in the preparing pool, prefetches start in
-highest-response-ratio order, ``priority = 1 + wait / kv_bytes`` (wait in seconds, kv_bytes in
-bytes, so the ratio is in seconds per byte; order does not depend on the units), and a finished
-prefetch joins the ready heap by its original arrival, ahead of DRAM hits that came later.
-``"fcfs"`` (the paper's FlatCake-w/o-FC-MAS ablation): one line in arrival order; prefetches
-start in arrival order under the same budget, and nothing is dispatched past a head whose SSD
-data is not in.
+Policies. ``"fc-mas"``: DRAM-ready requests go to a ready heap keyed by arrival and dispatch
+at once; SSD prefetches start in highest-response-ratio order, ``1 + wait / kv_bytes`` (wait in
+seconds, kv_bytes in bytes; the order does not depend on the units), and a prefetched request
+joins the ready heap by its original arrival, ahead of DRAM hits that came after it.
+``"fcfs"`` (the paper's w/o-FC-MAS ablation): one line in arrival order, prefetches started in
+that order under the same budget, and no dispatch past a head whose SSD data is not in.
 
-Budget. At most ``max_inflight_prefetches`` at once and, if ``max_inflight_bytes`` is set, at
-most that many bytes; a single request larger than the byte budget starts alone. Prefetches
-start strictly in priority order, without backfill: when the next one does not fit, none
-behind it starts, so small requests that happen to fit cannot pass a large one for ever.
+Budget: at most ``max_inflight_prefetches`` and, if set, ``max_inflight_bytes`` in flight; one
+request larger than the byte budget starts alone. Starts follow the priority order strictly
+(no backfill), so small requests that happen to fit cannot pass a large one for ever.
 
-Starvation. The wait term grows linearly, so HRRN starts a large request at the first free
-slot once its ratio tops every other waiting one; under a stable load that is soon. Under a
-sustained overload, though, small requests that arrived after it keep out-ranking it: one of
-size s that arrived at a2 > a beats it at time t while (t - a2)/s > (t - a)/S. Setting
-``starvation_limit`` turns "eventually" into a bound: a request that has waited that long is
-started before every later one (oldest first). ``None`` keeps the paper's pure HRRN.
+Starvation. The wait term grows linearly, so under a stable load a large request starts at the
+first free slot once its ratio tops the rest. Under sustained overload pure HRRN can starve it:
+a request of size s that arrived at a2 > a out-ranks one of size S from a while
+(t - a2) / s > (t - a) / S, and the backlog of such requests can grow without end.
+``starvation_limit`` bounds this: a request that has waited that long starts before any later
+one (oldest first). ``None`` keeps the paper's pure HRRN.
 
-Complexity. HRRN order changes with time (ratios of two requests cross), so no heap on a fixed
-key holds it. Waiting SSD requests live in numpy arrays with swap-remove: submit, cancel and
-prefetch_done are O(1) (O(log R) heap push for R ready), and choosing the next prefetch is one
-vectorised O(W) pass over the W waiting requests. pop_ready is O(log R) per request, lazy
-deletion of cancelled entries included. fcfs is O(1) throughout.
+Complexity. HRRN order changes with time (two ratios can cross), so no heap on a fixed key holds
+it. Waiting SSD requests sit in numpy arrays with swap-remove: submit, cancel and prefetch_done
+are O(1) (plus an O(log R) heap push for R ready); choosing a prefetch is one vectorised O(W)
+pass over the W waiting (tens of microseconds at W = 1000); pop_ready is O(log R) per
+request. fcfs is O(1) throughout.
 """
 
 from __future__ import annotations
@@ -210,28 +203,31 @@ class _HrrnPool:
 
     def peek(self, now: float) -> RequestId | None:
         count = len(self._ids)
-        if count == 0:
-            return None
+        if count <= 1:
+            return self._ids[0] if count else None
         arrival, size, seq = self._arrival[:count], self._size[:count], self._seq[:count]
         wait = now - arrival
         if self._limit is not None:
             starved = np.flatnonzero(wait >= self._limit)
             if starved.size:
-                return self._ids[_first(starved, seq, arrival)]
+                return self._ids[_first(starved, arrival, seq)]
         # Compare wait/size, not 1 + wait/size: adding 1 would round away ratios below 1e-16.
         ratio = wait / size
         best = np.flatnonzero(ratio == ratio.max())
         # A tie goes to the request that leads an instant later: the smaller one's ratio grows
         # faster; then the older one.
-        return self._ids[_first(best, seq, arrival, size)]
+        return self._ids[_first(best, size, arrival, seq)]
 
 
 def _first(candidates: np.ndarray, *keys: np.ndarray) -> int:
-    """The candidate slot that sorts first by ``keys`` (last key most significant)."""
-    if candidates.size == 1:
-        return int(candidates[0])
-    order = np.lexsort(tuple(key[candidates] for key in keys))
-    return int(candidates[order[0]])
+    """The candidate slot that sorts first by ``keys`` (most significant first; the last,
+    ``seq``, is unique). Filters by each key's minimum: O(W) per key, no sort."""
+    for key in keys:
+        if candidates.size == 1:
+            break
+        values = key[candidates]
+        candidates = candidates[values == values.min()]
+    return int(candidates[0])
 
 
 class _FifoPool:
