@@ -25,7 +25,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m cuda_ext.build --check || true
+	$(BIN)/python -m flatcake_ray.cuda_ext.build --check
 	$(BIN)/python -m pytest -q -rs
 
 lint: $(STAMP)

@@ -15,24 +15,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from flatcake_ray.errors import FlatCakeError, TransportUnavailableError
+from flatcake_ray.errors import ScatterKernelError, ScatterLibraryError
 
 ABI_VERSION = 1  # must equal kAbiVersion in scatter.cu
 LIBRARY_ENV = "FLATCAKE_SCATTER_LIB"
 CUDA_SUCCESS = 0
 SOURCE_PATH = Path(__file__).with_name("scatter.cu")
-
-
-class ScatterLibraryError(TransportUnavailableError):
-    """The scatter library named by ``FLATCAKE_SCATTER_LIB`` (or asked for) cannot be used."""
-
-
-class ScatterKernelError(FlatCakeError, RuntimeError):
-    """The scatter kernel's launch returned a CUDA error."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"scatter kernel failed: CUDA error {code}: {message}")
-        self.code = code
 
 
 def source_digest() -> str:

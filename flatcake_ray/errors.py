@@ -109,3 +109,15 @@ class RestoreTimeoutError(FlatCakeError, TimeoutError):
 
 class ShipBufferFullError(ServiceError):
     """A storage node's ship buffer has no room for a shipped SSD read right now."""
+
+
+class ScatterLibraryError(TransportUnavailableError):
+    """The scatter library named by ``FLATCAKE_SCATTER_LIB`` (or asked for) cannot be used."""
+
+
+class ScatterKernelError(FlatCakeError, RuntimeError):
+    """The scatter kernel's launch returned a CUDA error."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"scatter kernel failed: CUDA error {code}: {message}")
+        self.code = code

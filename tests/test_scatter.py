@@ -1,0 +1,555 @@
+"""Page scatter: torch reference vs plain-Python oracle, argument errors, the nvcc build,
+the library loader, and (on a CUDA machine) the kernel vs the reference, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake_ray.cuda_ext import _library, build, scatter
+from flatcake_ray.cuda_ext.scatter import (
+    LAYER_FIRST,
+    LAYOUTS,
+    PAGE_FIRST,
+    ScatterKernelError,
+    ScatterLibraryError,
+    scatter_layer,
+    scatter_layer_reference,
+    scatter_pages,
+    scatter_pages_reference,
+)
+from flatcake_ray.errors import ShapeError
+
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int64,
+    torch.float8_e4m3fn,
+]
+NO_CUDA = "no CUDA device here: kernel-vs-reference tests need a GPU (scripts/gpu_check.sh)"
+NO_NVCC = "nvcc not found: the scatter kernel cannot be built here"
+
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+requires_nvcc = pytest.mark.skipif(build.find_nvcc() is None, reason=NO_NVCC)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def random_tensor(shape, dtype, seed: int, device="cpu") -> torch.Tensor:
+    """Random bytes viewed as ``dtype``: float dtypes get NaN/Inf patterns too."""
+    generator = torch.Generator().manual_seed(seed)
+    numel = 1
+    for size in shape:
+        numel *= size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).view(shape).to(device)
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).tolist())
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, on the tensors' device (large GPU pools stay there)."""
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def oracle_layer(pool, staging, slot_ids, layer, layout) -> bytes:
+    """Plain-Python scatter over the bytes of a contiguous pool."""
+    out = bytearray(as_bytes(pool))
+    src = as_bytes(staging)
+    page_bytes = len(src) // max(len(slot_ids), 1)
+    layers, slots = (pool.shape[0], pool.shape[1])
+    if layout == PAGE_FIRST:
+        layers, slots = slots, layers
+    for i, slot in enumerate(slot_ids):
+        flat_page = layer * slots + slot if layout == LAYER_FIRST else slot * layers + layer
+        for b in range(page_bytes):
+            out[flat_page * page_bytes + b] = src[i * page_bytes + b]
+    return bytes(out)
+
+
+def oracle_offsets(dest, staging, offsets, page_bytes) -> bytes:
+    out = bytearray(as_bytes(dest))
+    src = as_bytes(staging)
+    for i, offset in enumerate(offsets):
+        for b in range(page_bytes):
+            out[offset + b] = src[i * page_bytes + b]
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    layout: str
+    dtype: torch.dtype
+    layers: int
+    slots: int
+    page_shape: tuple[int, ...]
+    layer: int
+    slot_ids: list[int]
+    seed: int
+    staging_as_bytes: bool
+
+    def pool_shape(self) -> tuple[int, ...]:
+        outer = (
+            (self.layers, self.slots) if self.layout == LAYER_FIRST else (self.slots, self.layers)
+        )
+        return (*outer, *self.page_shape)
+
+    def make(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        pool = random_tensor(self.pool_shape(), self.dtype, self.seed, device)
+        staging = random_tensor(
+            (len(self.slot_ids), *self.page_shape), self.dtype, self.seed + 1, device
+        )
+        if self.staging_as_bytes:
+            staging = staging.reshape(-1).view(torch.uint8)
+        return pool, staging
+
+
+@st.composite
+def layer_cases(draw) -> LayerCase:
+    slots = draw(st.integers(1, 12))
+    layers = draw(st.integers(1, 4))
+    order = draw(st.permutations(range(slots)))
+    return LayerCase(
+        layout=draw(st.sampled_from(LAYOUTS)),
+        dtype=draw(st.sampled_from(DTYPES)),
+        layers=layers,
+        slots=slots,
+        page_shape=tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))),
+        layer=draw(st.integers(0, layers - 1)),
+        slot_ids=list(order[: draw(st.integers(0, slots))]),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        staging_as_bytes=draw(st.booleans()),
+    )
+
+
+# ------------------------------------------------------------------ reference on the CPU
+
+
+@settings(deadline=None, max_examples=150)
+@given(layer_cases())
+def test_reference_matches_python_oracle(case: LayerCase) -> None:
+    pool, staging = case.make()
+    expected = oracle_layer(pool, staging, case.slot_ids, case.layer, case.layout)
+    scatter_layer_reference(staging, pool, case.slot_ids, case.layer, case.layout)
+    assert as_bytes(pool) == expected
+
+
+@settings(deadline=None, max_examples=50)
+@given(layer_cases(), st.sampled_from([torch.int32, torch.int64]))
+def test_dispatch_on_cpu_is_the_reference(case: LayerCase, index_dtype) -> None:
+    pool, staging = case.make()
+    expected = oracle_layer(pool, staging, case.slot_ids, case.layer, case.layout)
+    ids = torch.tensor(case.slot_ids, dtype=index_dtype)
+    scatter_layer(staging, pool, ids, case.layer, case.layout)
+    assert as_bytes(pool) == expected
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_half_of_a_kv_pool_is_scattered_in_place(layout) -> None:
+    # SGLang's host pools are [2, layers, slots, ...] / [slots, 2, layers, ...]: pass K or V.
+    slots, layers, page = 6, 3, (2, 4)
+    if layout == LAYER_FIRST:
+        kv = random_tensor((2, layers, slots, *page), torch.bfloat16, 7)
+        pool = kv[1]
+    else:
+        kv = random_tensor((slots, 2, layers, *page), torch.bfloat16, 7)
+        pool = kv[:, 1]
+    untouched = kv.select(0 if layout == LAYER_FIRST else 1, 0).clone()
+    staging = random_tensor((3, *page), torch.bfloat16, 8)
+    expected = oracle_layer(pool.contiguous(), staging, [5, 0, 2], 1, layout)
+    scatter_layer(staging, pool, [5, 0, 2], 1, layout)
+    assert as_bytes(pool) == expected
+    assert as_bytes(kv.select(0 if layout == LAYER_FIRST else 1, 0)) == as_bytes(untouched)
+
+
+def test_per_layer_tensor_works_unsqueezed() -> None:
+    layer_tensor = torch.zeros(5, 8, dtype=torch.float16)  # SGLang device pool: one per layer
+    staging = random_tensor((2, 8), torch.float16, 3)
+    scatter_layer(staging, layer_tensor.unsqueeze(0), [4, 1], 0, LAYER_FIRST)
+    assert as_bytes(layer_tensor[4]) == as_bytes(staging[0])
+    assert as_bytes(layer_tensor[1]) == as_bytes(staging[1])
+
+
+@st.composite
+def offset_cases(draw):
+    page_bytes = draw(st.integers(1, 24))
+    pages = draw(st.integers(0, 6))
+    gaps = draw(st.lists(st.integers(0, 9), min_size=pages, max_size=pages))
+    offsets, cursor = [], draw(st.integers(0, 5))
+    for gap in gaps:
+        offsets.append(cursor)
+        cursor += page_bytes + gap
+    dest_bytes = max(cursor + draw(st.integers(0, 5)), page_bytes)
+    order = draw(st.permutations(range(pages)))
+    return page_bytes, [offsets[i] for i in order], dest_bytes, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(deadline=None, max_examples=100)
+@given(offset_cases(), st.sampled_from([torch.uint8, torch.int16, torch.float32]))
+def test_offsets_reference_matches_python_oracle(case, dest_dtype) -> None:
+    page_bytes, offsets, dest_bytes, seed = case
+    itemsize = torch.empty((), dtype=dest_dtype).element_size()
+    dest = random_tensor((-(-dest_bytes // itemsize),), dest_dtype, seed)
+    staging = random_tensor((len(offsets) * page_bytes,), torch.uint8, seed + 1)
+    expected = oracle_offsets(dest, staging, offsets, page_bytes)
+    scatter_pages(staging, dest, offsets, page_bytes)
+    assert as_bytes(dest) == expected
+    scatter_pages_reference(staging, dest, offsets, page_bytes)
+    assert as_bytes(dest) == expected
+
+
+# ------------------------------------------------------------------------ argument errors
+
+
+def _layer_args(**overrides):
+    pool = torch.zeros(2, 4, 8, dtype=torch.float16)
+    args = {
+        "staging": torch.zeros(2, 8, dtype=torch.float16),
+        "pool": pool,
+        "slot_ids": [0, 3],
+        "layer": 1,
+        "layout": LAYER_FIRST,
+    }
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"layout": "slot_first"}, "layout must be one of"),
+        ({"layer": 2}, "layer must be an int in"),
+        ({"layer": -1}, "layer must be an int in"),
+        ({"layer": True}, "layer must be an int in"),
+        ({"pool": torch.zeros(4, 8, dtype=torch.float16)}, "pool must be"),
+        ({"pool": torch.zeros(2, 4, 8, 2, dtype=torch.float16).transpose(2, 3)}, "contiguous"),
+        ({"pool": torch.zeros(2, 1, 8, dtype=torch.float16).expand(2, 4, 8)}, "slots overlap"),
+        ({"pool": torch.zeros(2, 4, 8, dtype=torch.complex64)}, "unsupported pool dtype"),
+        ({"pool": "pool"}, "must be a torch.Tensor"),
+        ({"staging": torch.zeros(3, 8, dtype=torch.float16)}, "need exactly 32"),
+        ({"staging": torch.zeros(2, 8, dtype=torch.float32)}, "staging dtype must be"),
+        ({"staging": torch.zeros(8, 2, dtype=torch.float16).t()}, "staging must be contiguous"),
+        ({"staging": torch.zeros(32, dtype=torch.uint8, device="meta")}, "staging is on meta"),
+        ({"slot_ids": [0, 4]}, r"slot ids must be in \[0, 4\)"),
+        ({"slot_ids": [-1, 2]}, r"slot ids must be in \[0, 4\)"),
+        ({"slot_ids": [2, 2]}, "must be distinct"),
+        ({"slot_ids": torch.tensor([0.0, 1.0])}, "1-D int32 or int64"),
+        ({"slot_ids": torch.tensor([[0, 1]])}, "1-D int32 or int64"),
+        ({"slot_ids": ["a", "b"]}, "sequence of ints"),
+        ({"slot_ids": torch.tensor([0, 1], device="meta")}, "indices are on meta"),
+    ],
+)
+@pytest.mark.parametrize("function", [scatter_layer, scatter_layer_reference])
+def test_layer_argument_errors(function, overrides, message) -> None:
+    args = _layer_args(**overrides)
+    before = args["pool"].clone() if isinstance(args["pool"], torch.Tensor) else None
+    with pytest.raises(ShapeError, match=message):
+        function(**args)
+    if before is not None:
+        assert torch.equal(args["pool"], before)
+
+
+def test_cpu_tensors_refuse_a_stream_and_the_kernel_backend() -> None:
+    with pytest.raises(ShapeError, match="stream given"):
+        scatter_layer(**_layer_args(), stream=1234)
+    with pytest.raises(ShapeError, match="needs CUDA tensors"):
+        scatter_layer(**_layer_args(), backend="kernel")
+    with pytest.raises(ShapeError, match="backend must be one of"):
+        scatter_layer(**_layer_args(), backend="fastest")
+
+
+def test_cpu_slot_ids_are_checked_even_when_checks_are_off() -> None:
+    # Checking ids that live on the host costs no device sync, so it always happens.
+    with pytest.raises(ShapeError, match="must be distinct"):
+        scatter_layer(**_layer_args(slot_ids=[2, 2]), check_slots=False)
+    with pytest.raises(ShapeError, match="need exactly"):
+        scatter_layer(**_layer_args(slot_ids=[1]), check_slots=False)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "page_bytes", "message"),
+    [
+        ([0, 13], 4, r"byte offsets must be in \[0, 12\]"),
+        ([-1, 4], 4, r"byte offsets must be in"),
+        ([0, 3], 4, "pages overlap"),
+        ([5, 5], 4, "pages overlap"),
+        ([0], 0, "page_bytes must be in"),
+        ([0], 17, "page_bytes must be in"),
+    ],
+)
+def test_offset_argument_errors(offsets, page_bytes, message) -> None:
+    dest = torch.zeros(16, dtype=torch.uint8)
+    staging = torch.zeros(len(offsets) * max(page_bytes, 0), dtype=torch.uint8)
+    with pytest.raises(ShapeError, match=message):
+        scatter_pages(staging, dest, offsets, page_bytes)
+    assert not dest.any()
+
+
+def test_offsets_need_a_contiguous_dest() -> None:
+    dest = torch.zeros(4, 4, dtype=torch.uint8).t()
+    with pytest.raises(ShapeError, match="dest must be contiguous"):
+        scatter_pages(torch.zeros(4, dtype=torch.uint8), dest, [0], 4)
+
+
+# ------------------------------------------------------------------- import and loading
+
+
+def test_import_loads_neither_torch_nor_the_library() -> None:
+    probe = (
+        "import sys\n"
+        "import flatcake_ray.cuda_ext\n"
+        "assert 'torch' not in sys.modules, 'package import pulled in torch'\n"
+        "from flatcake_ray.cuda_ext import scatter_layer, _library\n"
+        "import torch\n"
+        "assert not _library.is_loaded(), 'library loaded at import'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised at import'\n"
+    )
+    subprocess.run([sys.executable, "-c", probe], check=True, timeout=120)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    _library.reset_cache()
+    yield monkeypatch
+    _library.reset_cache()
+
+
+def test_missing_default_library_is_a_reasoned_fallback(fresh_loader, tmp_path) -> None:
+    fresh_loader.delenv(_library.LIBRARY_ENV, raising=False)
+    fresh_loader.setattr(_library, "default_library_path", lambda: tmp_path / "none.so")
+    loaded = _library.load()
+    assert loaded.library is None
+    assert "no scatter library built" in loaded.reason
+    assert not scatter.kernel_available()
+
+
+def test_env_library_must_exist_and_load(fresh_loader, tmp_path) -> None:
+    fresh_loader.setenv(_library.LIBRARY_ENV, str(tmp_path / "absent.so"))
+    with pytest.raises(ScatterLibraryError, match="names no file"):
+        scatter.kernel_available()
+    _library.reset_cache()
+    not_a_library = tmp_path / "text.so"
+    not_a_library.write_text("not ELF")
+    fresh_loader.setenv(_library.LIBRARY_ENV, str(not_a_library))
+    with pytest.raises(ScatterLibraryError, match="cannot load"):
+        scatter.kernel_available()
+
+
+# ------------------------------------------------------------------------------- building
+
+
+def test_build_without_nvcc_exits_zero_and_says_why(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    assert build.main(["--check"]) == build.EXIT_OK
+    assert "torch reference path" in capsys.readouterr().out
+
+
+def test_failing_nvcc_exits_nonzero(capsys) -> None:
+    assert build.main(["--check", "--nvcc", "/bin/false"]) == build.EXIT_COMPILE_FAILED
+    assert "FAILED" in capsys.readouterr().err
+
+
+def test_check_with_out_is_a_usage_error(tmp_path) -> None:
+    assert build.main(["--check", "--out", str(tmp_path)]) == build.EXIT_USAGE
+
+
+@pytest.fixture(scope="module")
+def built_library(tmp_path_factory) -> build.BuiltLibrary:
+    if build.find_nvcc() is None:
+        pytest.skip(NO_NVCC)
+    return build.build_library(tmp_path_factory.mktemp("scatter-build"))
+
+
+@requires_nvcc
+def test_library_compiles_and_exports_the_abi(built_library) -> None:
+    print(f"built {built_library.path.name} for sm_{list(built_library.archs)}")
+    assert built_library.path.name == _library.library_name()
+    assert 90 in built_library.archs
+    library = _library.open_library(built_library.path)
+    assert library.abi_version() == _library.ABI_VERSION
+    assert library.error_string(0) == "no error"
+    assert isinstance(library.driver_status(), int)
+    library.scatter_pages(0, 0, 0, 0, 16, 16, 1, 0, 0)  # nothing to copy: no CUDA call
+    with pytest.raises(ScatterKernelError, match="CUDA error 1"):
+        library.scatter_pages(1, 1, 1, -1, 16, 16, 1, 0, 0)  # cudaErrorInvalidValue
+
+
+@requires_nvcc
+def test_check_cli_compiles_without_torch() -> None:
+    probe = (
+        "import runpy, sys\n"
+        "sys.modules['torch'] = None  # the build must not need torch\n"
+        "sys.argv = ['build', '--check', '--arch', '80']\n"
+        "runpy.run_module('flatcake_ray.cuda_ext.build', run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    assert "scatter kernel compiles" in result.stdout
+
+
+# ------------------------------------------------------------------------ on a CUDA GPU
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Path:
+    """The library in the default build folder (built now if absent), loaded."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+    _library.reset_cache()
+    if not scatter.kernel_available():
+        if build.find_nvcc() is None:
+            pytest.skip(NO_NVCC)
+        build.build_library()
+        _library.reset_cache()
+    loaded = _library.load()
+    assert loaded.library is not None, loaded.reason
+    return loaded.library.path
+
+
+def _scatter_both(case: LayerCase, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel result, torch reference result) for ``case`` on the GPU."""
+    pool, staging = case.make("cuda")
+    expected_pool = pool.clone()
+    scatter_layer_reference(staging, expected_pool, case.slot_ids, case.layer, case.layout)
+    ids = torch.tensor(case.slot_ids, dtype=torch.int64, device="cuda")
+    scatter_layer(staging, pool, ids, case.layer, case.layout, backend="kernel", **kwargs)
+    torch.cuda.synchronize()
+    return pool, expected_pool
+
+
+GPU_SHAPES = [
+    pytest.param(torch.float16, (8, 128), id="fp16-2KiB-aligned"),
+    pytest.param(torch.float8_e4m3fn, (656,), id="fp8-656B-aligned"),
+    pytest.param(torch.bfloat16, (1001,), id="bf16-2002B-unaligned"),
+    pytest.param(torch.uint8, (13,), id="u8-13B-unaligned"),
+    pytest.param(torch.float32, (2, 32 * 1024), id="fp32-256KiB-many-chunks"),
+]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize(("dtype", "page_shape"), GPU_SHAPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernel_matches_reference(kernel, layout, dtype, page_shape) -> None:
+    slots = 97
+    order = torch.randperm(slots, generator=torch.Generator().manual_seed(5)).tolist()
+    case = LayerCase(layout, dtype, 3, slots, page_shape, 2, order[:61], 11, False)
+    got, expected = _scatter_both(case)
+    assert same_bits(got, expected)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_kernel_handles_more_pages_than_grid_y_allows(kernel) -> None:
+    slots = 70_000  # > 65535: pages must ride grid.x
+    order = torch.randperm(slots, generator=torch.Generator().manual_seed(1)).tolist()
+    case = LayerCase(PAGE_FIRST, torch.int32, 2, slots, (4,), 1, order, 3, True)
+    got, expected = _scatter_both(case)
+    assert same_bits(got, expected)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("shift", [1, 4, 8])
+def test_kernel_with_misaligned_staging_and_pool(kernel, shift) -> None:
+    layers, slots, page_bytes, ids = 2, 9, 64, [8, 0, 3, 5]
+    pool_buffer = random_tensor((layers * slots * page_bytes + shift,), torch.uint8, 2, "cuda")
+    stage_buffer = random_tensor((len(ids) * page_bytes + shift,), torch.uint8, 4, "cuda")
+    pool = pool_buffer[shift:].view(layers, slots, page_bytes)
+    staging = stage_buffer[shift:]
+    prefix = pool_buffer[:shift].clone()
+    expected = pool.clone()
+    scatter_layer_reference(staging, expected, ids, 1, LAYER_FIRST)
+    scatter_layer(staging, pool, ids, 1, LAYER_FIRST, backend="kernel")
+    torch.cuda.synchronize()
+    assert same_bits(pool, expected)
+    assert same_bits(pool_buffer[:shift], prefix)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("stream_kind", ["torch", "raw-handle"])
+def test_kernel_on_a_side_stream(kernel, stream_kind) -> None:
+    case = LayerCase(
+        LAYER_FIRST, torch.bfloat16, 4, 64, (16, 64), 3, list(range(63, 0, -2)), 9, True
+    )
+    pool, staging = case.make("cuda")
+    expected = pool.clone()
+    scatter_layer_reference(staging, expected, case.slot_ids, case.layer, case.layout)
+    ids = torch.tensor(case.slot_ids, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # staging, pool and ids are made there
+    stream = side if stream_kind == "torch" else side.cuda_stream
+    scatter_layer(staging, pool, ids, case.layer, case.layout, stream=stream, backend="kernel")
+    side.synchronize()
+    assert same_bits(pool, expected)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_kernel_takes_host_slot_ids_and_checks_device_ones(kernel) -> None:
+    case = LayerCase(PAGE_FIRST, torch.float16, 2, 8, (32,), 0, [7, 2, 4], 1, False)
+    pool, staging = case.make("cuda")
+    expected = pool.clone()
+    scatter_layer_reference(staging, expected, case.slot_ids, case.layer, case.layout)
+    scatter_layer(staging, pool, case.slot_ids, case.layer, case.layout, backend="kernel")
+    torch.cuda.synchronize()
+    assert same_bits(pool, expected)
+    bad = torch.tensor([7, 8, 1], device="cuda")
+    with pytest.raises(ShapeError, match="slot ids must be in"):
+        scatter_layer(staging, pool, bad, case.layer, case.layout)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_kernel_offsets_form_matches_reference(kernel) -> None:
+    page_bytes, offsets = 37, [300, 0, 111, 50, 200]
+    dest = random_tensor((400,), torch.uint8, 6, "cuda")
+    staging = random_tensor((len(offsets) * page_bytes,), torch.uint8, 7, "cuda")
+    expected = dest.clone()
+    scatter_pages_reference(staging, expected, offsets, page_bytes)
+    scatter_pages(staging, dest, offsets, page_bytes, backend="kernel")
+    torch.cuda.synchronize()
+    assert as_bytes(dest) == oracle_offsets(
+        random_tensor((400,), torch.uint8, 6), staging, offsets, page_bytes
+    )
+    assert same_bits(dest, expected)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_cuda_without_kernel_uses_torch_and_logs_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(_library, "load", lambda: _library.LoadResult(None, "not built (test)"))
+    monkeypatch.setattr(scatter, "_fallback_logged", False)
+    case = LayerCase(LAYER_FIRST, torch.float16, 2, 8, (32,), 1, [3, 6], 1, False)
+    pool, staging = case.make("cuda")
+    expected = oracle_layer(pool, staging, case.slot_ids, case.layer, case.layout)
+    with caplog.at_level(logging.WARNING, logger=scatter.__name__):
+        scatter_layer(staging, pool, case.slot_ids, case.layer, case.layout)
+        scatter_layer(staging, pool, case.slot_ids, case.layer, case.layout)
+    torch.cuda.synchronize()
+    assert as_bytes(pool) == expected
+    notes = [r for r in caplog.records if "torch reference on the GPU" in r.getMessage()]
+    assert len(notes) == 1 and "not built (test)" in notes[0].getMessage()
+    with pytest.raises(ScatterLibraryError, match="not built"):
+        scatter_layer(staging, pool, case.slot_ids, case.layer, case.layout, backend="kernel")
