@@ -7,7 +7,10 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export UCX_NET_DEVICES := lo
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint format bench clean
+ENGINES := .venv-engines
+ENGINES_STAMP := $(ENGINES)/.installed
+
+.PHONY: demo test test-unit test-integrations lint format bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,11 +25,25 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flatcake-ray demo
 
-test: $(STAMP)
+test: test-unit test-integrations
+
+test-unit: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m flatcake_ray.cuda_ext.build --check
 	$(BIN)/python -m pytest -q -rs
+
+# vLLM and SGLang live in their own venv (see requirements-engines.txt for why).
+$(ENGINES_STAMP): pyproject.toml constraints.txt requirements-engines.txt
+	test -x $(ENGINES)/bin/python || $(PY) -m venv $(ENGINES)
+	$(ENGINES)/bin/pip install -q --upgrade pip
+	$(ENGINES)/bin/pip install -q -c constraints.txt -e '.[test]'
+	$(ENGINES)/bin/pip install -q -c constraints.txt -r requirements-engines.txt
+	$(ENGINES)/bin/pip install -q -c constraints.txt --no-deps vllm==0.33.0 xgrammar==0.2.8 sglang==0.5.23
+	touch $(ENGINES_STAMP)
+
+test-integrations: $(ENGINES_STAMP)
+	VLLM_TARGET_DEVICE=cpu PYTHONHASHSEED=0 $(ENGINES)/bin/python -m pytest -q -rs tests/integrations
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -40,4 +57,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ssd_layout.py --write-md BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build *.egg-info

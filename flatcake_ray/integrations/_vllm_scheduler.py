@@ -1,0 +1,263 @@
+"""Scheduler side of the vLLM connector: which blocks to load, which to save, per step.
+
+The scheduler process holds no KV. It asks the store how much of a request's prefix it has
+(``get_num_new_matched_tokens``), remembers where vLLM put the blocks to fill
+(``update_state_after_alloc``), and each step tells the workers what to load and which newly
+full blocks to save (``build_connector_meta``). Keys are vLLM's own block hashes: chained
+prefix hashes, so one key names one whole prefix and the same prefix maps to the same key in
+every engine that shares the hash seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..catalog import PutHints
+from ..errors import ConfigError
+from ._common import KVStore, Probe, probe_prefix
+
+LOAD_POLICIES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Restore ``keys`` into vLLM blocks ``block_ids`` (same order) for one request."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    tenant: str  # namespace suffix; each worker prepends its own shard's namespace
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save vLLM blocks ``block_ids`` under ``keys``; ``parent`` is the key they continue."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    tenant: str
+    parent: bytes | None
+    session_id: str | None
+    hints: PutHints
+
+
+@dataclass
+class _Tracked:
+    request: Any  # vllm.v1.request.Request: its block_hashes grow as tokens arrive
+    tenant: str
+    block_ids: list[int] = field(default_factory=list)
+    saved_blocks: int = 0  # blocks [0, saved_blocks) are in the store or already saved
+    offer: LoadSpec | None = None  # the hit last reported, until vLLM allocates for it
+    hit_on_ssd: bool = False
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    loads: tuple[LoadSpec, ...]
+    saves: tuple[SaveSpec, ...]
+
+
+class SchedulerSide:
+    """State that lives in vLLM's scheduler process, one instance per engine."""
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        block_size: int,
+        hash_block_size: int,
+        shard_namespaces: tuple[str, ...],
+        load_policy: str = "auto",
+    ) -> None:
+        if block_size % hash_block_size:
+            raise ConfigError(
+                f"block size {block_size} is not a multiple of the hash block {hash_block_size}"
+            )
+        if load_policy not in LOAD_POLICIES:
+            raise ConfigError(f"load_async must be one of {LOAD_POLICIES}, not {load_policy!r}")
+        self.store = store
+        self.block_size = block_size
+        self.hashes_per_block = block_size // hash_block_size
+        # One namespace per KV shard (tensor-parallel rank); a hit must hold in all of them.
+        self.shard_namespaces = shard_namespaces
+        self.load_policy = load_policy
+        self._tracked: dict[str, _Tracked] = {}
+        self._ready_loads: dict[str, LoadSpec] = {}
+        self.counters = {"lookups": 0, "hit_blocks": 0, "async_loads": 0, "saved_blocks": 0}
+
+    # ---- keys ------------------------------------------------------------------------------
+    def block_keys(self, request: Any, blocks: int) -> list[bytes]:
+        """The key of vLLM block i is the hash chained through its last hash block."""
+        hashes = request.block_hashes
+        step = self.hashes_per_block
+        blocks = min(blocks, len(hashes) // step)
+        return [bytes(hashes[(i + 1) * step - 1]) for i in range(blocks)]
+
+    def _track(self, request: Any) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(request, tenant_of(request))
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def _probe(self, tracked: _Tracked, keys: list[bytes]) -> Probe:
+        probes = [
+            probe_prefix(self.store, keys, shard + tracked.tenant)
+            for shard in self.shard_namespaces
+        ]
+        hits = min(probe.hits for probe in probes)
+        return Probe(hits, any(probe.on_ssd for probe in probes))
+
+    # ---- vLLM scheduler hooks --------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        self._track(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        tracked = self._track(request)
+        # The last prompt token is always recomputed: vLLM needs its logits.
+        loadable = (request.num_tokens - 1) // self.block_size
+        keys = self.block_keys(request, loadable)
+        probe = self._probe(tracked, keys)
+        self.counters["lookups"] += 1
+        tracked.saved_blocks = max(tracked.saved_blocks, probe.hits)
+        tracked.hit_on_ssd = probe.on_ssd
+        local_blocks = num_computed_tokens // self.block_size
+        if probe.hits <= local_blocks:
+            tracked.offer = None
+            return 0, False
+        is_async = self.load_policy == "always" or (self.load_policy == "auto" and probe.on_ssd)
+        tracked.offer = LoadSpec(
+            request.request_id,
+            tuple(keys[local_blocks : probe.hits]),
+            (local_blocks,),  # first block index; real block ids arrive after allocation
+            tracked.tenant,
+            is_async,
+        )
+        return (probe.hits - local_blocks) * self.block_size, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self._track(request)
+        block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
+        if block_ids:
+            tracked.block_ids = block_ids
+        offer, tracked.offer = tracked.offer, None
+        if num_external_tokens <= 0 or offer is None:
+            return
+        count = num_external_tokens // self.block_size
+        first = offer.block_ids[0]
+        load = LoadSpec(
+            offer.req_id,
+            offer.keys[:count],
+            tuple(block_ids[first : first + count]),
+            offer.tenant,
+            offer.is_async,
+        )
+        self._ready_loads[request.request_id] = load
+        self.counters["hit_blocks"] += count
+        self.counters["async_loads"] += int(load.is_async)
+
+    def build_step(self, scheduler_output: Any) -> StepPlan:
+        loads = tuple(self._ready_loads.values())
+        self._ready_loads.clear()
+        saves: list[SaveSpec] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            self._plan_save(tracked, new.num_computed_tokens + scheduled[new.req_id], saves)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            self._follow_blocks(tracked, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
+            self._plan_save(tracked, cached.num_computed_tokens[i] + scheduled[req_id], saves)
+        return StepPlan(loads, tuple(_drop_repeated_keys(saves)))
+
+    @staticmethod
+    def _follow_blocks(tracked: _Tracked, new_block_ids: Any, resumed: bool) -> None:
+        if resumed:  # a resumed request's list replaces the old one (its blocks were freed)
+            tracked.block_ids = list(new_block_ids[0]) if new_block_ids else []
+        elif new_block_ids:
+            tracked.block_ids.extend(new_block_ids[0])
+
+    def _plan_save(self, tracked: _Tracked, tokens_after_step: int, saves: list[SaveSpec]) -> None:
+        """Save every block that is full once this step runs and not stored yet, including
+        blocks vLLM found in its own prefix cache (resident, so they cost a copy, no compute)."""
+        request = tracked.request
+        full = min(tokens_after_step // self.block_size, len(tracked.block_ids))
+        keys = self.block_keys(request, full)
+        first = tracked.saved_blocks
+        if len(keys) <= first:
+            return
+        params = getattr(request, "kv_transfer_params", None) or {}
+        saves.append(
+            SaveSpec(
+                request.request_id,
+                tuple(keys[first:]),
+                tuple(tracked.block_ids[first : len(keys)]),
+                tracked.tenant,
+                self.block_keys(request, first)[-1] if first else None,
+                params.get("flatcake_session") or getattr(request, "session_id", None),
+                PutHints(
+                    turn=params.get("flatcake_turn"),
+                    prior_reply_tokens=params.get("flatcake_prior_reply_tokens"),
+                    context_tokens=len(keys) * self.block_size,
+                ),
+            )
+        )
+        tracked.saved_blocks = len(keys)
+        self.counters["saved_blocks"] += len(keys) - first
+
+    def last_hit_on_ssd(self, req_id: str) -> bool:
+        tracked = self._tracked.get(req_id)
+        return tracked is not None and tracked.hit_on_ssd
+
+    def request_finished(self, request: Any) -> None:
+        # A load already planned still runs: vLLM keeps the blocks of a request aborted while
+        # waiting for its KV until the worker reports that load finished.
+        self._tracked.pop(request.request_id, None)
+
+
+def tenant_of(request: Any) -> str:
+    """The namespace suffix of a request. cache_salt already changes vLLM's first block hash;
+    a namespace of its own also keeps one tenant's pages out of another's accounting."""
+    salt = getattr(request, "cache_salt", None)
+    return f"/salt={salt}" if salt else ""
+
+
+def _drop_repeated_keys(saves: list[SaveSpec]) -> list[SaveSpec]:
+    """Two requests that share a prompt may fill the same blocks in one step; the store is
+    write-once, so the second copy would only cost a device-to-host copy. What two saves
+    share is a leading run (the common prefix), so the later one keeps its tail."""
+    seen: set[tuple[str, bytes]] = set()
+    kept: list[SaveSpec] = []
+    for save in saves:
+        lead = 0
+        while lead < len(save.keys) and (save.tenant, save.keys[lead]) in seen:
+            lead += 1
+        seen.update((save.tenant, key) for key in save.keys)
+        if lead == len(save.keys):
+            continue
+        if lead == 0:
+            kept.append(save)
+            continue
+        kept.append(
+            SaveSpec(
+                save.req_id,
+                save.keys[lead:],
+                save.block_ids[lead:],
+                save.tenant,
+                save.keys[lead - 1],
+                save.session_id,
+                save.hints,
+            )
+        )
+    return kept

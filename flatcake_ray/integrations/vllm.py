@@ -1,0 +1,228 @@
+"""FlatCake-Ray as a vLLM (v1, 0.33) KV connector, attached by configuration alone::
+
+    kv_transfer_config={
+        "kv_connector": "FlatCakeConnector",
+        "kv_connector_module_path": "flatcake_ray.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": "ray", "ray_namespace": "flatcake"},
+    }
+
+(:func:`kv_transfer_config` builds that dict.) ``store: local`` with ``store_root`` opens an
+in-process store instead; ``store_<field>`` sets any StoreConfig field of it.
+
+Keys are vLLM's block hashes. Their seed is derived from PYTHONHASHSEED when it is set, and
+for the non-cryptographic hash algorithms (xxhash) it is random per process otherwise: then
+no other engine, nor this one after a restart, could ever hit. So set PYTHONHASHSEED to one
+value on every node (the connector refuses xxhash without it). Namespaces hold the model, the
+KV dtype, the block size, the tensor-parallel shard and the request's cache_salt.
+
+Scheduler-side logic lives in ``_vllm_scheduler``, worker-side in ``_vllm_worker``; this
+class only routes vLLM's calls to the side it runs on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..errors import ConfigError, ShapeError
+from ._common import Geometry, make_namespace, open_store
+from ._vllm_scheduler import SchedulerSide, StepPlan
+from ._vllm_worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+MODULE_PATH = __name__
+CONNECTOR_NAME = "FlatCakeConnector"
+_UNSEEDED_HASHES = ("xxhash", "xxhash_cbor")
+
+
+def kv_transfer_config(**extra_config: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that attaches vLLM to FlatCake-Ray."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": MODULE_PATH,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(extra_config),
+    }
+
+
+class FlatCakeConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells every worker for one step (pickled across processes)."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _attention_group(kv_cache_config: KVCacheConfig) -> tuple[list[str], AttentionSpec]:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+        raise ConfigError(
+            f"FlatCakeConnector needs one attention KV cache group, got {kinds}; "
+            "run with the hybrid KV cache manager disabled"
+        )
+    return list(groups[0].layer_names), groups[0].kv_cache_spec
+
+
+def _check_hash_seed(vllm_config: VllmConfig) -> None:
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo in _UNSEEDED_HASHES and os.getenv("PYTHONHASHSEED") is None:
+        raise ConfigError(
+            f"prefix_caching_hash_algo={algo} seeds block hashes at random per process unless "
+            "PYTHONHASHSEED is set; set it to the same value on every node"
+        )
+
+
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    from vllm.distributed.parallel_state import (
+        get_tensor_model_parallel_rank,
+        model_parallel_is_initialized,
+    )
+
+    # Without model-parallel groups (one process, tests) this worker is rank 0.
+    return get_tensor_model_parallel_rank() if model_parallel_is_initialized() else 0
+
+
+class FlatCakeConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _check_hash_seed(vllm_config)
+        options = dict(self._kv_transfer_config.kv_connector_extra_config)
+        layer_names, spec = _attention_group(kv_cache_config)
+        self.is_mla = isinstance(spec, MLAAttentionSpec)
+        geometry = Geometry(len(layer_names), spec.real_page_size_bytes)
+        store = open_store(options, geometry)
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        base = make_namespace(
+            "vllm",
+            options.get("namespace") or vllm_config.model_config.served_model_name,
+            str(spec.dtype).removeprefix("torch."),
+            f"b{spec.block_size}",
+        )
+        # MLA keeps one latent copy, identical on every TP rank: one shard, one writer.
+        shards = (
+            [f"{base}/mla"] if self.is_mla else [f"{base}/tp{r}of{tp_size}" for r in range(tp_size)]
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                store,
+                block_size=vllm_config.cache_config.block_size,
+                hash_block_size=kv_cache_config.hash_block_size
+                or vllm_config.cache_config.block_size,
+                shard_namespaces=tuple(shards),
+                load_policy=str(options.get("load_async", "auto")),
+            )
+        else:
+            rank = _tp_rank(vllm_config)
+            self._worker = WorkerSide(
+                store,
+                layer_names=layer_names,
+                namespace=shards[0] if self.is_mla else shards[rank],
+                is_writer=not self.is_mla or rank == 0,
+            )
+            self._expected = geometry
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save lost to preemption is a future miss, not an error
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise ConfigError("this FlatCakeConnector runs on the worker side")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise ConfigError("this FlatCakeConnector runs on the scheduler side")
+        return self._worker
+
+    # ---- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        found = self.worker_side.register_kv_caches(kv_caches)
+        if found != self._expected:
+            raise ShapeError(f"vLLM's KV tensors hold pages of {found}, expected {self._expected}")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, FlatCakeConnectorMetadata)
+        self.worker_side.start_step(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_side.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        # kv_layer may be a kernel-block view of the registered tensor; the registered
+        # manager-block view addresses the same bytes by vLLM block id.
+        self.worker_side.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self.worker_side.finish_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker_side.finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_failed_blocks()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side --------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        if num_external_tokens == 0:
+            return {}
+        on_ssd = self.scheduler_side.last_hit_on_ssd(request.request_id)
+        return {CacheHitSource.DISK if on_ssd else CacheHitSource.HOST: num_external_tokens}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return FlatCakeConnectorMetadata(self.scheduler_side.build_step(scheduler_output))
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are synchronous within each step, so vLLM may free the blocks at once.
+        self.scheduler_side.request_finished(request)
+        return False, None

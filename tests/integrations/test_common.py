@@ -1,0 +1,92 @@
+"""The engine-independent parts of the adapters, on a real in-process store (no engine needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flatcake_ray.catalog import PutHints
+from flatcake_ray.errors import ConfigError
+from flatcake_ray.integrations._common import (
+    BufferedPut,
+    Geometry,
+    Probe,
+    begin_put,
+    close_local_stores,
+    make_namespace,
+    open_store,
+    probe_prefix,
+)
+
+GEOMETRY = Geometry(layers=2, page_bytes=4096)
+SHORT_CHAT = PutHints(turn=2, prior_reply_tokens=10)  # placed on DRAM
+
+
+def pages(count: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (GEOMETRY.layers, count, GEOMETRY.page_bytes)
+    return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+
+def test_one_store_per_root_in_a_process(local_store_options):
+    store = open_store(local_store_options, GEOMETRY)
+    assert open_store(local_store_options, GEOMETRY) is store
+    with pytest.raises(ConfigError, match="holds pages of"):
+        open_store(local_store_options, Geometry(3, 4096))
+
+
+def test_a_second_process_on_the_root_is_refused(local_store_options):
+    open_store(local_store_options, GEOMETRY)
+    code = (
+        "from flatcake_ray.integrations._common import Geometry, open_store\n"
+        f"open_store({local_store_options!r}, Geometry(2, 4096))"
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode != 0
+    assert "store: ray" in child.stderr
+
+
+def test_probe_tells_the_slowest_medium(local_store_options):
+    store = open_store(local_store_options, GEOMETRY)
+    store.put([b"a", b"b"], pages(2, 0), namespace="ns", hints=SHORT_CHAT)
+    assert probe_prefix(store, [b"a", b"b", b"c"], "ns") == Probe(2, False)
+    agentic = PutHints(context_tokens=1 << 20)  # placed on SSD
+    result = store.put([b"c"], pages(1, 1), namespace="ns", parent=b"b", hints=agentic)
+    assert result.medium == "SSD"
+    assert probe_prefix(store, [b"a", b"b", b"c"], "ns") == Probe(3, True)
+    assert probe_prefix(store, [b"x"], "ns") == Probe(0, False)
+
+
+class PutOnly:
+    def __init__(self, store):
+        self.store = store
+
+    def put(self, keys, kv, **options):
+        return self.store.put(keys, kv, **options)
+
+
+def test_layer_puts_on_a_store_without_them(local_store_options):
+    store = open_store(local_store_options, GEOMETRY)
+    handle = begin_put(PutOnly(store), [b"p", b"q"], GEOMETRY, namespace="ns")
+    assert isinstance(handle, BufferedPut)
+    data = pages(2, 2)
+    for layer in range(GEOMETRY.layers):
+        handle.write_layer(layer, data[layer])
+    assert handle.commit().pages_written == 2
+    out = np.zeros((GEOMETRY.layers, 2, GEOMETRY.page_bytes), dtype=np.uint8)
+    assert store.get([b"p", b"q"], out, namespace="ns") == 2
+    assert np.array_equal(out, data.numpy())
+
+
+def test_unknown_store_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown store kind"):
+        open_store({"store": "nowhere"}, GEOMETRY)
+    close_local_stores()
+
+
+def test_namespace_drops_empty_parts():
+    assert make_namespace("vllm", "org/model", "", None, "b16") == "vllm/org/model/b16"

@@ -1,0 +1,188 @@
+"""FlatCakeConnector driven by vLLM's own Scheduler and the model runner's call sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integrations.conftest import require_vllm
+
+require_vllm()
+
+from flatcake_ray.errors import ConfigError  # noqa: E402
+from flatcake_ray.integrations import _common  # noqa: E402
+from flatcake_ray.integrations.vllm import kv_transfer_config  # noqa: E402
+from tests.integrations.vllm_harness import (  # noqa: E402
+    BLOCK,
+    LAYER_NAMES,
+    build_engine,
+    model_config,
+    prefix_kv,
+)
+
+PROMPT = list(range(100, 200))  # 3 full blocks and a partial one
+REPLY = 40  # the reply completes block 4 (token 128) during decode
+USER = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir):
+    return model_config(tiny_model_dir)
+
+
+def expected_block_bytes(tokens: list[int], blocks: int) -> list[torch.Tensor]:
+    """What the stand-in model writes for blocks [0, blocks): [blocks, heads, BLOCK, 2*head]."""
+    per_layer = []
+    for layer in range(len(LAYER_NAMES)):
+        rows = [prefix_kv(tokens, p)[layer] for p in range(blocks * BLOCK)]
+        stacked = torch.stack(rows).view(blocks, BLOCK, *rows[0].shape).transpose(1, 2)
+        per_layer.append(stacked.contiguous().view(torch.uint8))
+    return per_layer
+
+
+def first_turn(base_model, options) -> list[int]:
+    engine = build_engine(base_model, options)
+    request = engine.add_request("turn-1", PROMPT, max_tokens=REPLY)
+    reply = engine.run(request)
+    assert engine.worker.worker_side.counters["saved_pages"] == 4
+    return reply
+
+
+def second_turn(base_model, options, reply: list[int]):
+    engine = build_engine(base_model, options)  # another instance: nothing cached locally
+    tokens = PROMPT + reply + USER
+    request = engine.add_request("turn-2", tokens, max_tokens=3)
+    engine.run(request)
+    return engine, tokens
+
+
+def assert_restored_exactly(engine, tokens: list[int]) -> None:
+    assert engine.events[0] != "forward:turn-2:0+145"  # the prefix was not recomputed
+    assert "forward:turn-2:128+17" in engine.events
+    restored = engine.block_bytes("turn-2", 4)
+    for got, want in zip(restored, expected_block_bytes(tokens, 4), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_second_turn_restores_from_ssd_asynchronously(base_model, local_store_options):
+    reply = first_turn(base_model, local_store_options)
+    engine, tokens = second_turn(base_model, local_store_options, reply)
+
+    scheduler_side = engine.connector.scheduler_side
+    assert scheduler_side.counters["hit_blocks"] == 4
+    assert scheduler_side.counters["async_loads"] == 1  # a first turn is placed on SSD
+    assert "waiting_for_remote_kvs:turn-2" in engine.events
+    assert "finished_recving:['turn-2']" in engine.events
+    assert_restored_exactly(engine, tokens)
+    stats = engine.worker.worker_side.store.stats()
+    assert stats["placement_rules"].get("one-shot", 0) >= 1
+    assert stats["ssd_bytes_read"] > 0
+
+
+def test_synchronous_load_feeds_the_same_step(base_model, local_store_options):
+    options = {**local_store_options, "load_async": "never"}
+    reply = first_turn(base_model, options)
+    engine, tokens = second_turn(base_model, options, reply)
+
+    assert engine.connector.scheduler_side.counters["async_loads"] == 0
+    assert not any(event.startswith("waiting_for_remote_kvs") for event in engine.events)
+    assert_restored_exactly(engine, tokens)
+
+
+def test_hit_sources_name_the_medium(base_model, local_store_options):
+    reply = first_turn(base_model, local_store_options)
+    engine = build_engine(base_model, local_store_options)
+    request = engine.add_request("probe", PROMPT + reply + USER, max_tokens=1)
+    connector = engine.connector
+    assert connector.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
+    sources = connector.get_external_cache_hit_sources(request, 4 * BLOCK)
+    assert {source.value: count for source, count in sources.items()} == {"disk": 4 * BLOCK}
+
+
+def test_cache_salt_keeps_tenants_apart(base_model, local_store_options):
+    reply = first_turn(base_model, local_store_options)
+    engine = build_engine(base_model, local_store_options)
+    tokens = PROMPT + reply + USER
+    other = engine.add_request("other-tenant", tokens, max_tokens=1, cache_salt="tenant-b")
+    assert engine.connector.get_num_new_matched_tokens(other, 0) == (0, False)
+    same = engine.add_request("same-tenant", tokens, max_tokens=1)
+    assert engine.connector.get_num_new_matched_tokens(same, 0) == (4 * BLOCK, True)
+
+
+class ShortReads:
+    """A store that delivers one page less than it holds, as after a reclaimed scope."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def get(self, keys, out, *, namespace=None):
+        restored = self.store.get(keys, out, namespace=namespace)
+        return max(restored - 1, 0)
+
+
+def test_pages_lost_before_the_load_are_recomputed(base_model, local_store_options):
+    reply = first_turn(base_model, local_store_options)
+    _common.register_store_opener(
+        "short-reads", lambda options, geometry: ShortReads(_common._open_local(options, geometry))
+    )
+    options = {**local_store_options, "store": "short-reads", "load_async": "never"}
+    engine = build_engine(base_model, options, kv_load_failure_policy="recompute")
+    tokens = PROMPT + reply + USER
+    request = engine.add_request("turn-2", tokens, max_tokens=1)
+    engine.run(request)
+    assert engine.worker.worker_side.counters["failed_pages"] == 1
+    assert any(e.startswith("forward:turn-2:96+") for e in engine.events)  # block 4 again
+    for got, want in zip(
+        engine.block_bytes("turn-2", 4), expected_block_bytes(tokens, 4), strict=True
+    ):
+        assert torch.equal(got, want)
+
+
+class PutOnly:
+    """A store with the Ray client's surface: put, no begin_put, no gvas."""
+
+    def __init__(self, store):
+        self.store = store
+        self.config = store.config
+
+    def put(self, keys, kv, **options):
+        return self.store.put(keys, kv, **options)
+
+    def exists(self, keys, *, namespace=None):
+        return self.store.exists(keys, namespace=namespace)
+
+    def get(self, keys, out, *, namespace=None):
+        return self.store.get(keys, out, namespace=namespace)
+
+    def stats(self):
+        return self.store.stats()
+
+    def close(self):
+        self.store.close()
+
+
+def test_a_store_without_layer_puts_or_media_still_round_trips(base_model, local_store_options):
+    _common.register_store_opener(
+        "put-only", lambda options, geometry: PutOnly(_common._open_local(options, geometry))
+    )
+    options = {**local_store_options, "store": "put-only"}
+    reply = first_turn(base_model, options)
+    engine, tokens = second_turn(base_model, options, reply)
+    # Without hit media the load is synchronous; the pages are the same.
+    assert engine.connector.scheduler_side.counters["async_loads"] == 0
+    assert_restored_exactly(engine, tokens)
+
+
+def test_random_hash_seed_is_refused(base_model, local_store_options, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
+        build_engine(base_model, local_store_options, hash_algo="xxhash")
+
+
+def test_configuration_dict_names_this_module():
+    config = kv_transfer_config(store="ray", ray_namespace="flatcake")
+    assert config["kv_connector_module_path"] == "flatcake_ray.integrations.vllm"
+    assert config["kv_connector_extra_config"] == {"store": "ray", "ray_namespace": "flatcake"}
