@@ -249,13 +249,23 @@ class FlatCakeStore:
     def read_leased(self, lease: Lease, out: np.ndarray, layers: Sequence[int]) -> ReadOutcome:
         """Read ``layers`` of a leased prefix into a uint8 [layers, pages, page_bytes] view."""
         outcome = self.reader.read(lease, out, layers)
+        self.account_read(outcome)
+        return outcome
+
+    def account_read(self, outcome: ReadOutcome, *, delivered_pages: int = 0) -> None:
+        """Count a read of leased pages (done here or by a restore pipeline) and quarantine
+        the scopes whose checksums failed."""
         with self._lock:
             self.counters["ssd_read_commands"] += outcome.ssd_commands
             self.counters["ssd_bytes_read"] += outcome.ssd_bytes
             self.counters["dram_bytes_read"] += outcome.dram_bytes
+            if delivered_pages:
+                self.counters["hit_pages"] += delivered_pages
+                self.counters["bytes_delivered"] += (
+                    delivered_pages * self.config.layers * self.config.page_bytes
+                )
             for scope_id in outcome.bad_scopes:
                 self._quarantine(scope_id)
-        return outcome
 
     def _quarantine(self, scope_id: int) -> None:
         scope = self.catalog.scopes.get(scope_id)

@@ -1,0 +1,487 @@
+"""The layer-pipelined restore pipeline on real files: bytes, ordering, bounds, admission."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flatcake_ray import media
+from flatcake_ray.cuda_ext.scatter import scatter_layer
+from flatcake_ray.errors import (
+    ConfigError,
+    RestoreError,
+    RestoreTimeoutError,
+    ShapeError,
+    StoreClosedError,
+)
+from flatcake_ray.gva import Medium
+from flatcake_ray.restore import RestorePipeline
+from flatcake_ray.restore_plan import LayerStager
+from flatcake_ray.store import FlatCakeStore, PutHints
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
+
+DRAM = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: short-turn chat goes to DRAM
+SLOTS = 96
+WAIT = 10.0  # seconds; generous so a slow CI box never flakes, never reached when correct
+
+
+def make_pool(layout, page_bytes=PAGE_BYTES, dtype=torch.float16, slots=SLOTS):
+    elems = page_bytes // torch.empty(0, dtype=dtype).element_size()
+    shape = (LAYERS, slots, elems) if layout == "layer_first" else (slots, LAYERS, elems)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def pool_pages(pool, layout, slot_ids):
+    """The pool's pages at ``slot_ids`` as uint8 [layers, pages, page_bytes]."""
+    ids = torch.as_tensor(np.asarray(slot_ids), dtype=torch.int64)
+    pages = pool[:, ids] if layout == "layer_first" else pool[ids].transpose(0, 1)
+    return pages.contiguous().view(torch.uint8).numpy()
+
+
+def scattered_slots(count, seed=0, slots=SLOTS):
+    return np.random.default_rng(seed).permutation(slots)[:count]
+
+
+def put_turns(store, kv, cuts, hints):
+    """One put per turn: turn t stores the prefix kv[:, :cuts[t]]."""
+    for cut, hint in zip(cuts, hints, strict=True):
+        store.put(list(range(cut)), kv[:, :cut], hints=hint)
+
+
+class GatedScatter:
+    """A scatter that records (pool id, layer) and can hold a pool's layers until released."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+        self.gates: dict[tuple[int, int], threading.Event] = {}
+        self.entered = threading.Event()
+
+    def gate(self, pool, layer):
+        self.gates[(id(pool), layer)] = threading.Event()
+        return self.gates[(id(pool), layer)]
+
+    def __call__(self, staging, pool, ids, layer, layout, **options):
+        gate = self.gates.get((id(pool), layer))
+        if gate is not None:
+            self.entered.set()
+            assert gate.wait(WAIT), "test gate never opened"
+        scatter_layer(staging, pool, ids, layer, layout, **options)
+        self.calls.append((id(pool), layer))
+
+
+@pytest.fixture
+def pipelines():
+    made: list[RestorePipeline] = []
+
+    def build(store, **options):
+        made.append(RestorePipeline(store, **options))
+        return made[-1]
+
+    yield build
+    for pipeline in made:
+        pipeline.close()
+
+
+def wait_until(condition, timeout=WAIT):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.002)
+
+
+# ---- bytes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize(
+    ("source", "hints", "medium"),
+    [
+        ("ssd", [None, None, None], Medium.SSD),
+        ("dram", [DRAM, DRAM, DRAM], Medium.DRAM),
+        ("mixed", [None, DRAM, None], Medium.SSD),
+    ],
+)
+def test_restore_is_byte_exact_in_both_layouts(
+    make_store, pipelines, layout, source, hints, medium
+):
+    store = make_store()
+    kv = random_kv(30, seed=3)
+    put_turns(store, kv, [8, 20, 30], hints)
+    pipeline = pipelines(store)
+    pool, slots = make_pool(layout), scattered_slots(30)
+    handle = pipeline.submit(list(range(30)), pool, slots, layout)
+    assert handle.wait(WAIT) == 30 and handle.pages == 30 and handle.error is None
+    assert handle.medium is medium and handle.done and handle.layers_done == LAYERS
+    assert np.array_equal(pool_pages(pool, layout, slots), kv)
+    untouched = np.setdiff1d(np.arange(SLOTS), slots)
+    assert not pool_pages(pool, layout, untouched).any()
+    stats = store.stats()
+    assert stats["leases_open"] == 0 and stats["hit_pages"] == 30
+    assert (stats["ssd_read_commands"] > 0) == (source != "dram")
+
+
+def test_partial_prefix_restores_the_hits_only(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(12, seed=4)
+    store.put(list(range(12)), kv)
+    pool, slots = make_pool("layer_first"), scattered_slots(20)
+    handle = pipelines(store).submit(
+        [*range(10), "miss", 11, 12, 13, 14, 15, 16, 17, 18, 19], pool, slots, "layer_first"
+    )
+    assert handle.wait(WAIT) == 10 and handle.hits == 10
+    assert np.array_equal(pool_pages(pool, "layer_first", slots[:10]), kv[:, :10])
+    assert not pool_pages(pool, "layer_first", slots[10:]).any()
+
+
+def test_no_hits_finishes_at_once(make_store, pipelines):
+    store = make_store()
+    handle = pipelines(store).submit(["a", "b"], make_pool("page_first"), [0, 1], "page_first")
+    assert handle.done and handle.wait(0) == 0 and handle.wait_for_layer(LAYERS - 1, 0) == 0
+
+
+def test_long_layers_stream_through_small_slots_in_chunks(make_store, pipelines):
+    page_bytes = 6000  # not a multiple of 4 KiB: pages straddle the slots' piece boundaries
+    store = make_store(page_bytes=page_bytes)
+    kv = random_kv(60, seed=5, page_bytes=page_bytes)
+    put_turns(store, kv, [25, 26, 60], [None, DRAM, None])
+    slot_bytes = 5 * 4096  # about 3 pages: each layer takes many chunks
+    recorder = GatedScatter()
+    pipeline = pipelines(store, slot_bytes=slot_bytes, scatter=recorder)
+    pool, slots = make_pool("page_first", page_bytes, torch.int16), scattered_slots(60)
+    assert pipeline.submit(list(range(60)), pool, slots, "page_first").wait(WAIT) == 60
+    assert np.array_equal(pool_pages(pool, "page_first", slots), kv)
+    layers = [layer for _, layer in recorder.calls]
+    assert layers == sorted(layers) and len(layers) >= LAYERS * 60 * page_bytes // slot_bytes
+    assert pipeline.high_water_bytes <= pipeline.window_bytes == 2 * 2 * slot_bytes
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    page_bytes=st.sampled_from([512, 4096, 5000, 12288]),
+    cuts=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    on_dram=st.lists(st.booleans(), min_size=4, max_size=4),
+    slot_pages=st.integers(1, 6),
+    gap_bytes=st.sampled_from([0, 64 << 10]),
+    wanted=st.integers(1, 60),
+)
+def test_any_layout_of_turns_restores_exactly(
+    page_bytes, cuts, on_dram, slot_pages, gap_bytes, wanted
+):
+    ends = np.cumsum(cuts).tolist()
+    with tempfile.TemporaryDirectory() as root:
+        store = FlatCakeStore(small_config(root, page_bytes=page_bytes, gap_bytes=gap_bytes))
+        try:
+            kv = random_kv(ends[-1], seed=ends[-1], page_bytes=page_bytes)
+            put_turns(store, kv, ends, [DRAM if d else None for d in on_dram[: len(ends)]])
+            slot_bytes = -(-(slot_pages * page_bytes + 4096) // 4096) * 4096
+            with RestorePipeline(store, slot_bytes=slot_bytes) as pipeline:
+                pool = make_pool("layer_first", page_bytes, torch.uint8)
+                count = min(wanted, ends[-1])
+                slots = scattered_slots(count, seed=count)
+                handle = pipeline.submit(list(range(count)), pool, slots, "layer_first")
+                assert handle.wait(WAIT) == count
+                assert np.array_equal(pool_pages(pool, "layer_first", slots), kv[:, :count])
+        finally:
+            store.close()
+
+
+def test_flipped_byte_in_a_later_layer_shrinks_the_prefix_and_quarantines(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(20, seed=6)
+    store.put(list(range(6)), kv[:, :6], hints=DRAM)  # a DRAM prompt, then an SSD scope
+    store.put(list(range(20)), kv)
+    stride = -(-14 * PAGE_BYTES // 4096) * 4096
+    gva = int(store.gvas([10])[0]) & ((1 << 48) - 1)
+    file_index, offset = store.pool.locate(gva + 2 * stride)  # layer 2 of page 10
+    with open(store.pool.paths[file_index], "r+b") as pool_file:
+        pool_file.seek(offset)
+        byte = pool_file.read(1)
+        pool_file.seek(offset)
+        pool_file.write(bytes([byte[0] ^ 0xFF]))
+    pool, slots = make_pool("layer_first"), scattered_slots(20)
+    handle = pipelines(store).submit(list(range(20)), pool, slots, "layer_first")
+    assert handle.wait(WAIT) == 6
+    assert np.array_equal(pool_pages(pool, "layer_first", slots[:6]), kv[:, :6])
+    assert store.exists(list(range(20))) == 6 and store.stats()["quarantined_scopes"] == 1
+
+
+def test_verify_dram_checks_arena_extents_too(make_store, pipelines):
+    store = make_store(verify_dram=True)
+    kv = random_kv(12, seed=9)
+    put_turns(store, kv, [5, 12], [DRAM, None])  # a DRAM scope, then an SSD one
+    pool, slots = make_pool("layer_first"), scattered_slots(12)
+    pipeline = pipelines(store, slot_bytes=2 * PAGE_BYTES + 4096)  # DRAM runs span chunks too
+    assert pipeline.submit(list(range(12)), pool, slots, "layer_first").wait(WAIT) == 12
+    assert np.array_equal(pool_pages(pool, "layer_first", slots), kv)
+    gva = int(store.gvas([3])[0])  # a DRAM GVA is its arena offset
+    store.arena.view[gva + 3 * 5 * PAGE_BYTES] ^= 0xFF  # layer 3 of page 3
+    assert pipeline.submit(list(range(12)), pool, slots, "layer_first").wait(WAIT) == 0
+    assert store.stats()["quarantined_scopes"] == 1
+
+
+# ---- layer ordering and double buffering -----------------------------------------------------
+
+
+def test_wait_for_layer_returns_when_that_layer_and_no_later_one_is_in_place(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(16, seed=7)
+    store.put(list(range(16)), kv)
+    recorder = GatedScatter()
+    pipeline = pipelines(store, scatter=recorder)
+    pool, slots = make_pool("page_first"), scattered_slots(16)
+    gates = [recorder.gate(pool, layer) for layer in range(LAYERS)]
+    handle = pipeline.submit(list(range(16)), pool, slots, "page_first")
+    for layer in range(LAYERS):
+        with pytest.raises(RestoreTimeoutError):
+            handle.wait_for_layer(layer, timeout=0.05)
+        gates[layer].set()
+        assert handle.wait_for_layer(layer, WAIT) == 16
+        got = pool_pages(pool, "page_first", slots)
+        assert np.array_equal(got[: layer + 1], kv[: layer + 1])
+        assert not got[layer + 1 :].any()
+    assert handle.wait(WAIT) == 16
+    assert [layer for _, layer in recorder.calls] == list(range(LAYERS))
+
+
+def test_next_layer_is_read_while_this_one_is_scattered(make_store, pipelines, monkeypatch):
+    store = make_store()
+    store.put(list(range(16)), random_kv(16, seed=8))
+    filled: list[int] = []
+    real_fill = LayerStager.fill
+
+    def recording_fill(self, chunk, slot):
+        real_fill(self, chunk, slot)
+        filled.append(chunk.layer)
+
+    monkeypatch.setattr(LayerStager, "fill", recording_fill)
+    recorder = GatedScatter()
+    slot_bytes = 16 * PAGE_BYTES  # one layer per slot
+    pipeline = pipelines(store, windows=1, scatter=recorder, slot_bytes=slot_bytes)
+    pool = make_pool("layer_first")
+    gate = recorder.gate(pool, 0)
+    handle = pipeline.submit(list(range(16)), pool, scattered_slots(16), "layer_first")
+    assert recorder.entered.wait(WAIT)  # layer 0 is being scattered ...
+    wait_until(lambda: filled == [0, 1])  # ... while layer 1 is read into the other slot
+    time.sleep(0.05)
+    assert filled == [0, 1], "a third layer was read with both slots of the window taken"
+    assert pipeline.held_bytes == pipeline.high_water_bytes == 2 * slot_bytes
+    gate.set()
+    assert handle.wait(WAIT) == 16 and filled == list(range(LAYERS))
+    assert pipeline.held_bytes == 0
+
+
+# ---- bounded memory, admission, no revocation --------------------------------------------------
+
+
+def test_window_bound_holds_under_many_concurrent_restores(make_store, pipelines, monkeypatch):
+    store = make_store(ssd_file_bytes=16 << 20)
+    sessions = {s: random_kv(6 + 5 * s, seed=10 + s) for s in range(8)}
+    for s, kv in sessions.items():
+        store.put([f"{s}-{i}" for i in range(kv.shape[1])], kv, hints=DRAM if s % 3 == 0 else None)
+    slot_bytes = 8 * 4096
+    pipeline = pipelines(store, windows=2, slot_bytes=slot_bytes)
+    allocations: list[int] = []
+    real_init = media.AlignedBuffer.__init__
+
+    def counting_init(self, nbytes):
+        allocations.append(nbytes)
+        real_init(self, nbytes)
+
+    monkeypatch.setattr(media.AlignedBuffer, "__init__", counting_init)
+    failures: list[str] = []
+
+    def client(worker):
+        for round_ in range(4):
+            s = (worker + round_) % len(sessions)
+            kv = sessions[s]
+            pool, slots = make_pool("page_first"), scattered_slots(kv.shape[1], seed=worker)
+            keys = [f"{s}-{i}" for i in range(kv.shape[1])]
+            handle = pipeline.submit(keys, pool, slots, "page_first")
+            if handle.wait(WAIT) != kv.shape[1]:
+                failures.append(f"worker {worker} session {s}: {handle.pages} pages")
+            elif not np.array_equal(pool_pages(pool, "page_first", slots), kv):
+                failures.append(f"worker {worker} session {s}: wrong bytes")
+
+    threads = [threading.Thread(target=client, args=(w,)) for w in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert allocations == []  # no staging memory beyond what the pipeline made at the start
+    assert pipeline.window_bytes == 2 * 2 * slot_bytes
+    assert 0 < pipeline.high_water_bytes <= pipeline.window_bytes
+    stats = pipeline.scheduler.stats()
+    assert stats.max_inflight_prefetches_seen <= 2 and stats.cancelled == 0
+    assert store.stats()["leases_open"] == 0
+
+
+def test_window_memory_does_not_grow_with_context_length(make_store, pipelines):
+    store = make_store(ssd_file_bytes=16 << 20)
+    short, long_ = random_kv(2, seed=11), random_kv(200, seed=12)
+    store.put(["s0", "s1"], short)
+    store.put([f"l{i}" for i in range(200)], long_)
+    pipeline = pipelines(store, slot_bytes=4 * PAGE_BYTES)
+    before = pipeline.window_bytes
+    pool = make_pool("layer_first", slots=200)
+    assert pipeline.submit(["s0", "s1"], pool, [0, 1], "layer_first").wait(WAIT) == 2
+    high_short = pipeline.high_water_bytes
+    handle = pipeline.submit([f"l{i}" for i in range(200)], pool, np.arange(200), "layer_first")
+    assert handle.wait(WAIT) == 200
+    assert np.array_equal(pool_pages(pool, "layer_first", np.arange(200)), long_)
+    assert pipeline.window_bytes == before and pipeline.high_water_bytes <= before
+    assert high_short <= pipeline.high_water_bytes  # the long one used the same slots
+
+
+def test_restores_queued_behind_busy_windows_wait_and_are_never_revoked(make_store, pipelines):
+    store = make_store()
+    sessions = [random_kv(8, seed=20 + s) for s in range(4)]
+    for s, kv in enumerate(sessions):
+        store.put([f"{s}-{i}" for i in range(8)], kv)
+    recorder = GatedScatter()
+    pipeline = pipelines(store, windows=1, scatter=recorder)
+    pools = [make_pool("layer_first") for _ in sessions]
+    gate = recorder.gate(pools[0], 0)
+    handles = [
+        pipeline.submit([f"{s}-{i}" for i in range(8)], pools[s], np.arange(8), "layer_first")
+        for s in range(4)
+    ]
+    assert recorder.entered.wait(WAIT)
+    time.sleep(0.05)
+    assert [h.started_at is not None for h in handles] == [True, False, False, False]
+    assert not any(h.done for h in handles)
+    assert pipeline.scheduler.stats().waiting_prefetch == 3
+    gate.set()
+    for s, handle in enumerate(handles):
+        assert handle.wait(WAIT) == 8 and handle.error is None
+        assert np.array_equal(pool_pages(pools[s], "layer_first", np.arange(8)), sessions[s])
+    assert pipeline.scheduler.stats().cancelled == 0
+
+
+@pytest.mark.parametrize("policy", ["fc-mas", "fcfs"])
+def test_dram_ready_restore_is_not_held_behind_a_long_ssd_restore(make_store, pipelines, policy):
+    store = make_store()
+    long_kv, chat_kv = random_kv(40, seed=30), random_kv(4, seed=31)
+    store.put([f"long{i}" for i in range(40)], long_kv)
+    store.put([f"chat{i}" for i in range(4)], chat_kv, hints=DRAM)
+    recorder = GatedScatter()
+    pipeline = pipelines(store, windows=1, policy=policy, scatter=recorder)
+    long_pool, chat_pool = make_pool("page_first", slots=40), make_pool("page_first")
+    gate = recorder.gate(long_pool, 1)
+    long_handle = pipeline.submit(
+        [f"long{i}" for i in range(40)], long_pool, np.arange(40), "page_first"
+    )
+    assert recorder.entered.wait(WAIT)  # the SSD restore holds the only window
+    chat = pipeline.submit([f"chat{i}" for i in range(4)], chat_pool, [9, 3, 7, 1], "page_first")
+    assert chat.medium is Medium.DRAM
+    if policy == "fc-mas":
+        assert chat.wait(WAIT) == 4 and not long_handle.done
+    else:  # the ablation: one line, the DRAM hit waits for the SSD restore ahead of it
+        with pytest.raises(RestoreTimeoutError):
+            chat.wait(0.2)
+    gate.set()
+    assert chat.wait(WAIT) == 4 and long_handle.wait(WAIT) == 40
+    assert np.array_equal(pool_pages(chat_pool, "page_first", [9, 3, 7, 1]), chat_kv)
+    assert (chat.finished_at < long_handle.finished_at) == (policy == "fc-mas")
+
+
+# ---- errors and lifecycle --------------------------------------------------------------------
+
+
+def test_a_worker_exception_is_raised_by_wait_and_the_window_recovers(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(8, seed=40)
+    store.put(list(range(8)), kv)
+    broken = make_pool("layer_first")
+
+    def failing_scatter(staging, pool, ids, layer, layout, **options):
+        if pool is broken and layer == 2:
+            raise RuntimeError("device lost")
+        scatter_layer(staging, pool, ids, layer, layout, **options)
+
+    pipeline = pipelines(store, windows=1, scatter=failing_scatter)
+    handle = pipeline.submit(list(range(8)), broken, np.arange(8), "layer_first")
+    with pytest.raises(RestoreError) as caught:
+        handle.wait(WAIT)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(handle.error, RuntimeError)
+    with pytest.raises(RestoreError):
+        handle.wait_for_layer(0, WAIT)
+    pool = make_pool("layer_first")
+    assert pipeline.submit(list(range(8)), pool, np.arange(8), "layer_first").wait(WAIT) == 8
+    assert np.array_equal(pool_pages(pool, "layer_first", np.arange(8)), kv)
+    assert store.stats()["leases_open"] == 0 and pipeline.scheduler.stats().cancelled == 1
+
+
+def test_close_lets_submitted_restores_finish(make_store):
+    store = make_store()
+    kv = random_kv(10, seed=41)
+    store.put(list(range(10)), kv)
+    pipeline = RestorePipeline(store, windows=1)
+    pools = [make_pool("layer_first") for _ in range(5)]
+    handles = [pipeline.submit(list(range(10)), p, np.arange(10), "layer_first") for p in pools]
+    pipeline.close()
+    assert all(h.done and h.pages == 10 for h in handles)
+    with pytest.raises(StoreClosedError):
+        pipeline.submit(list(range(10)), pools[0], np.arange(10), "layer_first")
+    pipeline.close()  # idempotent
+
+
+def test_bad_arguments_are_typed_errors(make_store, pipelines):
+    store = make_store()
+    store.put(list(range(4)), random_kv(4))
+    pipeline = pipelines(store)
+    pool = make_pool("layer_first")
+    keys = list(range(4))
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, pool, [0, 1, 2], "layer_first")  # one slot id short
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, pool, [0, 1, 1, 2], "layer_first")  # repeated slot
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, pool, [0, 1, 2, SLOTS], "layer_first")  # out of range
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, pool, [0, 1, 2, 3], "layer_last")
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, make_pool("layer_first", PAGE_BYTES // 2), [0, 1, 2, 3])
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, pool.transpose(0, 1), [0, 1, 2, 3], "layer_first")  # 96 layers
+    frozen = np.zeros((LAYERS, 8, PAGE_BYTES), dtype=np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, frozen, [0, 1, 2, 3])
+    array_pool = np.zeros((LAYERS, 8, PAGE_BYTES), dtype=np.uint8)  # numpy pools work too
+    assert pipeline.submit(keys, array_pool, [7, 5, 3, 1]).wait(WAIT) == 4
+    assert np.array_equal(array_pool[:, [7, 5, 3, 1]], random_kv(4))
+    handle = pipeline.submit(keys, pool, [0, 1, 2, 3])
+    with pytest.raises(ShapeError):
+        handle.wait_for_layer(LAYERS)
+    assert handle.wait(WAIT) == 4 and store.stats()["leases_open"] == 0
+    with pytest.raises(ConfigError):
+        RestorePipeline(store, slot_bytes=PAGE_BYTES)  # a page plus 4 KiB must fit
+    with pytest.raises(ConfigError):
+        RestorePipeline(store, windows=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_restore_into_a_gpu_pool_is_byte_exact(make_store, pipelines, layout):
+    page_bytes = 6000
+    store = make_store(page_bytes=page_bytes)
+    kv = random_kv(40, seed=50, page_bytes=page_bytes)
+    put_turns(store, kv, [10, 18, 40], [None, DRAM, None])
+    pipeline = pipelines(store, device="cuda", slot_bytes=4 * 4096)
+    pool = make_pool(layout, page_bytes, torch.int16).cuda()
+    slots = scattered_slots(40)
+    handles = [pipeline.submit(list(range(40)), pool, slots, layout) for _ in range(3)]
+    handles.append(pipeline.submit(list(range(18)), pool, slots[:18], layout))  # DRAM lane
+    assert [h.wait(WAIT) for h in handles] == [40, 40, 40, 18]
+    assert np.array_equal(pool_pages(pool.cpu(), layout, slots), kv)
+    assert pipeline.window_bytes == 2 * 2 * 4 * 4096 * 2 + 2 * 4 * 4096  # host + HBM twins
