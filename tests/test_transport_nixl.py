@@ -1,0 +1,381 @@
+"""The transport interface, and real NIXL/UCX reads between two processes over loopback.
+
+The owner of an arena runs in a second process (spawned, so it has its own UCX context) and
+exports its arena; this process reads ranges of it. UCX is pinned to the loopback device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from flatcake_ray.errors import (
+    PeerDisconnectedError,
+    ReadRangeError,
+    ShapeError,
+    TransferError,
+    TransferTimeoutError,
+    TransportClosedError,
+)
+from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch, RegistrationCache
+from flatcake_ray.transports.nixl_dram import (
+    NixlAgent,
+    NixlDramTransport,
+    NixlFileReader,
+    NixlPeerInfo,
+    unique_agent_name,
+)
+
+ARENA_BYTES = 256 << 20
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}
+START_TIMEOUT_S = 120.0
+
+
+def pattern(size: int, seed: int) -> np.ndarray:
+    """Bytes that differ at every offset scale, so a misplaced range cannot match."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(size), dtype=np.uint8)
+
+
+# --------------------------------------------------------------------------- the interface
+
+
+def test_read_batch_validates_and_freezes():
+    src = np.array([0, 10])
+    batch = ReadBatch(src, [5, 0], [0, 5])
+    src[0] = 99
+    assert batch.src_offsets.tolist() == [0, 10]  # a private copy
+    assert batch.src_offsets.dtype == np.int64 and not batch.src_offsets.flags.writeable
+    assert len(batch) == 2 and batch.total_bytes == 5
+    assert len(batch.nonempty()) == 1
+    for bad in (([0], [-1], [0]), ([0, 1], [1], [0]), ([0.5], [1], [0]), ([[0]], [[1]], [[0]])):
+        with pytest.raises(ReadRangeError):
+            ReadBatch(*bad)
+    with pytest.raises(ValueError):  # the typed error is also a ValueError
+        ReadBatch([1 << 48], [1], [0])
+    assert ReadBatch.packed([100, 7], [3, 4], dst_start=2).dst_offsets.tolist() == [2, 5]
+
+
+def test_read_batch_checks_source_and_destination():
+    batch = ReadBatch([0, 90], [10, 10], [0, 10])
+    batch.check_source(100, "src")
+    with pytest.raises(ReadRangeError, match="past the 99 bytes"):
+        batch.check_source(99, "src")
+    batch.check_destination(np.zeros(20, np.uint8))
+    with pytest.raises(ReadRangeError):
+        batch.check_destination(np.zeros(19, np.uint8))
+    with pytest.raises(ReadRangeError, match="overlap"):
+        ReadBatch([0, 0], [10, 10], [0, 9]).check_destination(np.zeros(20, np.uint8))
+    for bad_dst in (
+        np.zeros(20, np.int8),
+        np.zeros((2, 10), np.uint8),
+        np.zeros(40, np.uint8)[::2],
+    ):
+        with pytest.raises(ShapeError):
+            batch.check_destination(bad_dst)
+    frozen = np.zeros(20, np.uint8)
+    frozen.setflags(write=False)
+    with pytest.raises(ShapeError):
+        batch.check_destination(frozen)
+
+
+def test_registration_cache_reuses_covering_entries_and_evicts_idle_ones():
+    log: list[str] = []
+    cache = RegistrationCache(
+        lambda buf: log.append(f"reg {buf.nbytes}") or buf.nbytes,
+        lambda handle: log.append(f"rel {handle}"),
+        capacity=1,
+    )
+    staging = np.zeros(100, np.uint8)
+    with cache.use(staging) as handle:
+        assert handle == 100
+    with cache.use(staging[10:50]) as handle:  # a slice rides on the whole buffer's entry
+        assert handle == 100
+    assert log == ["reg 100"]
+    other = np.zeros(30, np.uint8)
+    with cache.use(other), cache.use(staging):  # staging was idle: evicted, then back
+        assert len(cache) == 2  # over capacity, but an entry in use is never evicted
+    with cache.use(np.zeros(7, np.uint8)):
+        assert len(cache) == 1
+    cache.clear()
+    assert len(cache) == 0
+    assert log == ["reg 100", "reg 30", "rel 100", "reg 100", "reg 7", "rel 30", "rel 100", "rel 7"]
+
+
+def test_importing_transports_loads_neither_nixl_nor_pyverbs():
+    code = (
+        "import sys, flatcake_ray.transports, flatcake_ray.transports.base, "
+        "flatcake_ray.transports.routing, flatcake_ray.transports.nixl_dram, "
+        "flatcake_ray.transports.rdma_verbs\n"
+        "loaded = [m for m in ('nixl', 'pyverbs', 'torch') if m in sys.modules]\n"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --------------------------------------------------------------------------- owner process
+
+
+def _owner_main(conn, size: int, seed: int) -> None:
+    """Child: export an arena holding ``pattern(size, seed)``; serve until told to stop."""
+    from flatcake_ray.transports.nixl_dram import NixlArenaExporter
+
+    os.environ.update(LOOPBACK_ENV)
+    os.environ.pop("UCX_TLS", None)  # the owner offers every transport; readers choose
+    try:
+        exporter = NixlArenaExporter(unique_agent_name("owner"), pattern(size, seed))
+    except BaseException as exc:
+        conn.send(repr(exc))
+        raise
+    with exporter:
+        conn.send(exporter.peer_info())
+        with contextlib.suppress(EOFError):  # EOF: the parent died, so stop too
+            conn.recv()
+
+
+class Owner:
+    def __init__(self, size: int, seed: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_owner_main, args=(child_conn, size, seed))
+        self.process.start()
+        child_conn.close()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.stop()
+            pytest.fail("the arena owner did not start in time")
+        message = self._conn.recv()
+        if not isinstance(message, NixlPeerInfo):
+            self.stop()
+            pytest.fail(f"the arena owner failed: {message}")
+        self.info: NixlPeerInfo = message
+        self.arena = pattern(size, seed)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):  # dying anyway: join decides
+                self._conn.send("stop")
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(30)
+        self._conn.close()
+
+
+@pytest.fixture(scope="module")
+def nixl_usable():
+    reason = NixlDramTransport.probe()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def owner(nixl_usable):
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in LOOPBACK_ENV.items():
+            env.setenv(key, value)
+        arena_owner = Owner(ARENA_BYTES, seed=1)
+    yield arena_owner
+    arena_owner.stop()
+
+
+@pytest.fixture
+def spawn_owner(nixl_usable, monkeypatch):
+    """Owners a test may kill; each is stopped at the end."""
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    owners: list[Owner] = []
+
+    def spawn(size: int, seed: int = 2) -> Owner:
+        owners.append(Owner(size, seed))
+        return owners[-1]
+
+    yield spawn
+    for arena_owner in owners:
+        arena_owner.stop()
+
+
+@pytest.fixture(params=["tcp", "any"])
+def reader_agent(request, nixl_usable, monkeypatch):
+    """A local agent over UCX's TCP transport on lo, or over whatever UCX picks (shm/cma)."""
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    agent = agent_over(None if request.param == "any" else request.param, monkeypatch)
+    yield agent
+    agent.close()
+
+
+def agent_over(tls: str | None, monkeypatch) -> NixlAgent:
+    """An agent whose UCX context uses ``tls`` (None: whatever UCX picks)."""
+    if tls is None:
+        monkeypatch.delenv("UCX_TLS", raising=False)
+    else:
+        monkeypatch.setenv("UCX_TLS", tls)
+    return NixlAgent(unique_agent_name(f"reader-{tls or 'any'}"))
+
+
+def scattered_batch(rng: np.random.Generator, arena_bytes: int, count: int) -> ReadBatch:
+    """Ranges at both ends of the arena and of varied sizes elsewhere, laid out in dst in a
+    shuffled order with gaps (so a range landing at the wrong place shows)."""
+    lengths = rng.integers(1, 256 << 10, size=count)
+    lengths[:5] = [1, 4096, 1, 65536, arena_bytes // 4]
+    src = rng.integers(0, arena_bytes - lengths)
+    src[:5] = [0, 0, arena_bytes - 1, arena_bytes - 65536, arena_bytes // 3]
+    slots = rng.permutation(count)
+    gaps = rng.integers(0, 64, size=count)
+    ends = np.cumsum(lengths[slots] + gaps[slots])
+    dst = np.empty(count, dtype=np.int64)
+    dst[slots] = ends - lengths[slots]
+    return ReadBatch(src, lengths, dst)
+
+
+def assert_landed(batch: ReadBatch, arena: np.ndarray, dst: np.ndarray, sentinel: int) -> None:
+    """Every range holds its source bytes and nothing outside the ranges was touched."""
+    expected = np.full(dst.size, sentinel, dtype=np.uint8)
+    for s, n, d in zip(batch.src_offsets, batch.lengths, batch.dst_offsets, strict=True):
+        expected[d : d + n] = arena[s : s + n]
+    if not np.array_equal(dst, expected):
+        first = int(np.flatnonzero(dst != expected)[0])
+        pytest.fail(f"dst differs from the expected bytes first at offset {first}")
+
+
+# --------------------------------------------------------------------------- NIXL reads
+
+
+def test_probe_finds_nixl_here():
+    assert NixlDramTransport.probe() is None
+    assert NixlFileReader.probe() is None
+
+
+def test_scattered_reads_land_exactly(owner, reader_agent):
+    rng = np.random.default_rng(7)
+    batch = scattered_batch(rng, ARENA_BYTES, count=300)
+    dst = np.full(int((batch.dst_offsets + batch.lengths).max()) + 100, 0xA5, dtype=np.uint8)
+    with NixlDramTransport(reader_agent, owner.info, timeout_s=60) as transport:
+        stats = transport.read(batch, dst)
+        assert_landed(batch, owner.arena, dst, 0xA5)
+        assert (stats.bytes, stats.commands, stats.path) == (
+            batch.total_bytes,
+            300,
+            REMOTE_DRAM_NIXL,
+        )
+        again = ReadBatch.packed([5, ARENA_BYTES - 3], [3, 3], dst_start=10)
+        transport.read(again, dst[:100])  # a slice reuses the whole buffer's registration
+        np.testing.assert_array_equal(dst[10:16], np.r_[owner.arena[5:8], owner.arena[-3:]])
+        assert len(reader_agent.destinations) == 1
+        empty = transport.read(ReadBatch([], [], []), dst)
+        assert (empty.bytes, empty.commands) == (0, 0)
+
+
+def test_out_of_range_reads_are_rejected_before_posting(owner, reader_agent):
+    dst = np.full(4096, 0x5A, dtype=np.uint8)
+    with NixlDramTransport(reader_agent, owner.info) as transport:
+        with pytest.raises(ReadRangeError, match="ends past"):
+            transport.read(ReadBatch([ARENA_BYTES - 10], [11], [0]), dst)
+        with pytest.raises(ReadRangeError):
+            transport.read(ReadBatch([0], [4097], [0]), dst)
+        with pytest.raises(ShapeError):
+            transport.read(ReadBatch([0], [16], [0]), dst.view(np.int8))
+        assert len(reader_agent.destinations) == 0  # nothing was even registered
+        assert np.all(dst == 0x5A)
+        transport.read(ReadBatch([ARENA_BYTES - 10], [10], [0]), dst)  # still usable
+        np.testing.assert_array_equal(dst[:10], owner.arena[-10:])
+
+
+def test_transport_closes_cleanly(owner, nixl_usable, monkeypatch):
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    transport = NixlDramTransport(unique_agent_name("closer"), owner.info)
+    dst = np.zeros(64, np.uint8)
+    transport.read(ReadBatch([0], [64], [0]), dst)
+    transport.close()
+    transport.close()
+    with pytest.raises(TransportClosedError):
+        transport.read(ReadBatch([0], [64], [0]), dst)
+
+
+def wait_until_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    pytest.fail(f"process {pid} did not stop")
+
+
+def test_stalled_or_dead_peer_gives_typed_errors_not_hangs(spawn_owner, monkeypatch):
+    """A stalled owner (SIGSTOP) times out; a dead one (SIGKILL) fails at once; neither hangs.
+    One owner serves both cases: starting one costs seconds (nixl imports torch)."""
+    victim = spawn_owner(size=16 << 20)
+    dst = np.zeros(16 << 20, np.uint8)
+    whole = ReadBatch([0], [dst.size], [0])
+    tcp_agent, any_agent = agent_over("tcp", monkeypatch), agent_over(None, monkeypatch)
+    # Over TCP UCX emulates READ with the owner's progress thread, so stopping it stalls reads.
+    stalled = NixlDramTransport(tcp_agent, victim.info, timeout_s=1.0)
+    survivor = NixlDramTransport(any_agent, victim.info, timeout_s=10)
+    try:
+        for transport in (stalled, survivor):
+            dst[:] = 0
+            transport.read(whole, dst)
+            np.testing.assert_array_equal(dst, victim.arena)
+
+        os.kill(victim.process.pid, signal.SIGSTOP)
+        wait_until_stopped(victim.process.pid)
+        started = time.monotonic()
+        with pytest.raises(TransferTimeoutError):
+            stalled.read(whole, dst)
+        assert time.monotonic() - started < 5
+        assert stalled.broken and not survivor.broken
+        with pytest.raises(TransferError, match="build a new one"):  # a timeout breaks it
+            stalled.read(ReadBatch([0], [16], [0]), dst)
+
+        os.kill(victim.process.pid, signal.SIGKILL)
+        victim.process.join(30)
+        started = time.monotonic()
+        with pytest.raises(TransferError) as raised:
+            survivor.read(ReadBatch([0], [4096], [0]), dst)
+        elapsed = time.monotonic() - started
+        print(f"dead peer -> {type(raised.value).__name__} after {elapsed * 1e3:.1f} ms")
+        assert elapsed < 12
+        with pytest.raises(PeerDisconnectedError):  # and nobody can connect to it any more
+            NixlDramTransport(tcp_agent, victim.info)
+    finally:
+        for closeable in (stalled, survivor, tcp_agent, any_agent):
+            closeable.close()
+
+
+def test_large_read_bandwidth(owner, reader_agent, request):
+    dst = np.ones(ARENA_BYTES, np.uint8)  # pages faulted in before timing
+    batch = ReadBatch([0], [ARENA_BYTES], [0])
+    with NixlDramTransport(reader_agent, owner.info, timeout_s=120) as transport:
+        transport.read(ReadBatch([0], [1], [0]), dst)  # connects and registers dst
+        runs = [transport.read(batch, dst) for _ in range(2)]
+    assert np.array_equal(dst, owner.arena)
+    tls = request.node.callspec.params["reader_agent"]
+    rates = ", ".join(f"{run.gb_per_s:.2f}" for run in runs)
+    print(f"NIXL READ of 256 MiB over loopback, UCX_TLS={tls}: {rates} GB/s")
+
+
+# --------------------------------------------------------------------------- POSIX backend
+
+
+def test_file_reader_reads_ranges_of_a_file(tmp_path, nixl_usable):
+    content = pattern(3 << 20, seed=5)
+    path = tmp_path / "segment.bin"
+    path.write_bytes(content.tobytes())
+    batch = scattered_batch(np.random.default_rng(3), content.size, count=40)
+    dst = np.full(int((batch.dst_offsets + batch.lengths).max()), 0x3C, dtype=np.uint8)
+    with NixlFileReader(path) as reader:
+        stats = reader.read(batch, dst)
+        assert_landed(batch, content, dst, 0x3C)
+        assert stats.bytes == batch.total_bytes
+        with pytest.raises(ReadRangeError):
+            reader.read(ReadBatch([content.size - 1], [2], [0]), dst)
+    with pytest.raises(TransportClosedError):
+        reader.read(batch, dst)

@@ -1,0 +1,435 @@
+"""Remote DRAM over NIXL (UCX backend): one-sided READs of another node's arena.
+
+Owner (StorageNode): ``NixlArenaExporter(name, arena)`` registers the arena once;
+``peer_info()`` is the picklable :class:`NixlPeerInfo` a reader needs, sent in one Ray call.
+Reader: ``NixlDramTransport(local_agent, peer_info)`` reads a :class:`ReadBatch` of arena
+ranges with one NIXL transfer, one descriptor per range. On RDMA-capable UCX transports the
+owner's CPU takes no part; over TCP UCX emulates READ with the owner's progress thread.
+``NixlFileReader`` (POSIX backend) lets an owner read SSD file ranges into a bounce buffer
+that readers then fetch, for "remote-ssd-shipped".
+
+UCX reads ``UCX_TLS``/``UCX_NET_DEVICES`` when an agent is created (tests pin
+``UCX_NET_DEVICES=lo``); an empty ``UCX_TLS`` makes UCX refuse to start. Importing nixl
+imports torch on a CPU-only torch build (nixl's CUDA probe): seconds, once per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    PeerDisconnectedError,
+    ShapeError,
+    TransferError,
+    TransferTimeoutError,
+    TransportClosedError,
+    TransportUnavailableError,
+)
+from .base import REMOTE_DRAM_NIXL, ReadBatch, RegistrationCache, TransferStats, Transport
+
+DEFAULT_TIMEOUT_S = 30.0
+_POLL_SLEEP_MAX_S = 0.001
+_names = itertools.count()
+
+
+@functools.cache
+def _nixl_api() -> Any:
+    """Import nixl on first use, keeping its import-time side effects off the process."""
+    raise_exceptions = logging.raiseExceptions
+    try:
+        import nixl._api as api
+    except ImportError as exc:
+        raise TransportUnavailableError(f"nixl is not importable: {exc}") from exc
+    # nixl's logging setup flips this global for every logger in the process; put it back.
+    logging.raiseExceptions = raise_exceptions
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # Each agent otherwise prints INFO lines to stdout, which corrupts CLI output.
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return api
+
+
+@functools.cache
+def _nixl_errors() -> tuple[type[BaseException], ...]:
+    """nixl's binding exceptions share no base class; collect them by name."""
+    bindings = _nixl_api().nixlBind
+    names = [n for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error")]
+    return tuple(getattr(bindings, n) for n in names)
+
+
+def nixl_probe(backend: str) -> str | None:
+    """``None`` if nixl imports and has the ``backend`` plugin, else why not."""
+    if importlib.util.find_spec("nixl") is None:
+        return "nixl not installed"
+    try:
+        api = _nixl_api()
+        plugins = api.nixl_agent(unique_agent_name("probe"), api.nixl_agent_config(backends=[]))
+    except TransportUnavailableError as exc:
+        return str(exc)
+    except (RuntimeError, *_nixl_errors()) as exc:
+        return f"nixl unusable: {exc!r}"
+    if backend not in plugins.get_plugin_list():
+        return f"nixl has no {backend} plugin"
+    return None
+
+
+def unique_agent_name(role: str) -> str:
+    """An agent name unique across the cluster (peers are told apart by name)."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{next(_names)}"
+
+
+def _buffer_address(buffer: np.ndarray) -> int:
+    if not isinstance(buffer, np.ndarray) or buffer.ndim != 1 or buffer.dtype != np.uint8:
+        raise ShapeError("a NIXL buffer must be a 1-D uint8 numpy array")
+    if not buffer.flags.c_contiguous:
+        raise ShapeError("a NIXL buffer must be C-contiguous")
+    return int(buffer.ctypes.data)
+
+
+class NixlAgent:
+    """One NIXL agent (a UCX/POSIX context and its progress thread) and the local buffers
+    registered with it. One per process per role is enough; transports may share one."""
+
+    def __init__(
+        self, name: str, *, backends: Sequence[str] = ("UCX",), max_registrations: int = 8
+    ) -> None:
+        api = _nixl_api()
+        config = api.nixl_agent_config(
+            backends=list(backends),
+            # Reads may come from several threads; RW lets transfers run concurrently while
+            # registration and metadata changes take the agent exclusively.
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        )
+        try:
+            self._agent = api.nixl_agent(name, config)
+        except (RuntimeError, *_nixl_errors()) as exc:
+            raise TransportUnavailableError(
+                f"NIXL agent {name!r} with {list(backends)} failed to start: {exc!r} "
+                "(UCX's reason is on stderr; an empty UCX_TLS is one)"
+            ) from exc
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise TransportUnavailableError(f"NIXL has no {missing} plugin")
+        self.name = name
+        self._stuck: list[tuple[Any, np.ndarray]] = []
+        self.destinations = RegistrationCache(self.register, self.deregister, max_registrations)
+
+    @property
+    def _live(self) -> Any:
+        if self._agent is None:
+            raise TransportClosedError(f"NIXL agent {self.name} is closed")
+        return self._agent
+
+    def register(self, buffer: np.ndarray) -> Any:
+        """Register host memory with every backend that takes DRAM; returns the handle."""
+        descs = [(_buffer_address(buffer), buffer.nbytes, 0, "")]
+        return self._call("register memory", self._live.register_memory, descs, "DRAM")
+
+    def register_file(self, fd: int, size: int) -> Any:
+        return self._call("register file", self._live.register_memory, [(0, size, fd, "")], "FILE")
+
+    def deregister(self, registration: Any) -> None:
+        self._call("deregister memory", self._live.deregister_memory, registration)
+
+    def metadata(self) -> bytes:
+        """Everything a peer needs to reach this agent's registered memory."""
+        return self._live.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            name = self._live.add_remote_agent(metadata)
+        except _nixl_errors() as exc:
+            raise PeerDisconnectedError(f"cannot connect to the NIXL peer: {exc!r}") from exc
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_peer(self, name: str) -> None:
+        self._call("remove peer", self._live.remove_remote_agent, name)
+
+    def read(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        remote_kind: str,
+        *,
+        timeout_s: float,
+        dst: np.ndarray,
+    ) -> None:
+        """READ ``remote`` descriptors (N x 3: address/offset, length, device/fd) of ``peer``
+        into ``local`` ones (inside ``dst``); returns when done, else raises TransferError."""
+        deadline = time.monotonic() + timeout_s
+        agent = self._live
+        local_descs = agent.get_xfer_descs(local, "DRAM")
+        remote_descs = agent.get_xfer_descs(remote, remote_kind)
+        handle = self._call(
+            "create READ", agent.initialize_xfer, "READ", local_descs, remote_descs, peer
+        )
+        try:
+            state = self._call("post READ", agent.transfer, handle)
+            state = self._wait(agent, handle, state, deadline)
+        except TransferTimeoutError:
+            self._cancel(handle, dst)
+            raise
+        except BaseException:
+            self._call("release failed READ", handle.release)
+            raise
+        self._call("release READ", handle.release)
+        if state != "DONE":
+            raise TransferError(f"NIXL READ from {peer} failed (state {state})")
+
+    def _wait(self, agent: Any, handle: Any, state: str, deadline: float) -> str:
+        pause = 0.0
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError("NIXL READ did not complete before its deadline")
+            if pause:  # spin first: small reads finish in microseconds
+                time.sleep(pause)
+            pause = min(_POLL_SLEEP_MAX_S, pause * 2 or 1e-5)
+            state = self._call("check READ", agent.check_xfer_state, handle)
+        return state
+
+    def _cancel(self, handle: Any, dst: np.ndarray) -> None:
+        try:
+            handle.release()  # cancels the in-flight request
+        except _nixl_errors() as exc:
+            # The NIC may still write: keep the request and its memory alive until close.
+            self._stuck.append((handle, dst))
+            raise TransferTimeoutError("NIXL READ timed out and could not be cancelled") from exc
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except _nixl_errors() as exc:
+            gone = type(exc).__name__ == "nixlRemoteDisconnectError"
+            error = PeerDisconnectedError if gone else TransferError
+            raise error(f"NIXL {what} failed on agent {self.name}: {exc!r}") from exc
+
+    def close(self) -> None:
+        """Drop registrations and the agent (its UCX context and threads); idempotent."""
+        if self._agent is None:
+            return
+        self.destinations.clear()
+        while self._stuck:
+            handle, _ = self._stuck[-1]
+            self._call("release stuck READ", handle.release)
+            self._stuck.pop()
+        self._agent = None
+
+
+@dataclass(frozen=True)
+class NixlPeerInfo:
+    """What a reader needs to reach an exported arena; picklable for a Ray call."""
+
+    agent_name: str
+    metadata: bytes
+    base_address: int
+    length: int
+
+
+class NixlArenaExporter:
+    """Owner side: registers ``buffer`` (the arena) with a NIXL agent for remote READs.
+
+    The buffer must stay alive and unmoved until ``close()``; the exporter keeps a reference.
+    Pass ``agent`` to share one agent with this process's readers (it is then not closed).
+    """
+
+    def __init__(self, name: str, buffer: np.ndarray, *, agent: NixlAgent | None = None) -> None:
+        self._base = _buffer_address(buffer)
+        self._buffer = buffer
+        self._owns_agent = agent is None
+        self._agent = agent if agent is not None else NixlAgent(name)
+        self._registration = self._agent.register(buffer)
+
+    @property
+    def base_address(self) -> int:
+        return self._base
+
+    @property
+    def length(self) -> int:
+        return int(self._buffer.nbytes)
+
+    def metadata(self) -> bytes:
+        return self._agent.metadata()
+
+    def peer_info(self) -> NixlPeerInfo:
+        return NixlPeerInfo(self._agent.name, self.metadata(), self._base, self.length)
+
+    def close(self) -> None:
+        if self._registration is None:
+            return
+        registration, self._registration = self._registration, None
+        try:
+            self._agent.deregister(registration)
+        finally:
+            if self._owns_agent:
+                self._agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _descriptors(addresses: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray:
+    device_column = np.full(addresses.shape, device, dtype=np.uint64)
+    return np.column_stack((addresses.astype(np.uint64), lengths.astype(np.uint64), device_column))
+
+
+class _NixlReader(Transport):
+    """What the two NIXL transports share: validation, agent ownership, stats.
+
+    A failed transfer breaks the transport for good: a request NIXL could not cancel might
+    still complete later, so the connection is dropped and later reads are refused.
+    """
+
+    def __init__(self, agent: NixlAgent, owns_agent: bool, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self._agent: NixlAgent | None = agent
+        self._owns_agent = owns_agent
+        self._timeout_s = timeout_s
+        self._broken: str | None = None
+
+    @property
+    def broken(self) -> bool:
+        """True after a failed transfer: drop this transport and build a new one."""
+        return self._broken is not None
+
+    def _checked(self, reads: ReadBatch, dst: np.ndarray, size: int, source: str) -> ReadBatch:
+        if self._agent is None:
+            raise TransportClosedError(f"{self.name} transport is closed")
+        if self._broken is not None:
+            raise TransferError(f"{self.name} broke ({self._broken}); build a new one")
+        reads.check_destination(dst)
+        reads.check_source(size, source)
+        return reads.nonempty()
+
+    def _transfer(
+        self, peer: str, reads: ReadBatch, dst: np.ndarray, remote: np.ndarray, kind: str
+    ) -> TransferStats:
+        start = time.perf_counter()
+        if len(reads):
+            local = _descriptors(dst.ctypes.data + reads.dst_offsets, reads.lengths)
+            with self._agent.destinations.use(dst):
+                try:
+                    self._agent.read(peer, local, remote, kind, timeout_s=self._timeout_s, dst=dst)
+                except TransferError as exc:
+                    self._broken = type(exc).__name__
+                    self._drop_connection()
+                    raise
+        elapsed = time.perf_counter() - start
+        return TransferStats(reads.total_bytes, len(reads), elapsed, self.name)
+
+    def _drop_connection(self) -> None:
+        """Cut the path a late completion could take into a caller's buffer."""
+
+    def _close_agent(self) -> None:
+        agent, self._agent = self._agent, None
+        if agent is not None and self._owns_agent:
+            agent.close()
+
+
+class NixlDramTransport(_NixlReader):
+    """Reader side of remote DRAM over NIXL. Source offsets are offsets into the peer's arena.
+
+    ``local_agent`` is a name (an agent is created and owned) or a shared :class:`NixlAgent`.
+    Destination buffers are registered on first use and cached by address range (see
+    :class:`RegistrationCache`): reuse one staging buffer, or slices of it, across reads.
+    """
+
+    name = REMOTE_DRAM_NIXL
+
+    def __init__(
+        self,
+        local_agent: str | NixlAgent,
+        peer: NixlPeerInfo,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_registrations: int = 8,
+    ) -> None:
+        owns = isinstance(local_agent, str)
+        agent = NixlAgent(local_agent, max_registrations=max_registrations) if owns else local_agent
+        super().__init__(agent, owns, timeout_s)
+        self._peer = peer
+        try:
+            self._peer_name: str | None = agent.add_peer(peer.metadata)
+        except BaseException:
+            self._close_agent()
+            raise
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return nixl_probe("UCX")
+
+    def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
+        source = f"the arena of {self._peer.agent_name}"
+        reads = self._checked(reads, dst, self._peer.length, source)
+        remote = _descriptors(self._peer.base_address + reads.src_offsets, reads.lengths)
+        return self._transfer(self._peer_name, reads, dst, remote, "DRAM")
+
+    def _drop_connection(self) -> None:
+        name, self._peer_name = self._peer_name, None
+        if name is not None:
+            self._agent.remove_peer(name)  # closes the UCX endpoint, cancelling its requests
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._drop_connection()
+        finally:
+            self._close_agent()
+
+
+class NixlFileReader(_NixlReader):
+    """Reads ranges of one file into host memory through NIXL's POSIX backend.
+
+    Owner-side helper for "remote-ssd-shipped" (never chosen by ``route``): source offsets
+    are file offsets. The file is opened read-only (buffered) and kept open until close.
+    """
+
+    name = "nixl-posix-file"
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self._path = os.fspath(path)
+        self._fd = os.open(self._path, os.O_RDONLY)
+        agent = None
+        try:
+            self._size = os.fstat(self._fd).st_size
+            agent = NixlAgent(unique_agent_name("posix"), backends=("POSIX",))
+            self._registration = agent.register_file(self._fd, self._size)
+        except BaseException:
+            os.close(self._fd)
+            if agent is not None:
+                agent.close()
+            raise
+        super().__init__(agent, True, timeout_s)
+
+    @classmethod
+    def probe(cls) -> str | None:
+        return nixl_probe("POSIX")
+
+    def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
+        reads = self._checked(reads, dst, self._size, self._path)
+        remote = _descriptors(reads.src_offsets, reads.lengths, device=self._fd)
+        return self._transfer(self._agent.name, reads, dst, remote, "FILE")
+
+    def close(self) -> None:
+        if self._agent is None:
+            return
+        try:
+            self._agent.deregister(self._registration)
+        finally:
+            self._close_agent()
+            os.close(self._fd)
