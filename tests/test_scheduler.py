@@ -231,7 +231,7 @@ def simulate(sched, arrivals):
         next_arrival = arrivals[index][0] if index < len(arrivals) else math.inf
         now = min(next_arrival, completions[0][0] if completions else math.inf)
         while completions and completions[0][0] == now:
-            sched.prefetch_done(heapq.heappop(completions)[1], now)
+            sched.prefetch_done(heapq.heappop(completions)[-1], now)
         while index < len(arrivals) and arrivals[index][0] == now:
             at, rid, ssd, size, _ = arrivals[index]
             sched.submit(rid, at, SSD_HIT if ssd else DRAM_HIT, size if ssd else 0)
@@ -244,7 +244,9 @@ def simulate(sched, arrivals):
             waiting.remove(request.request_id)
             assert request.request_id not in started
             started[request.request_id] = now
-            heapq.heappush(completions, (now + facts[request.request_id][4], request.request_id))
+            # the start count breaks ties, so ids of mixed types are never compared
+            finish = now + facts[request.request_id][4]
+            heapq.heappush(completions, (finish, len(started), request.request_id))
         for request in sched.pop_ready(now, None):
             assert request.request_id not in dispatched
             dispatched[request.request_id] = now
