@@ -95,9 +95,9 @@ class Lease:
 
 
 class Catalog:
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
         self.config = config
-        self.policy = PlacementPolicy(config.placement)
+        self.policy = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
         files = config.ssd_files_per_dir * len(config.ssd_folders)
         self.space = {
@@ -110,7 +110,12 @@ class Catalog:
         self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
         self._ids = itertools.count(1)
         self.leases: dict[int, Lease] = {}
-        self.counters = {"reclaimed_scopes": 0, "reclaimed_bytes": 0, "quarantined_scopes": 0}
+        self.counters = {
+            "reclaimed_scopes": 0,
+            "reclaimed_bytes": 0,
+            "quarantined_scopes": 0,
+            "forks": 0,
+        }
         self.rule_counts: dict[str, int] = {}
         self.on_free: Callable[[Scope], None] | None = None  # the store logs SSD frees
 
@@ -169,7 +174,14 @@ class Catalog:
         reply = hints.prior_reply_tokens
         if reply is None:
             reply = self.policy.infer_prior_reply(turn, appended_tokens)
-        inputs = PlacementInputs(hints.prefix_refcount or refcount, turn, reply, context)
+        if refcount > 1:
+            self.counters["forks"] += 1
+        # The inferred refcount belongs to the stored page this put forks from, not to the
+        # new pages: using it for them sent nearly every Mooncake conversation (all fork off
+        # the system prompt) to DRAM as "shared" and cost 5.5 points of hit rate in the replay
+        # (docs/bench_replay.md). Only the engine knows that the pages being written are
+        # shared (its radix-tree refcount), so only its hint fires the shared rule.
+        inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
         layout = SegmentLayout(len(new_positions), self.config.layers, self.config.page_bytes)
         placement = self.policy.decide(inputs)
         scope, offset = self._allocate(session, placement.medium, layout.nbytes)

@@ -7,6 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_replay import add_replay_commands
     from .cli_trace import add_trace_commands
     from .demo import add_demo_command
 
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_demo_command(subparsers)
     add_trace_commands(subparsers)
+    add_replay_commands(subparsers)
     return parser
 
 

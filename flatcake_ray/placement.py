@@ -5,8 +5,10 @@ Rules, first match wins:
 1. ``agentic``: context >= L_agent tokens, or prior reply >= tau tokens -> SSD. This comes
    first because a DRAM scope is only worth it for a small footprint: a sub-agent that forks a
    200K-token session shares its prefix (refcount > 1) yet would flood DRAM.
-2. ``shared``: prefix refcount > 1 (the page it continues has another continuation, or the
-   engine says so) -> DRAM.
+2. ``shared``: the engine says the pages being written are shared (radix-tree refcount > 1)
+   -> DRAM. The store also infers forks (a page continued by more than one distinct
+   continuation has refcount > 1, counted as ``forks``), but that refcount is the stored
+   page's: the fork's own new pages are a new session and are placed by rules 1, 3-5.
 3. ``short-chat``: turn > 1 and prior reply < tau -> DRAM.
 4. ``one-shot``: a first turn -> SSD; most first turns are never read again.
 5. ``unknown-reply``: a later turn whose prior reply length is unknown and may be long -> SSD

@@ -10,7 +10,7 @@ amplification). The restore pipeline calls :meth:`SegmentReader.read` one layer 
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -62,6 +62,45 @@ def _is_run(values: np.ndarray) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class SsdExtents:
+    """The SSD layer extents of some lease parts, one row per (part, layer), part-major."""
+
+    files: np.ndarray  # pool file of each extent
+    offsets: np.ndarray  # byte offset inside that file
+    lengths: np.ndarray  # the segment's layer_bytes
+    part_of_row: np.ndarray  # index into the parts given
+    layer_of_row: np.ndarray
+
+
+def lease_parts(lease: Lease) -> list[_Part]:
+    """A lease's pages grouped by segment (no I/O)."""
+    order = np.argsort(lease.segment_ids, kind="stable")
+    ids = lease.segment_ids[order]
+    cuts = np.flatnonzero(np.diff(ids)) + 1
+    return [
+        _Part(lease.segments[int(ids[group[0]])], lease.pages[order[group]], order[group])
+        for group in np.split(np.arange(len(ids)), cuts)
+        if group.size
+    ]
+
+
+def ssd_extents(parts: Sequence[_Part], layers: Sequence[int], file_bytes: int) -> SsdExtents:
+    """Where the ``layers`` extents of SSD ``parts`` lie in the pool, without I/O.
+
+    Shared by the live reader and the replay model, so both coalesce the same descriptors.
+    """
+    layer_ids = np.asarray(list(layers), dtype=np.int64)
+    starts = np.array([p.segment.offset for p in parts], dtype=np.int64)
+    strides = np.array([p.segment.layout.layer_stride for p in parts], dtype=np.int64)
+    extent = np.array([p.segment.layout.layer_bytes for p in parts], dtype=np.int64)
+    part_of_row = np.repeat(np.arange(len(parts)), len(layer_ids))
+    layer_of_row = np.tile(layer_ids, len(parts))
+    pool_offsets = starts[part_of_row] + layer_of_row * strides[part_of_row]
+    files, offsets = np.divmod(pool_offsets, file_bytes)
+    return SsdExtents(files, offsets, extent[part_of_row], part_of_row, layer_of_row)
+
+
 class BufferPool:
     """Pairs of aligned read buffers shared by concurrent readers: bounded memory.
 
@@ -97,14 +136,7 @@ class SegmentReader:
         self._io.shutdown(wait=True)
 
     def parts(self, lease: Lease) -> list[_Part]:
-        order = np.argsort(lease.segment_ids, kind="stable")
-        ids = lease.segment_ids[order]
-        cuts = np.flatnonzero(np.diff(ids)) + 1
-        return [
-            _Part(lease.segments[int(ids[group[0]])], lease.pages[order[group]], order[group])
-            for group in np.split(np.arange(len(ids)), cuts)
-            if group.size
-        ]
+        return lease_parts(lease)
 
     def read(self, lease: Lease, out: np.ndarray, layers: Iterable[int]) -> ReadOutcome:
         """Fill ``out[l, position]`` (uint8 [layers, pages, page_bytes]) for ``layers``."""
@@ -139,17 +171,11 @@ class SegmentReader:
     def _read_ssd(
         self, parts: list[_Part], out: np.ndarray, layers: list[int], outcome: ReadOutcome
     ) -> None:
-        rows = [(p, layer) for p in parts for layer in layers]
-        located = [
-            self.pool.locate(p.segment.offset + p.segment.layout.layer_offset(layer))
-            for p, layer in rows
-        ]
-        files = np.array([f for f, _ in located], dtype=np.int64)
-        offsets = np.array([o for _, o in located], dtype=np.int64)
-        lengths = np.array([p.segment.layout.layer_bytes for p, _ in rows], dtype=np.int64)
+        extents = ssd_extents(parts, layers, self.pool.file_bytes)
+        lengths = extents.lengths
         reads = coalesce(
-            files,
-            offsets,
+            extents.files,
+            extents.offsets,
             lengths,
             gap_bytes=self.config.gap_bytes,
             max_read_bytes=self.config.max_read_bytes,
@@ -164,7 +190,7 @@ class SegmentReader:
                 view = pending.result()
                 pending = self._submit(reads, r + 1, pair)
                 for d in by_read[bounds[r] : bounds[r + 1]]:
-                    part, layer = rows[d]
+                    part, layer = parts[extents.part_of_row[d]], int(extents.layer_of_row[d])
                     skip = int(reads.descriptor_skip[d])
                     self._deliver(part, layer, view[skip : skip + int(lengths[d])], out, outcome)
         finally:

@@ -263,14 +263,19 @@ def test_chat_that_turns_agentic_keeps_old_blocks_and_moves_new_turns(make_store
     assert count == 16 and np.array_equal(out, kv[:, :16])
 
 
-def test_fork_of_a_shared_prefix_is_a_new_session_with_refcount_two(make_store):
+def test_fork_of_a_shared_prefix_is_a_new_session(make_store):
     store = make_store()
     kv = random_kv(6)
     base = store.put(["sys", "u1"], kv[:, :2])
     first = store.put(["sys", "u1", "a1"], kv[:, :3])
     fork = store.put(["sys", "u1", "b1"], kv[:, :3])
-    assert first.session_id == base.session_id != fork.session_id
-    assert fork.rule == "shared" and fork.medium == "DRAM"
+    mid_fork = store.put(["sys", "c1"], kv[:, :2])
+    assert first.session_id == base.session_id
+    assert len({first.session_id, fork.session_id, mid_fork.session_id}) == 3
+    assert (fork.rule, mid_fork.rule) == ("one-shot", "one-shot")  # its own pages: turn 1
+    assert store.stats()["forks"] == 2
+    shared = store.put(["sys", "d1"], kv[:, :2], hints=PutHints(prefix_refcount=3))
+    assert (shared.medium, shared.rule) == ("DRAM", "shared")  # the engine knows better
 
 
 def test_explicit_session_id_wins(make_store):

@@ -1,0 +1,218 @@
+"""FlatCake storage in the model: the live :class:`Catalog` with modelled devices.
+
+The catalog's bytes never exist: a put is :meth:`Catalog.plan_put` when the prefill ends and
+:meth:`Catalog.publish` when the modelled write completes (the live store's order: address
+first, key visible only after the write). A lookup is :meth:`Catalog.lease`, held until the
+request's prefill ends. SSD reads are the live reader's descriptors (:func:`ssd_extents`)
+merged by the live :func:`coalesce` one layer at a time, with reads capped at a staging slot,
+as the live restore pipeline (``restore_plan.py``) issues them; a read longer than a slot is
+cut into slot-sized commands, as the pipeline streams it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.catalog import Catalog, PutHints
+from flatcake_ray.coalesce import coalesce
+from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
+from flatcake_ray.errors import MediumFullError
+from flatcake_ray.extents import align_up
+from flatcake_ray.gva import MEDIA_SHIFT, Medium
+from flatcake_ray.placement import Placement, PlacementInputs, PlacementPolicy
+from flatcake_ray.reader import lease_parts, ssd_extents
+
+from .pages import TracePages
+from .profiles import Profile
+from .systems import Located, StorageCounters, SystemSpec, Transfer
+
+
+class OraclePlacement:
+    """A stand-in for :class:`PlacementPolicy` that the model tells, before each put, where
+    the put goes (it knows the trace's future). Passed to the Catalog as its policy."""
+
+    def __init__(self, config: PlacementConfig) -> None:
+        self._inner = PlacementPolicy(config)
+        self.pending = Placement(Medium.SSD, "oracle-ssd")
+
+    def decide(self, inputs: PlacementInputs, dram_has_room: bool = True) -> Placement:
+        return self.pending
+
+    def infer_prior_reply(self, turn: int, appended_tokens: int) -> int | None:
+        return self._inner.infer_prior_reply(turn, appended_tokens)
+
+
+def store_config_for(
+    profile: Profile, placement: PlacementConfig, pages: TracePages
+) -> StoreConfig:
+    """A per-rank store: pool files sized so the largest request's segment fits one file."""
+    largest_pages = int(np.diff(pages.offsets).max()) if len(pages) else 1
+    largest_segment = profile.layers * align_up(max(largest_pages, 1) * profile.page_bytes)
+    ssd = profile.ssd_rank_bytes
+    file_bytes = min(align_up(max(2 * largest_segment, ssd // 256, ALIGN)), max(ssd, ALIGN))
+    return StoreConfig(
+        root="replay-model",  # never touched: the catalog needs no files
+        layers=profile.layers,
+        page_bytes=profile.page_bytes,
+        dram_bytes=profile.dram_rank_bytes,
+        ssd_file_bytes=file_bytes // ALIGN * ALIGN,
+        ssd_files_per_dir=max(1, ssd // file_bytes),
+        ssd_min_run_bytes=max(ALIGN, min(1 << 20, file_bytes) // ALIGN * ALIGN),
+        fsync=False,
+        hugepages="off",
+        placement=placement,
+    )
+
+
+class FlatStorage:
+    def __init__(
+        self,
+        profile: Profile,
+        spec: SystemSpec,
+        pages: TracePages,
+        placement: PlacementConfig,
+        arrivals: np.ndarray,
+    ) -> None:
+        self.profile = profile
+        self.spec = spec
+        self.pages = pages
+        self.arrivals = arrivals
+        self.config = store_config_for(profile, placement, pages)
+        self.oracle = OraclePlacement(placement) if spec.oracle else None
+        self.catalog = Catalog(self.config, policy=self.oracle)
+        self.counters = StorageCounters()
+        self.media_at_publish: dict[int, tuple[Medium, int]] = {}  # segment -> (medium, offset)
+
+    # ---- reads ---------------------------------------------------------------------------
+    def locate(self, request: int, digests: np.ndarray, start: int) -> Located:
+        lease = self.catalog.lease(digests[start:])
+        self.counters.add("leases")
+        if lease.hits == 0:
+            self.catalog.release(lease)
+            return Located(np.zeros(0, dtype=np.int8), np.zeros(0, dtype=np.uint64))
+        unique, inverse = np.unique(lease.segment_ids, return_inverse=True)
+        segments = [lease.segments[int(s)] for s in unique]
+        media = np.array([int(s.medium) for s in segments], dtype=np.int8)[inverse]
+        bases = np.array([s.offset for s in segments], dtype=np.uint64)[inverse]
+        node = np.uint64(self.config.node_id << 48)
+        gvas = (
+            (media.astype(np.uint64) << np.uint64(MEDIA_SHIFT))
+            | node
+            | (bases + lease.pages.astype(np.uint64) * np.uint64(self.profile.page_bytes))
+        )
+        self._check_never_moved(segments)
+        return Located(media, gvas, lease)
+
+    def ssd_reads(self, located: Located) -> np.ndarray:
+        parts = [p for p in lease_parts(located.handle) if p.segment.medium is Medium.SSD]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        extents = ssd_extents(parts, range(self.profile.layers), self.config.ssd_file_bytes)
+        files = self.config.ssd_files_per_dir * len(self.config.ssd_folders)
+        # One coalesce call per layer, as the restore pipeline does; a distinct file id per
+        # (layer, file) gives the same reads from one vectorised call.
+        reads = coalesce(
+            extents.layer_of_row * files + extents.files,
+            extents.offsets,
+            extents.lengths,
+            gap_bytes=self.config.gap_bytes,
+            max_read_bytes=self.profile.slot_bytes,
+            align=ALIGN,
+        )
+        return split_to_slots(reads.lengths, self.profile.slot_bytes)
+
+    def release(self, request: int, located: Located, used: slice) -> list[Transfer]:
+        if located.handle is not None:
+            self.catalog.release(located.handle)
+        return []
+
+    # ---- writes --------------------------------------------------------------------------
+    def store(self, request: int, digests: np.ndarray, now: float) -> list[Transfer]:
+        if self.oracle is not None:
+            digests = self._oracle_choice(request, digests, now)
+            if not len(digests):
+                return []
+        try:
+            plan = self.catalog.plan_put(
+                digests, session_id=self.pages.session_of(request), hints=self._hints(request)
+            )
+        except MediumFullError:
+            self.counters.add("puts_failed")
+            return []
+        if plan is None:
+            return []
+        layout = plan.segment.layout
+        self.counters.add("puts_planned")
+        if plan.segment.medium is Medium.SSD:
+            lengths = np.full(layout.layers, layout.layer_stride, dtype=np.int64)
+            return [Transfer("ssd-write", lengths, plan, plan.segment.digests)]
+        return [Transfer("d2h", np.array([layout.nbytes]), plan, medium=Medium.DRAM)]
+
+    def complete(self, transfer: Transfer) -> None:
+        plan = transfer.token
+        self.catalog.publish(plan)
+        self.counters.add("puts_published")
+        self.counters.add(f"pages_to_{plan.segment.medium.name.lower()}", len(plan.new_positions))
+        self.media_at_publish[plan.segment.segment_id] = (plan.segment.medium, plan.segment.offset)
+
+    def _hints(self, request: int) -> PutHints | None:
+        turn = int(self.pages.turns[request])
+        if turn < 1:
+            return None
+        reply = int(self.pages.prior_reply[request])
+        return PutHints(turn=turn, prior_reply_tokens=reply if reply >= 0 else None)
+
+    def _oracle_choice(self, request: int, digests: np.ndarray, now: float) -> np.ndarray:
+        first = self.pages.offsets[request]
+        next_use = self.pages.next_use[first : first + len(digests)]
+        reused = np.flatnonzero(next_use >= 0)
+        if not reused.size:
+            self.counters.add("oracle_skipped_puts")
+            return digests[:0]
+        keep = int(reused[-1]) + 1  # pages after the last reused one are never read again
+        soonest = float(self.arrivals[next_use[reused].min()]) - now
+        # DRAM only while it stays under the low watermark: past it the catalog would reclaim
+        # whole scopes, and an oracle does not throw away pages it knows are coming back.
+        dram = self.catalog.space[Medium.DRAM]
+        nbytes = keep * self.profile.page_all_layers_bytes
+        room = dram.capacity and (
+            dram.used_fraction + nbytes / dram.capacity <= self.config.low_watermark
+        )
+        near = soonest <= self.spec.oracle_horizon_s and bool(room)
+        self.oracle.pending = Placement(
+            Medium.DRAM if near else Medium.SSD, "oracle-dram" if near else "oracle-ssd"
+        )
+        return digests[:keep]
+
+    def _check_never_moved(self, segments: list[Any]) -> None:
+        for segment in segments:
+            known = self.media_at_publish.get(segment.segment_id)
+            if known is not None and known != (segment.medium, segment.offset):
+                self.counters.add("migrations")
+
+    def report(self) -> dict[str, Any]:
+        catalog = self.catalog
+        return {
+            **self.counters.values,
+            **{f"catalog_{k}": v for k, v in catalog.counters.items()},
+            "catalog_rules": dict(catalog.rule_counts),
+            "catalog_sessions": len(catalog.sessions),
+            "catalog_scopes": len(catalog.scopes),
+            "catalog_pages_indexed": len(catalog.index),
+            "dram_used_fraction": catalog.space[Medium.DRAM].used_fraction,
+            "ssd_used_fraction": catalog.space[Medium.SSD].used_fraction,
+            "leases_open": len(catalog.leases),
+        }
+
+
+def split_to_slots(lengths: np.ndarray, slot_bytes: int) -> np.ndarray:
+    """Cut reads longer than a slot into slot-sized commands (plus the remainder)."""
+    pieces = -(-lengths // slot_bytes)
+    if (pieces <= 1).all():
+        return lengths
+    out = np.repeat(np.minimum(lengths, slot_bytes), pieces)
+    last = np.cumsum(pieces) - 1
+    out[last] = lengths - (pieces - 1) * slot_bytes
+    return out
