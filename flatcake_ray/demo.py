@@ -107,9 +107,8 @@ def _run_chats(store: FlatCakeStore, rng: np.random.Generator, chats: int) -> li
 
 def print_store_summary(result: dict[str, Any]) -> None:
     print("\n== 1. Store, in process: one agentic session (restore the prefix, then append) ==")
-    print(
-        f"{'turn':>4} {'pages':>6} {'medium':>6} {'rule':>13} {'restored':>8} {'reads':>5} {'GB/s':>6}"
-    )
+    header = ("turn", 4), ("pages", 6), ("medium", 6), ("rule", 13), ("restored", 8)
+    print(" ".join(f"{name:>{width}}" for name, width in header) + " reads   GB/s")
     for row in result["agentic_turns"]:
         print(
             f"{row['turn']:>4} {row['context_pages']:>6} {row['medium']:>6} {row['rule']:>13} "
@@ -118,15 +117,64 @@ def print_store_summary(result: dict[str, Any]) -> None:
         )
     print("\nShort chats beside it (turn 1 / turn 2 medium and rule):")
     for row in result["chats"]:
-        print(
-            f"  chat {row['chat']}: {row['turn1']:<18} {row['turn2']:<18} restored {row['restored_pages']}"
-        )
+        turns = f"{row['turn1']:<18} {row['turn2']:<18}"
+        print(f"  chat {row['chat']}: {turns} restored {row['restored_pages']}")
     stats = result["stats"]
+    read_mib = stats["ssd_bytes_read"] / 2**20
     print(
-        f"\nstore: {stats['pages_indexed']} pages indexed, {stats['index_bytes_per_page']:.0f} B/page "
-        f"of index, {stats['ssd_read_commands']} SSD reads for {stats['ssd_bytes_read'] / 2**20:.0f} "
-        f"MiB, placement rules {stats['placement_rules']}"
+        f"\nstore: {stats['pages_indexed']} pages indexed, "
+        f"{stats['index_bytes_per_page']:.0f} B/page of index, "
+        f"{stats['ssd_read_commands']} SSD reads for {read_mib:.0f} MiB, "
+        f"placement rules {stats['placement_rules']}"
     )
+
+
+REPLAY_SYSTEMS = ("flatcake", "tiered", "dram-only")
+# DRAM below the agentic working set: the regime the paper is about (docs/bench_replay.md).
+REPLAY_OVERRIDES = {"hbm_kv_bytes": "2GiB", "dram_bytes": "16GiB", "ssd_bytes": "512GiB"}
+
+
+def run_replay_comparison(out_dir: Path, qps: tuple[float, ...] = (0.25, 1.0)) -> dict[str, Any]:
+    """flatcake vs tiered vs dram-only on a scaled-down synthetic agentic trace."""
+    from .replay.report import write_outputs
+    from .replay.sweep import run_comparison
+    from .traces import SyntheticTrace, SynthOptions, Trace
+
+    trace = Trace.from_requests(SyntheticTrace(SynthOptions(profile="agentic", seed=0, scale=0.01)))
+    result = run_comparison(
+        trace,
+        REPLAY_SYSTEMS,
+        "deepseek-v4-flash-b200",
+        qps,
+        (0,),
+        profile_overrides=REPLAY_OVERRIDES,
+        progress=False,
+    )
+    result["outputs"] = {k: str(v) for k, v in write_outputs(result, out_dir / "replay").items()}
+    return result
+
+
+def print_replay_summary(result: dict[str, Any]) -> None:
+    print(
+        "\n== 3. Replay model: synthetic agentic trace (1% of Claude Code), DeepSeek-V4-Flash "
+        "on B200, 2 GiB HBM + 16 GiB DRAM per rank =="
+    )
+    print(
+        f"{'system':>10} {'QPS':>5} {'hit %':>6} {'TTFT mean s':>11} {'TTFT P99 s':>10} "
+        f"{'SSD read amp':>12}"
+    )
+    for row in sorted(result["summary"], key=lambda r: (r["x"], r["system"])):
+        print(
+            f"{row['system']:>10} {row['x']:>5} {_mean(row, 'hit_rate') * 100:>6.1f} "
+            f"{_mean(row, 'ttft_mean_s'):>11.2f} {_mean(row, 'ttft_p99_s'):>10.2f} "
+            f"{_mean(row, 'ssd_read_amplification'):>12.2f}"
+        )
+    print("plots: " + ", ".join(v for k, v in result["outputs"].items() if v.endswith(".png")))
+
+
+def _mean(metrics: dict[str, Any], name: str) -> float:
+    value = metrics.get(name, 0.0)
+    return float(value["mean"] if isinstance(value, dict) else value)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -136,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="flatcake-demo-") as root:
         summary["store"] = run_store_workload(root)
     print_store_summary(summary["store"])
+    summary["replay"] = run_replay_comparison(out_dir)
+    print_replay_summary(summary["replay"])
     (out_dir / "demo.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"\nwrote {out_dir / 'demo.json'}")
     return 0
