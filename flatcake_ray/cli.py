@@ -8,12 +8,14 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from .cli_replay import add_replay_commands
+    from .cli_service import add_service_commands
     from .cli_trace import add_trace_commands
     from .demo import add_demo_command
 
     parser = argparse.ArgumentParser(prog="flatcake-ray", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_demo_command(subparsers)
+    add_service_commands(subparsers)
     add_trace_commands(subparsers)
     add_replay_commands(subparsers)
     return parser

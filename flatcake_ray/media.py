@@ -163,6 +163,35 @@ class SsdPool:
             self.direct = False
             return os.open(path, os.O_RDWR)
 
+    @classmethod
+    def open_readonly(cls, paths: list[str] | tuple[str, ...], file_bytes: int) -> SsdPool:
+        """Open another process's pool files O_DIRECT, read-only (a client's local-SSD path).
+
+        Creates and sizes nothing: the files must exist, as the owning store made them.
+        """
+        pool = cls.__new__(cls)
+        pool.file_bytes = file_bytes
+        pool.paths = [str(p) for p in paths]
+        pool.direct = True
+        pool.fds = []
+        try:
+            for path in pool.paths:
+                pool.fds.append(pool._open_readonly(path))
+        except OSError:
+            pool.close()
+            raise
+        return pool
+
+    def _open_readonly(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"SSD pool file {path} does not exist") from exc
+            _log_once("odirect-ro", "SSD pool at %s: O_DIRECT refused, using buffered I/O", path)
+            self.direct = False
+            return os.open(path, os.O_RDONLY)
+
     def locate(self, offset: int) -> tuple[int, int]:
         """(file index, offset in file) of a pool offset."""
         return divmod(offset, self.file_bytes)

@@ -1,0 +1,208 @@
+"""What crosses the wire between clients, storage nodes and the coordinator.
+
+Everything here is a frozen, picklable value: the service configuration, a storage node's
+self-description (how to reach its media), a lease reply (where a request's pages sit) and a
+staged put (where the bytes of a put wait). No bytes of a page ride in any of them, except
+in :class:`StagedPages` of kind ``inline`` (the object-store fallback, labelled as such).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from ..config import ALIGN, StoreConfig, env_overrides, parse_size
+from ..errors import ConfigError
+from ..gva import Medium
+
+COORDINATOR_NAME = "flatcake-coordinator"
+NODE_NAME_PREFIX = "flatcake-node-"
+NO_LOCAL_NODE = 0  # NodeIDs start at 1, so 0 means "this process has no storage node"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def node_actor_name(ray_node_id: str) -> str:
+    return NODE_NAME_PREFIX + ray_node_id
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The service's knobs: the store geometry every node shares, per-node sizes (each node's
+    ``FLATCAKE_*`` variables override them again for its own store), and service timings."""
+
+    namespace: str = "flatcake"  # the Ray namespace of the coordinator and storage nodes
+    root: str = "/var/tmp/flatcake/{node}"  # {node}: the Ray node id (one machine, many nodes)
+    layers: int = 32
+    page_bytes: int = 64 << 10
+    dram_bytes: int = 1 << 30
+    ssd_dirs: tuple[str, ...] = ()
+    ssd_files_per_dir: int = 4
+    ssd_file_bytes: int = 1 << 30
+    hugepages: str = "auto"
+    fsync: bool = True
+    ship_bytes: int = 64 << 20  # each node's NIXL bounce buffer for shipped SSD reads
+    lease_ttl_s: float = 60.0  # a lease not released by then is dropped (its reader is gone)
+    rpc_timeout_s: float = 10.0  # a client waits this long for a node before calling it down
+    node_down_s: float = 5.0  # ... and skips that node this long before trying it again
+    report_interval_s: float = 2.0  # storage node -> coordinator capacity reports
+    node_timeout_s: float = 10.0  # no report for this long: the coordinator stops placing there
+    ramp_seconds: float = 60.0  # a newly joined node reaches its full share of new scopes
+    ramp_floor: float = 0.1  # ... starting from this fraction of it
+    nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
+    node_concurrency: int = 16  # concurrent RPCs a storage node serves
+
+    def __post_init__(self) -> None:
+        _require(bool(self.namespace), "namespace must be non-empty")
+        _require(bool(self.root), "root must be non-empty")
+        for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be positive")
+        _require(self.node_down_s >= 0, "node_down_s must be >= 0")
+        _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0")
+        _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]")
+        _require(
+            self.ship_bytes >= ALIGN and self.ship_bytes % ALIGN == 0,
+            f"ship_bytes must be a positive multiple of {ALIGN}",
+        )
+        _require(self.node_concurrency >= 2, "node_concurrency must be at least 2")
+        self.store_config("0" * 16, 1)  # the store's own checks, before any node starts
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> ServiceConfig:
+        """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
+        sizes = {k: parse_size(v) for k, v in given.items() if k.endswith("bytes")}
+        return cls(**{**given, **sizes, **env_overrides(cls, environ)})
+
+    def store_config(self, ray_node_id: str, node_id: int) -> StoreConfig:
+        """This node's store: the service values, then the node's own ``FLATCAKE_*``."""
+        return StoreConfig.from_env(
+            root=self.root.format(node=ray_node_id[:16]),
+            layers=self.layers,
+            page_bytes=self.page_bytes,
+            node_id=node_id,
+            dram_bytes=self.dram_bytes,
+            ssd_dirs=tuple(d.format(node=ray_node_id[:16]) for d in self.ssd_dirs),
+            ssd_files_per_dir=self.ssd_files_per_dir,
+            ssd_file_bytes=self.ssd_file_bytes,
+            hugepages=self.hugepages,
+            fsync=self.fsync,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class NodeDescription:
+    """How a reader anywhere reaches one storage node's media (one call, then cached)."""
+
+    ray_node_id: str
+    node_id: int
+    actor_name: str
+    layers: int
+    page_bytes: int
+    arena_path: str
+    arena_bytes: int
+    pool_paths: tuple[str, ...]
+    pool_file_bytes: int
+    pool_direct: bool
+    started_at: float  # wall clock; a changed value means the node restarted
+    arena_nixl: Any = None  # NixlPeerInfo of the arena, None when NIXL is unusable there
+    ship_nixl: Any = None  # NixlPeerInfo of the ship (bounce) buffer
+    nixl_reason: str | None = None  # why NIXL is unusable on that node
+    rdma: bool = False  # the arena is exported for one-sided RDMA READs (accept_rdma)
+
+
+@dataclass(frozen=True)
+class NodeUsage:
+    """A storage node's capacity and use per medium, as reported to the coordinator."""
+
+    node_id: int
+    dram_capacity: int
+    dram_used: int
+    ssd_capacity: int
+    ssd_used: int
+    scopes: int
+    pages: int
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.dram_capacity - self.dram_used) + max(
+            0, self.ssd_capacity - self.ssd_used
+        )
+
+    @classmethod
+    def from_stats(cls, node_id: int, stats: Mapping[str, Any]) -> NodeUsage:
+        return cls(
+            node_id,
+            int(stats["dram_capacity"]),
+            int(stats["dram_used"]),
+            int(stats["ssd_capacity"]),
+            int(stats["ssd_reserved"]),
+            int(stats["scopes"]),
+            int(stats["pages_indexed"]),
+        )
+
+
+@dataclass(frozen=True)
+class SegmentPart:
+    """The pages a lease wants from one segment: where they sit and where they go."""
+
+    scope_id: int
+    medium: Medium
+    offset: int  # medium-local offset of the segment's layer 0, page 0
+    pages: int  # pages in the segment
+    page_bytes: int
+    layer_stride: int
+    checksums: np.ndarray  # per layer, of the layer's pages (layer_stride padding excluded)
+    src_pages: np.ndarray  # int64, index inside the segment
+    dst_positions: np.ndarray  # int64, index in the request
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.pages * self.page_bytes
+
+    def layer_offset(self, layer: int) -> int:
+        return self.offset + layer * self.layer_stride
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    """One node's answer to a lookup: its consecutive hits, pinned until released."""
+
+    node_id: int
+    lease_id: int
+    hits: int
+    parts: tuple[SegmentPart, ...] = ()
+
+    @property
+    def media(self) -> set[str]:
+        return {part.medium.name for part in self.parts}
+
+
+@dataclass(frozen=True)
+class StagedPages:
+    """Where the bytes of a put wait for the owner: a client's shared-memory staging buffer
+    (same node), the same buffer exported over NIXL (other node), or, as the labelled last
+    resort, inline in the call (through the Ray object store)."""
+
+    kind: str  # "shm" | "nixl" | "inline"
+    layers: int
+    pages: int
+    page_bytes: int
+    offset: int = 0  # byte offset of the pages in the staging buffer
+    path: str = ""  # kind "shm": where the owner maps the staging memory (/proc/<pid>/fd/<fd>)
+    token: str = ""  # names that staging buffer (fd numbers are reused): the mapping's key
+    buffer_bytes: int = 0  # size of the whole staging buffer
+    peer: Any = None  # kind "nixl": NixlPeerInfo of the staging buffer
+    inline: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * self.pages * self.page_bytes

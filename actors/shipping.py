@@ -1,0 +1,208 @@
+"""The owner's side of two data paths that need its CPU: shipped SSD reads and pulled puts.
+
+- :class:`ShipBuffer` ("remote-ssd-shipped"): a reader on another node, with no NVMe-oF view
+  of this node's pool, asks for SSD ranges; the node reads them (coalesced O_DIRECT, the
+  local-SSD transport's code) into a region of a NIXL-registered bounce buffer, and the
+  reader fetches the region with one NIXL READ, then frees it. Regions expire after a TTL,
+  so a reader that died does not hold the buffer.
+- :class:`PullArea` (remote puts): a client stages a put in its own NIXL-registered buffer;
+  the node READs it over NIXL into a reusable local buffer and writes it into the store.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..config import ALIGN
+from ..errors import ReadRangeError, ShipBufferFullError
+from ..media import AlignedBuffer, SsdPool
+from ..transports.base import ReadBatch
+from ..transports.local_ssd import LocalSsdTransport
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ShipReply:
+    region_id: int
+    offset: int  # of the packed ranges in the ship buffer
+    nbytes: int
+    io_commands: int  # O_DIRECT reads the node made
+
+
+class RegionAllocator:
+    """First-fit regions of a fixed buffer, each freed explicitly or when its TTL runs out."""
+
+    def __init__(self, nbytes: int, ttl_s: float) -> None:
+        self.nbytes = nbytes
+        self.ttl_s = ttl_s
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (start, length)
+        self._held: dict[int, tuple[int, int, float]] = {}
+        self._ids = itertools.count(1)
+
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        """(region id, start); raises ShipBufferFullError when nothing fits."""
+        nbytes = _align(nbytes)
+        found = self._first_fit(nbytes)
+        if found is None:
+            self._expire(time.monotonic())
+            found = self._first_fit(nbytes)
+        if found is None:
+            raise ShipBufferFullError(f"no {nbytes} free bytes in the {self.nbytes}-byte buffer")
+        region_id = next(self._ids)
+        self._held[region_id] = (found, nbytes, time.monotonic() + self.ttl_s)
+        return region_id, found
+
+    def _first_fit(self, nbytes: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= nbytes:
+                rest = (start + nbytes, length - nbytes)
+                self._free[i : i + 1] = [rest] if rest[1] else []
+                return start
+        return None
+
+    def free(self, region_id: int) -> bool:
+        held = self._held.pop(region_id, None)
+        if held is None:
+            return False
+        self._give_back(held[0], held[1])
+        return True
+
+    def _give_back(self, start: int, length: int) -> None:
+        merged = sorted([*self._free, (start, length)])
+        out: list[tuple[int, int]] = []
+        for s, n in merged:
+            if out and out[-1][0] + out[-1][1] == s:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((s, n))
+        self._free = out
+
+    def _expire(self, now: float) -> None:
+        for region_id in [r for r, (_, _, deadline) in self._held.items() if deadline < now]:
+            self.free(region_id)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+
+class ShipBuffer:
+    def __init__(
+        self, nbytes: int, pool: SsdPool, *, gap_bytes: int, max_read_bytes: int, ttl_s: float
+    ) -> None:
+        self.buffer = AlignedBuffer(nbytes)
+        self.regions = RegionAllocator(self.buffer.nbytes, ttl_s)
+        self.reader = LocalSsdTransport(pool, gap_bytes=gap_bytes, max_read_bytes=max_read_bytes)
+        self.exporter: Any = None  # a NixlArenaExporter of ``buffer`` once exported
+        self._lock = threading.Lock()
+        self.counters = {"ships": 0, "shipped_bytes": 0, "ship_io_commands": 0}
+
+    def export(self, agent: Any) -> Any:
+        """Register the buffer on the node's exporter agent; returns its NixlPeerInfo."""
+        from ..transports.nixl_dram import NixlArenaExporter
+
+        self.exporter = NixlArenaExporter(agent.name, self.buffer.array, agent=agent)
+        return self.exporter.peer_info()
+
+    def ship(self, src_offsets: np.ndarray, lengths: np.ndarray) -> ShipReply:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        total = int(lengths.sum())
+        if total > self.buffer.nbytes:
+            raise ReadRangeError(f"{total} bytes asked, the ship buffer holds {self.buffer.nbytes}")
+        with self._lock:
+            region_id, start = self.regions.allocate(total)
+            try:
+                stats = self.reader.read(
+                    ReadBatch.packed(src_offsets, lengths, start), self.buffer.array
+                )
+            except BaseException:
+                self.regions.free(region_id)
+                raise
+            self.counters["ships"] += 1
+            self.counters["shipped_bytes"] += total
+            self.counters["ship_io_commands"] += stats.commands
+        return ShipReply(region_id, start, total, stats.commands)
+
+    def unship(self, region_id: int) -> bool:
+        with self._lock:
+            return self.regions.free(region_id)
+
+    def read_ssd(self, src_offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The object-store fallback: ranges packed into a fresh array (no NIXL)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        out = np.empty(int(lengths.sum()), dtype=np.uint8)
+        with self._lock:
+            self.reader.read(ReadBatch.packed(src_offsets, lengths), out)
+        return out
+
+    def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+        self.reader.close()
+
+
+class PullArea:
+    """Reusable local buffers a node READs staged puts into, and one NIXL reader per peer."""
+
+    def __init__(self, agent_name: str, slots: int = 2, max_peers: int = 8) -> None:
+        from .nixl_roles import reader_agent
+
+        self.agent = reader_agent(agent_name)
+        self._slots: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
+        for _ in range(slots):
+            self._slots.put(AlignedBuffer(ALIGN))
+        self._peers: OrderedDict[str, tuple[Any, threading.Lock]] = OrderedDict()
+        self._max_peers = max_peers
+        self._lock = threading.Lock()
+
+    def _reader(self, peer: Any) -> tuple[Any, threading.Lock]:
+        from ..transports.nixl_dram import NixlDramTransport
+
+        with self._lock:
+            known = self._peers.get(peer.agent_name)
+            if known is not None:
+                self._peers.move_to_end(peer.agent_name)
+                return known
+            known = (NixlDramTransport(self.agent, peer), threading.Lock())
+            self._peers[peer.agent_name] = known
+            while len(self._peers) > self._max_peers:
+                _, (old, _) = self._peers.popitem(last=False)
+                old.close()
+            return known
+
+    def pull(self, peer: Any, offset: int, nbytes: int) -> tuple[AlignedBuffer, np.ndarray]:
+        """READ ``nbytes`` at ``offset`` of the peer's staging buffer; give the slot back with
+        :meth:`done` once its bytes are in the store."""
+        slot = self._slots.get()
+        try:
+            if slot.nbytes < nbytes:
+                slot = AlignedBuffer(nbytes)  # the old one's registration ages out of the cache
+            reader, lock = self._reader(peer)
+            with lock:
+                reader.read(ReadBatch([offset], [nbytes], [0]), slot.array)
+        except BaseException:
+            self._slots.put(slot)
+            raise
+        return slot, slot.array[:nbytes]
+
+    def done(self, slot: AlignedBuffer) -> None:
+        self._slots.put(slot)
+
+    def close(self) -> None:
+        with self._lock:
+            for reader, _ in self._peers.values():
+                reader.close()
+            self._peers.clear()
+        self.agent.close()

@@ -1,0 +1,373 @@
+"""StorageNode: one per Ray node, owning that node's FlatCakeStore. Control RPCs only.
+
+A node registers with the coordinator (which gives it its NodeID, kept in ``<root>/node_id``
+so a restart keeps it), exports its DRAM arena and its ship buffer over NIXL, and reports its
+usage every ``report_interval_s``. It answers:
+
+- ``lookup`` (with lease) / ``exists`` / ``release``: index lookups, one call per request per
+  node, whatever the page count. A lease pins the scopes of the hits until released or until
+  ``lease_ttl_s`` (its reader died); a reader whose lease ran out drops what it read.
+- ``put_staged``: the bytes are in a client's shared-memory staging buffer (same node), in a
+  client's NIXL-registered staging buffer (pulled with one NIXL READ), or, as the labelled
+  object-store fallback, inline in the call.
+- ``ship``/``unship``: SSD ranges into the NIXL ship buffer for readers on other nodes.
+- ``read_ranges``: the object-store fallback for reads (labelled, last resort).
+
+Reads of DRAM, by local clients (memcpy from the mapped arena) and remote ones (NIXL READs of
+the exported arena), and of local SSD (clients open the pool files) never call the node
+beyond the lookup and the release. A plain class: ``flatcake_ray/service.py`` wraps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..catalog import Lease, PutHints
+from ..errors import ServiceError, ShapeError
+from ..gva import Medium
+from ..media import DramArena
+from ..put import PutResult
+from ..store import FlatCakeStore
+from ..transports.local_dram import LocalDramTransport
+from .leases import LeaseTable, wire_parts
+from .protocol import (
+    COORDINATOR_NAME,
+    LeaseReply,
+    NodeDescription,
+    NodeUsage,
+    ServiceConfig,
+    StagedPages,
+    node_actor_name,
+)
+from .shipping import PullArea, ShipBuffer, ShipReply
+
+log = logging.getLogger(__name__)
+MAX_SHM_MAPPINGS = 16
+
+
+class StorageNode:
+    def __init__(self, config: ServiceConfig) -> None:
+        import ray
+
+        self.config = config
+        self.ray_node_id = ray.get_runtime_context().get_node_id()
+        self.actor_name = node_actor_name(self.ray_node_id)
+        self.started_at = time.time()
+        # The store's own root (FLATCAKE_ROOT may move it) also keeps this node's NodeID.
+        wanted = config.store_config(self.ray_node_id, 1)
+        self._root = Path(wanted.root)
+        self._root.mkdir(parents=True, exist_ok=True)
+        self.node_id = self._register(self._persisted_node_id())
+        (self._root / "node_id").write_text(f"{self.node_id}\n")
+        self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
+        self.leases = LeaseTable(config.lease_ttl_s)
+        store_config = self.store.config
+        self.ship_buffer = ShipBuffer(
+            config.ship_bytes,
+            self.store.pool,
+            gap_bytes=store_config.gap_bytes,
+            max_read_bytes=store_config.max_read_bytes,
+            ttl_s=config.lease_ttl_s,
+        )
+        self._arena_exporter: Any = None
+        self._export_agent: Any = None
+        self._pull: PullArea | None = None
+        self._arena_peer, self._ship_peer, self.nixl_reason = self._export()
+        self._rdma = self._export_rdma()
+        self._shm: OrderedDict[str, tuple[Any, np.ndarray]] = OrderedDict()
+        self._shm_lock = threading.Lock()
+        self.counters = dict.fromkeys(
+            ("lookups", "exists_calls", "releases", "puts", "puts_shm", "puts_nixl"), 0
+        )
+        self.counters.update(
+            dict.fromkeys(("puts_inline", "fallback_reads", "lease_misses", "leased_pages"), 0)
+        )
+        self._stop = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        self._reporter.start()
+
+    # ---- registration and reports ----------------------------------------------------------
+    def _persisted_node_id(self) -> int | None:
+        path = self._root / "node_id"
+        if not path.exists():
+            return None
+        text = path.read_text().strip()
+        if not text.isdigit():
+            raise ServiceError(f"{path} holds {text!r}, not a NodeID")
+        return int(text)
+
+    def _coordinator(self) -> Any:
+        import ray
+
+        return ray.get_actor(COORDINATOR_NAME, namespace=self.config.namespace)
+
+    def _register(self, wanted: int | None) -> int:
+        import ray
+
+        ref = self._coordinator().register.remote(
+            self.ray_node_id, self.actor_name, wanted, self.started_at
+        )
+        return int(ray.get(ref, timeout=self.config.rpc_timeout_s))
+
+    def _report_loop(self) -> None:
+        from ray.exceptions import RayError
+
+        while not self._stop.wait(self.config.report_interval_s):
+            try:
+                self.report_now()
+            except (RayError, ValueError, ServiceError) as exc:
+                # The coordinator is down or restarting; the next report tries again.
+                log.info("capacity report to the coordinator failed: %s", exc)
+
+    def report_now(self) -> bool:
+        import ray
+
+        usage = NodeUsage.from_stats(self.node_id, self.store.stats())
+        ref = self._coordinator().report.remote(self.node_id, self.ray_node_id, usage)
+        known = ray.get(ref, timeout=self.config.rpc_timeout_s)
+        if not known:  # a coordinator that lost us (restarted and we missed its rebuild)
+            granted = self._register(self.node_id)
+            if granted != self.node_id:
+                raise ServiceError(
+                    f"NodeID {self.node_id} was given to another node while the coordinator "
+                    f"did not know this one (offered {granted}); restart this storage node"
+                )
+        return bool(known)
+
+    # ---- NIXL exports ----------------------------------------------------------------------
+    def _export(self) -> tuple[Any, Any, str | None]:
+        from ..transports.nixl_dram import NixlArenaExporter, NixlDramTransport, unique_agent_name
+        from .nixl_roles import exporter_agent
+
+        reason = NixlDramTransport.probe()
+        if reason is not None:
+            return None, None, reason
+        tag = f"fc{self.node_id}"
+        # One agent (one progress thread) serves both exported buffers.
+        self._export_agent = exporter_agent(unique_agent_name(f"{tag}-export"))
+        arena_peer = None
+        if self.store.arena.nbytes:  # a node may run SSD-only
+            view = self.store.arena.view
+            self._arena_exporter = NixlArenaExporter(tag, view, agent=self._export_agent)
+            arena_peer = self._arena_exporter.peer_info()
+        ship_peer = self.ship_buffer.export(self._export_agent)
+        self._pull = PullArea(unique_agent_name(f"{tag}-pull"))
+        return arena_peer, ship_peer, None
+
+    def _export_rdma(self) -> Any:
+        from ..transports.rdma_verbs import RdmaArenaExporter, rdma_probe
+
+        if rdma_probe() is not None or not self.store.arena.nbytes:
+            return None
+        return RdmaArenaExporter(self.store.arena.view)
+
+    def accept_rdma(self, reader: Any) -> Any:
+        """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""
+        if self._rdma is None:
+            raise ServiceError("this node exports no RDMA memory region")
+        return self._rdma.accept(reader)
+
+    # ---- views -----------------------------------------------------------------------------
+    def describe(self) -> NodeDescription:
+        store = self.store
+        return NodeDescription(
+            ray_node_id=self.ray_node_id,
+            node_id=self.node_id,
+            actor_name=self.actor_name,
+            layers=store.config.layers,
+            page_bytes=store.config.page_bytes,
+            arena_path=store.arena.path,
+            arena_bytes=store.arena.nbytes,
+            pool_paths=tuple(store.pool.paths),
+            pool_file_bytes=store.pool.file_bytes,
+            pool_direct=store.pool.direct,
+            started_at=self.started_at,
+            arena_nixl=self._arena_peer,
+            ship_nixl=self._ship_peer,
+            nixl_reason=self.nixl_reason,
+            rdma=self._rdma is not None,
+        )
+
+    def coordinator_view(self) -> dict[str, Any]:
+        """What a restarted coordinator rebuilds its state from."""
+        return {
+            "node_id": self.node_id,
+            "ray_node_id": self.ray_node_id,
+            "started_at": self.started_at,
+            "usage": NodeUsage.from_stats(self.node_id, self.store.stats()),
+            "sessions": list(self.store.catalog.sessions),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.store.stats(),
+            **self.counters,
+            **self.ship_buffer.counters,
+            "node_id": self.node_id,
+            "ray_node_id": self.ray_node_id,
+            "leases_held": len(self.leases),
+            "leases_expired": self.leases.expired,
+            "ship_regions_held": self.ship_buffer.regions.held,
+            "nixl": self.nixl_reason or "ok",
+        }
+
+    def ping(self) -> int:
+        return self.node_id
+
+    def service_config(self) -> ServiceConfig:
+        return self.config
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[Any], namespace: str | None = None) -> LeaseReply:
+        """The consecutive hits from the first key, leased (zero hits: nothing is held)."""
+        self._expire_leases()
+        self.counters["lookups"] += 1
+        lease = self.store.lease(keys, namespace=namespace)
+        if lease.hits == 0:
+            self.store.release(lease)
+            return LeaseReply(self.node_id, 0, 0)
+        self.leases.add(lease)
+        self.counters["leased_pages"] += lease.hits
+        return LeaseReply(self.node_id, lease.lease_id, lease.hits, wire_parts(self.store, lease))
+
+    def exists(self, keys: Sequence[Any], namespace: str | None = None) -> int:
+        self.counters["exists_calls"] += 1
+        return self.store.exists(keys, namespace=namespace)
+
+    def gvas(self, keys: Sequence[Any], namespace: str | None = None) -> np.ndarray:
+        return self.store.gvas(keys, namespace=namespace)
+
+    def release(self, lease_id: int, bad_scopes: Sequence[int] = ()) -> bool:
+        """True when the lease was still held: what its reader read is good."""
+        self.counters["releases"] += 1
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            self.counters["lease_misses"] += 1
+            return False
+        try:
+            if bad_scopes:
+                self._recheck(lease, set(bad_scopes))
+        finally:
+            self.store.release(lease)
+        return True
+
+    def _recheck(self, lease: Lease, scopes: set[int]) -> None:
+        """A reader saw a bad checksum: read those scopes here, so the store's own check
+        quarantines them if the media really is bad (a torn remote read does not)."""
+        keep = np.array(
+            [lease.segments[int(s)].scope_id in scopes for s in lease.segment_ids], dtype=bool
+        )
+        if not keep.any():
+            return
+        sub = Lease(
+            lease.lease_id,
+            lease.segment_ids[keep],
+            lease.pages[keep],
+            lease.scope_ids,
+            lease.segments,
+        )
+        config = self.store.config
+        scratch = np.empty((config.layers, int(keep.sum()), config.page_bytes), dtype=np.uint8)
+        self.store.read_leased(sub, scratch, range(config.layers))
+
+    def _expire_leases(self) -> None:
+        for lease in self.leases.expire(time.monotonic()):
+            self.store.release(lease)
+
+    # ---- puts ------------------------------------------------------------------------------
+    def put_staged(
+        self,
+        keys: Sequence[Any],
+        staged: StagedPages,
+        namespace: str | None = None,
+        session_id: str | None = None,
+        parent: Any = None,
+        hints: PutHints | None = None,
+    ) -> PutResult:
+        config = self.store.config
+        if (staged.layers, staged.page_bytes) != (config.layers, config.page_bytes):
+            raise ShapeError(
+                f"staged pages are {staged.layers} layers x {staged.page_bytes} bytes, this "
+                f"store's are {config.layers} x {config.page_bytes}"
+            )
+        slot = None
+        if staged.kind == "inline":
+            flat = np.asarray(staged.inline, dtype=np.uint8).reshape(-1)
+        elif staged.kind == "shm":
+            flat = self._shm_view(staged)
+        elif staged.kind == "nixl":
+            if self._pull is None:
+                raise ServiceError(f"this node cannot pull over NIXL: {self.nixl_reason}")
+            slot, flat = self._pull.pull(staged.peer, staged.offset, staged.nbytes)
+        else:
+            raise ShapeError(f"unknown staging kind {staged.kind!r}")
+        try:
+            pages = flat[: staged.nbytes].reshape(staged.layers, staged.pages, staged.page_bytes)
+            options = {"namespace": namespace, "session_id": session_id, "parent": parent}
+            result = self.store.put(keys, pages, hints=hints, **options)
+        finally:
+            if slot is not None:
+                self._pull.done(slot)
+        self.counters["puts"] += 1
+        self.counters[f"puts_{staged.kind}"] += 1
+        return result
+
+    def _shm_view(self, staged: StagedPages) -> np.ndarray:
+        with self._shm_lock:
+            known = self._shm.get(staged.token)
+            if known is None:
+                known = DramArena.attach(staged.path, staged.buffer_bytes)
+                self._shm[staged.token] = known
+            self._shm.move_to_end(staged.token)
+            while len(self._shm) > MAX_SHM_MAPPINGS:
+                self._shm.popitem(last=False)  # unmapped once the last view goes
+        return known[1][staged.offset : staged.offset + staged.nbytes]
+
+    # ---- shipped SSD reads and the object-store fallback -----------------------------------
+    def ship(self, src_offsets: np.ndarray, lengths: np.ndarray) -> ShipReply:
+        return self.ship_buffer.ship(src_offsets, lengths)
+
+    def unship(self, region_id: int) -> bool:
+        return self.ship_buffer.unship(region_id)
+
+    def read_ranges(self, medium: int, src_offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """LAST RESORT (object-store fallback): the ranges' bytes, packed, as the reply."""
+        self.counters["fallback_reads"] += 1
+        if Medium(medium) is Medium.SSD:
+            return self.ship_buffer.read_ssd(src_offsets, lengths)
+        from ..transports.base import ReadBatch
+
+        batch = ReadBatch.packed(src_offsets, lengths)
+        out = np.empty(batch.total_bytes, dtype=np.uint8)
+        LocalDramTransport(self.store.arena.view).read(batch, out)
+        return out
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop reporting, drop the NIXL exports and close the store (SSD scopes survive)."""
+        self._stop.set()
+        if self._rdma is not None:
+            self._rdma.close()
+            self._rdma = None
+        if self._arena_exporter is not None:
+            self._arena_exporter.close()
+            self._arena_exporter = None
+        if self._pull is not None:
+            self._pull.close()
+            self._pull = None
+        self.ship_buffer.close()
+        if self._export_agent is not None:
+            self._export_agent.close()
+            self._export_agent = None
+        with self._shm_lock:
+            self._shm.clear()
+        self.store.close()

@@ -1,0 +1,306 @@
+"""One contract, every transport: the same assertions for each data path usable here.
+
+The source is a real storage node (a Ray actor, its own process) holding one DRAM and one SSD
+segment of known bytes. Each transport is built the way a client builds it
+(``NodeLink.transport``) and reads ranges of those segments; paths this machine cannot run
+(RDMA, NVMe-oF) are skipped with their probe's reason (``pytest -rs`` shows it).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ray = pytest.importorskip("ray")
+
+from flatcake_ray import service  # noqa: E402
+from flatcake_ray.actors.protocol import ServiceConfig, node_actor_name  # noqa: E402
+from flatcake_ray.catalog import PutHints  # noqa: E402
+from flatcake_ray.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.client_nodes import NodeLink  # noqa: E402
+from flatcake_ray.errors import ReadRangeError, ShapeError, TransportClosedError  # noqa: E402
+from flatcake_ray.gva import Medium  # noqa: E402
+from flatcake_ray.transports import base  # noqa: E402
+from flatcake_ray.transports.base import ReadBatch  # noqa: E402
+from flatcake_ray.transports.nixl_dram import NixlDramTransport  # noqa: E402
+from flatcake_ray.transports.rdma_verbs import RdmaVerbsTransport  # noqa: E402
+from flatcake_ray.transports.remote_ssd import NvmeofSsdTransport  # noqa: E402
+
+NAMESPACE = "fc-contract"
+LAYERS, PAGES, PAGE_BYTES = 3, 9, 5000  # odd sizes: layers are padded to 4 KiB strides
+
+# (transport name, medium of its source, the probe that gates it)
+CASES = [
+    (base.LOCAL_DRAM, Medium.DRAM, None),
+    (base.LOCAL_SSD, Medium.SSD, None),
+    (base.REMOTE_DRAM_NIXL, Medium.DRAM, NixlDramTransport.probe),
+    (base.REMOTE_DRAM_RDMA, Medium.DRAM, RdmaVerbsTransport.probe),
+    (base.REMOTE_SSD_SHIPPED, Medium.SSD, NixlDramTransport.probe),
+    (base.REMOTE_SSD_NVMEOF, Medium.SSD, NvmeofSsdTransport.probe),
+    (base.OBJECT_STORE_FALLBACK, Medium.DRAM, None),
+    (base.OBJECT_STORE_FALLBACK, Medium.SSD, None),
+]
+IDS = [f"{name}[{medium.name.lower()}]" for name, medium, _ in CASES]
+
+
+def remove_leftover_arenas(root) -> None:
+    """A killed storage node never unlinks its DRAM arena: remove the ones of this root."""
+    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
+    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A storage node with a DRAM and an SSD segment of known bytes, and their images."""
+    root = tmp_path_factory.mktemp("contract")
+    ray.init(num_cpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    config = ServiceConfig(
+        namespace=NAMESPACE,
+        root=str(root / "{node}"),
+        layers=LAYERS,
+        page_bytes=PAGE_BYTES,
+        dram_bytes=4 << 20,
+        ssd_file_bytes=4 << 20,
+        ssd_files_per_dir=2,
+        fsync=False,
+        ship_bytes=1 << 20,
+    )
+    service.start(config)
+    client = FlatCakeClient(NAMESPACE)
+    handle = ray.get_actor(node_actor_name(client.ray_node_id), namespace=NAMESPACE)
+    rng = np.random.default_rng(7)
+    images = {}
+    for medium, hints in (
+        (Medium.DRAM, PutHints(turn=2, prior_reply_tokens=1)),
+        (Medium.SSD, PutHints(turn=1)),
+    ):
+        kv = rng.integers(0, 256, (LAYERS, PAGES, PAGE_BYTES), dtype=np.uint8)
+        keys = [f"{medium.name}-{i}" for i in range(PAGES)]
+        assert client.put(keys, kv, session_id=medium.name, hints=hints).medium == medium.name
+        reply = ray.get(handle.lookup.remote(keys))
+        (part,) = reply.parts
+        image = np.zeros(LAYERS * part.layer_stride, dtype=np.uint8)
+        for layer in range(LAYERS):
+            start = layer * part.layer_stride
+            image[start : start + part.layer_bytes] = kv[layer].reshape(-1)
+        images[medium] = (part.offset, image)
+        ray.get(handle.release.remote(reply.lease_id))
+    description = ray.get(handle.describe.remote())
+    yield {
+        "client": client,
+        "handle": handle,
+        "description": description,
+        "images": images,
+        "config": config,
+    }
+    client.close()
+    service.stop(NAMESPACE)
+    ray.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    remove_leftover_arenas(root)
+
+
+def build(source, name: str, medium: Medium):
+    """A fresh transport, made the way a client makes it; skipped with the probe's reason."""
+    link = NodeLink(source["handle"], source["description"], False, source["config"])
+    transport, _ = link.transport(name, medium, source["client"]._nixl_agent)
+    return link, transport
+
+
+@pytest.fixture(params=CASES, ids=IDS)
+def case(request, source):
+    name, medium, probe = request.param
+    reason = probe() if probe is not None else None
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    link, transport = build(source, name, medium)
+    offset, image = source["images"][medium]
+    yield name, transport, offset, image
+    link.close()
+
+
+def ranges(offset: int, image: np.ndarray, seed: int = 0) -> tuple[ReadBatch, np.ndarray]:
+    """Odd-sized, unaligned, out-of-order ranges of the image (and one whole layer)."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, image.size - 20_000, 12)
+    lengths = rng.integers(1, 20_000, 12)
+    starts, lengths = np.append(starts, 0), np.append(lengths, image.size // LAYERS)
+    dst = np.cumsum(lengths) - lengths + 3  # 3: not at the start of dst either
+    expected = np.zeros(int(dst[-1] + lengths[-1] + 5), dtype=np.uint8)
+    for s, n, d in zip(starts, lengths, dst, strict=True):
+        expected[d : d + n] = image[s : s + n]
+    order = rng.permutation(len(starts))
+    return ReadBatch(offset + starts[order], lengths[order], dst[order]), expected
+
+
+def test_reads_every_range_byte_exact(case):
+    name, transport, offset, image = case
+    batch, expected = ranges(offset, image)
+    dst = np.zeros_like(expected)
+    stats = transport.read(batch, dst)
+    assert np.array_equal(dst, expected)
+    assert stats.path == transport.name == name
+    assert stats.bytes >= batch.total_bytes and stats.commands >= 1 and stats.seconds >= 0
+
+
+def test_repeated_reads_into_one_buffer_agree(case):
+    _, transport, offset, image = case
+    batch, expected = ranges(offset, image, seed=1)
+    dst = np.zeros_like(expected)
+    for _ in range(3):
+        dst[:] = 0
+        transport.read(batch, dst)
+        assert np.array_equal(dst, expected)
+
+
+def test_aligned_whole_strides_into_an_aligned_buffer(case):
+    """The shape a restore asks for: every layer's whole (4 KiB padded) stride, packed into
+    page-aligned staging (local SSD then reads straight into it)."""
+    from flatcake_ray.media import AlignedBuffer
+
+    _, transport, offset, image = case
+    stride = image.size // LAYERS
+    batch = ReadBatch.packed(offset + stride * np.arange(LAYERS), [stride] * LAYERS)
+    staging = AlignedBuffer(image.size)
+    transport.read(batch, staging.array)
+    assert np.array_equal(staging.array[: image.size], image)
+
+
+def test_empty_batch_moves_nothing(case):
+    _, transport, _, _ = case
+    dst = np.full(16, 7, dtype=np.uint8)
+    stats = transport.read(ReadBatch([], [], []), dst)
+    assert stats.bytes == 0 and (dst == 7).all()
+
+
+def test_out_of_range_source_is_refused_before_any_byte_moves(case):
+    _, transport, offset, _ = case
+    dst = np.full(64, 7, dtype=np.uint8)
+    batch = ReadBatch([offset, 1 << 40], [8, 8], [0, 8])
+    with pytest.raises(ReadRangeError):
+        transport.read(batch, dst)
+    assert (dst == 7).all()
+
+
+def test_bad_destinations_are_refused(case):
+    _, transport, offset, _ = case
+    with pytest.raises(ReadRangeError):  # past the end of dst
+        transport.read(ReadBatch([offset], [64], [0]), np.zeros(32, dtype=np.uint8))
+    with pytest.raises(ReadRangeError):  # two ranges overlap in dst
+        transport.read(ReadBatch([offset, offset + 64], [32, 32], [0, 16]), np.zeros(64, np.uint8))
+    with pytest.raises(ShapeError):  # not a 1-D uint8 buffer
+        transport.read(ReadBatch([offset], [8], [0]), np.zeros(8, dtype=np.float32))
+
+
+def test_a_closed_transport_refuses_reads(case):
+    _, transport, offset, _ = case
+    transport.close()
+    transport.close()  # idempotent
+    with pytest.raises(TransportClosedError):
+        transport.read(ReadBatch([offset], [8], [0]), np.zeros(8, dtype=np.uint8))
+
+
+def test_every_remote_path_is_either_probed_usable_or_says_why():
+    for name, _, probe in CASES:
+        if probe is not None:
+            reason = probe()
+            assert reason is None or (isinstance(reason, str) and reason), name
+
+
+def test_quiet_agents_are_nixl_agents_in_all_but_their_progress_thread():
+    """nixl_roles re-creates NixlAgent's set-up; it must keep every attribute NixlAgent has."""
+    if NixlDramTransport.probe() is not None:
+        pytest.skip(f"nixl: {NixlDramTransport.probe()}")
+    from flatcake_ray.actors.nixl_roles import exporter_agent, reader_agent
+    from flatcake_ray.transports.nixl_dram import NixlAgent, unique_agent_name
+
+    agents = [f(unique_agent_name("t")) for f in (NixlAgent, reader_agent, exporter_agent)]
+    try:
+        plain, reader, exporter = (set(vars(a)) for a in agents)
+        assert reader == plain and exporter >= plain
+    finally:
+        for agent in agents:
+            agent.close()
+
+
+def test_local_ssd_lands_whole_aligned_extents_without_a_bounce_copy(tmp_path):
+    """Extents that tile a coalesced read go straight from the drive into aligned staging."""
+    from flatcake_ray.media import AlignedBuffer, SsdPool
+    from flatcake_ray.transports.local_ssd import LocalSsdTransport
+
+    pool = SsdPool((str(tmp_path),), 1, 1 << 20)
+    data = AlignedBuffer(1 << 20)
+    data.array[:] = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    pool.write(0, data.array)
+    transport = LocalSsdTransport(pool, max_read_bytes=256 << 10)
+    try:
+        staging = AlignedBuffer(1 << 20)
+        batch = ReadBatch.packed(np.arange(8) * (128 << 10), [128 << 10] * 8)
+        stats = transport.read(batch, staging.array)
+        assert np.array_equal(staging.array, data.array)
+        assert stats.commands == 4  # 256 KiB reads
+        assert not any(buffer.array.any() for buffer in transport._buffers)  # never bounced
+        unaligned = np.zeros((1 << 20) + 1, dtype=np.uint8)[1:]
+        transport.read(batch, unaligned)
+        assert np.array_equal(unaligned, data.array)
+    finally:
+        transport.close()
+        pool.close()
+
+
+def test_an_nvmeof_view_needs_the_whole_pool_visible_and_reads_like_local(tmp_path):
+    """The remote-ssd-nvmeof code path: the owner's pool files under ``nvmeof_root`` (here a
+    plain folder standing in for an exported namespace), read with the local-SSD code."""
+    from flatcake_ray.media import AlignedBuffer, SsdPool
+    from flatcake_ray.transports.remote_ssd import visible_pool
+
+    owner_pool = SsdPool((str(tmp_path / "7"),), 2, 1 << 20)
+    data = AlignedBuffer(1 << 20)
+    data.array[:] = 42
+    owner_pool.write(1 << 20, data.array)
+    template = str(tmp_path / "{node_id}")
+    paths, reason = visible_pool(template, 7, tuple(owner_pool.paths), 1 << 20)
+    assert reason is None and paths == owner_pool.paths
+    assert visible_pool(template, 8, tuple(owner_pool.paths), 1 << 20)[0] is None
+    assert visible_pool("", 7, tuple(owner_pool.paths), 1 << 20)[1] == "no nvmeof_root configured"
+    transport = NvmeofSsdTransport.open(paths, 1 << 20)
+    try:
+        dst = np.zeros(100, dtype=np.uint8)
+        stats = transport.read(ReadBatch([(1 << 20) + 5], [100], [0]), dst)
+        assert (dst == 42).all() and stats.path == base.REMOTE_SSD_NVMEOF
+    finally:
+        transport.close()
+        owner_pool.close()
+
+
+@pytest.mark.gpu
+def test_gds_reads_pool_ranges_into_gpu_memory(tmp_path):
+    from flatcake_ray.transports.local_ssd import GdsSsdTransport
+
+    reason = GdsSsdTransport.probe()
+    if reason is not None:
+        pytest.skip(f"local-ssd-gds: {reason}")
+    import torch
+
+    from flatcake_ray.media import AlignedBuffer, SsdPool
+
+    pool = SsdPool((str(tmp_path),), 1, 1 << 20)
+    data = AlignedBuffer(1 << 20)
+    data.array[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+    pool.write(0, data.array)
+    pool.close()
+    transport = GdsSsdTransport(pool.paths, 1 << 20, 64 << 10)
+    try:
+        dst = torch.zeros(8192, dtype=torch.uint8, device="cuda")
+        transport.read_to_device(ReadBatch([4096, 100], [4096, 50], [0, 4096]), dst)
+        host = dst.cpu().numpy()
+        assert np.array_equal(host[:4096], data.array[4096:8192])
+        assert np.array_equal(host[4096:4146], data.array[100:150])
+    finally:
+        transport.close()
