@@ -52,6 +52,24 @@ def _free_huge_bytes() -> int:
     return 0
 
 
+def _remove_stale_arenas(folder: Path, prefix: str) -> None:
+    """Unlink arenas of this node left by processes that died without closing them."""
+    for path in folder.glob(prefix + "*"):
+        owner = path.name[len(prefix) :]
+        if owner.isdigit() and not _process_alive(int(owner)):
+            path.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class DramArena:
     """One shared-memory arena per node; other processes of the node map it read-only.
 
@@ -87,12 +105,19 @@ class DramArena:
         enough = _free_huge_bytes() >= -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         if hugepages != "off" and hugetlbfs.is_dir() and enough and nbytes:
             self.huge = True
-            return hugetlbfs / f"flatcake-{name}"
-        if hugepages == "require":
+            folder = hugetlbfs
+        elif hugepages == "require":
             raise ConfigError("hugepages=require but not enough 2 MiB huge pages are reserved")
-        if hugepages == "auto":
-            _log_once("hugepages", "DRAM arena: no reserved 2 MiB huge pages; using 4 KiB pages")
-        return Path("/dev/shm") / f"flatcake-{name}"
+        else:
+            if hugepages == "auto":
+                _log_once(
+                    "hugepages", "DRAM arena: no reserved 2 MiB huge pages; using 4 KiB pages"
+                )
+            folder = Path("/dev/shm")
+        _remove_stale_arenas(folder, f"flatcake-{name}-")
+        # A per-process name: a restarted node never truncates a file that a client of the
+        # previous one may still have mapped (that client would take SIGBUS, not a miss).
+        return folder / f"flatcake-{name}-{os.getpid()}"
 
     def _register_with_cuda(self) -> bool:
         import sys

@@ -440,3 +440,39 @@ def test_another_process_maps_the_arena_read_only(make_store, tmp_path):
         check=True,
     ).stdout
     assert shown == kv[0, 0, :64].tobytes().hex() + " read-only"
+
+
+def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = small_config(tmp_path)
+    script = (
+        "import os, sys\n"
+        "from flatcake_ray.config import StoreConfig\n"
+        "from flatcake_ray.store import FlatCakeStore\n"
+        "store = FlatCakeStore(StoreConfig(**eval(sys.argv[1])))\n"
+        "print(store.arena.path, flush=True)\n"
+        "os._exit(0)  # dies without closing: the arena file stays behind\n"
+    )
+    fields = {
+        k: getattr(config, k)
+        for k in (
+            "root",
+            "layers",
+            "page_bytes",
+            "dram_bytes",
+            "ssd_file_bytes",
+            "ssd_files_per_dir",
+            "fsync",
+        )
+    }
+    stale = subprocess.run(
+        [sys.executable, "-c", script, repr(fields)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert Path(stale).exists()
+    with FlatCakeStore(config) as store:
+        assert store.arena.path != stale
+        assert not Path(stale).exists()
+    assert not Path(store.arena.path).exists()
