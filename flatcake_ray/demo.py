@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -129,6 +130,37 @@ def print_store_summary(result: dict[str, Any]) -> None:
     )
 
 
+def run_service_restores(root: str) -> dict[str, Any]:
+    """The Ray service on a local two-node Ray cluster it starts itself (127.0.0.1): one
+    session per medium written on node A, restored on A and on B, with each path's limit
+    measured beside it (the cross-node restore benchmark at demo size)."""
+    from .bench_restore import run_bench
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # stay on loopback
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    args = argparse.Namespace(
+        nodes=2,
+        pages=512,
+        layers=LAYERS,
+        page_bytes=str(PAGE_BYTES),
+        repeats=2,
+        address=None,
+        root=os.path.join(root, "service"),
+    )
+    return run_bench(args)
+
+
+def print_service_summary(result: dict[str, Any]) -> None:
+    from .bench_restore import format_results
+
+    config = result["config"]
+    print(
+        f"\n== 2. Ray service, 2 nodes on 127.0.0.1: a {config['pages']}-page session "
+        f"({config['bytes_per_restore'] / 2**20:.0f} MiB) restored per path =="
+    )
+    print(format_results(result))
+
+
 REPLAY_SYSTEMS = ("flatcake", "tiered", "dram-only")
 # DRAM below the agentic working set: the regime the paper is about (docs/bench_replay.md).
 REPLAY_OVERRIDES = {"hbm_kv_bytes": "2GiB", "dram_bytes": "16GiB", "ssd_bytes": "512GiB"}
@@ -183,7 +215,9 @@ def main(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="flatcake-demo-") as root:
         summary["store"] = run_store_workload(root)
-    print_store_summary(summary["store"])
+        print_store_summary(summary["store"])
+        summary["service"] = run_service_restores(root)
+    print_service_summary(summary["service"])
     summary["replay"] = run_replay_comparison(out_dir)
     print_replay_summary(summary["replay"])
     (out_dir / "demo.json").write_text(json.dumps(summary, indent=2, default=str))
