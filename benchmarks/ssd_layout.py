@@ -28,13 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from flatcake_ray.catalog import Catalog  # noqa: E402
-from flatcake_ray.config import StoreConfig  # noqa: E402
-from flatcake_ray.keys import digest_keys  # noqa: E402
-from flatcake_ray.media import AlignedBuffer  # noqa: E402
-from flatcake_ray.store import FlatCakeStore  # noqa: E402
+from flatcake_ray.catalog import Catalog
+from flatcake_ray.config import StoreConfig
+from flatcake_ray.keys import digest_keys
+from flatcake_ray.media import AlignedBuffer
+from flatcake_ray.store import FlatCakeStore
 
 LAYERS, PAGE_TOKENS, BYTES_PER_TOKEN = 43, 256, 7680  # DeepSeek-V4-Flash per rank (paper)
 PAGE_LAYER_BYTES = PAGE_TOKENS * BYTES_PER_TOKEN // LAYERS  # 45,723 bytes
@@ -48,9 +46,15 @@ def drop_cache(paths):
 
 
 def bench_flatcake(root, pages, turns, repeats):
-    config = StoreConfig(root=root, layers=LAYERS, page_bytes=PAGE_LAYER_BYTES, dram_bytes=0,
-                         ssd_files_per_dir=1, ssd_file_bytes=(pages * LAYERS * PAGE_LAYER_BYTES
-                         * 2 // (1 << 20) + 64) << 20, fsync=False)
+    config = StoreConfig(
+        root=root,
+        layers=LAYERS,
+        page_bytes=PAGE_LAYER_BYTES,
+        dram_bytes=0,
+        ssd_files_per_dir=1,
+        ssd_file_bytes=(pages * LAYERS * PAGE_LAYER_BYTES * 2 // (1 << 20) + 64) << 20,
+        fsync=False,
+    )
     store = FlatCakeStore(config)
     rng = np.random.default_rng(0)
     kv = rng.integers(0, 256, size=(LAYERS, pages, PAGE_LAYER_BYTES), dtype=np.uint8)
@@ -73,8 +77,12 @@ def bench_flatcake(root, pages, turns, repeats):
         assert restored == pages and np.array_equal(out, kv)
     read_bytes = after["ssd_bytes_read"] - before["ssd_bytes_read"]
     store.close()
-    return {"seconds": statistics.median(times), "commands": int(statistics.median(commands)),
-            "bytes_read": read_bytes, "bytes": kv.nbytes}
+    return {
+        "seconds": statistics.median(times),
+        "commands": int(statistics.median(commands)),
+        "bytes_read": read_bytes,
+        "bytes": kv.nbytes,
+    }
 
 
 def bench_eviction_order(root, pages, repeats):
@@ -95,12 +103,17 @@ def bench_eviction_order(root, pages, repeats):
     for _ in range(repeats):
         drop_cache([path])
         start = time.perf_counter()
-        for s in np.sort(slots):  # the best a tiered reader can do: sorted, still one per page-layer
+        # the best a tiered reader can do: sorted, still one command per page-layer
+        for s in np.sort(slots):
             os.preadv(fd, [buffer.array], int(s) * slot)
         times.append(time.perf_counter() - start)
     os.close(fd)
-    return {"seconds": statistics.median(times), "commands": count,
-            "bytes_read": count * slot, "bytes": count * PAGE_LAYER_BYTES}
+    return {
+        "seconds": statistics.median(times),
+        "commands": count,
+        "bytes_read": count * slot,
+        "bytes": count * PAGE_LAYER_BYTES,
+    }
 
 
 def bench_sequential(root, nbytes, repeats, chunk=32 << 20):
@@ -118,20 +131,35 @@ def bench_sequential(root, nbytes, repeats, chunk=32 << 20):
             os.preadv(fd, [buffer.array], offset)
         times.append(time.perf_counter() - start)
     os.close(fd)
-    return {"seconds": statistics.median(times) * nbytes / total, "commands": total // chunk,
-            "bytes_read": total, "bytes": nbytes}
+    return {
+        "seconds": statistics.median(times) * nbytes / total,
+        "commands": total // chunk,
+        "bytes_read": total,
+        "bytes": nbytes,
+    }
 
 
 def index_bytes_per_page(pages=1_000_000, batch=4096):
-    catalog = Catalog(StoreConfig(root="unused", layers=1, page_bytes=4096, dram_bytes=0,
-                                  ssd_file_bytes=1 << 40, ssd_files_per_dir=4))
+    catalog = Catalog(
+        StoreConfig(
+            root="unused",
+            layers=1,
+            page_bytes=4096,
+            dram_bytes=0,
+            ssd_file_bytes=1 << 40,
+            ssd_files_per_dir=4,
+        )
+    )
     for start in range(0, pages, batch):
         digests = digest_keys("bench", range(start, min(start + batch, pages)))
         catalog.publish(catalog.plan_put(digests))
     index = catalog.index.nbytes
     keys = sum(s.digests.nbytes for s in catalog.segments.values())
-    return {"pages": pages, "hash_table_bytes_per_page": index / pages,
-            "with_key_copies_bytes_per_page": (index + keys) / pages}
+    return {
+        "pages": pages,
+        "hash_table_bytes_per_page": index / pages,
+        "with_key_copies_bytes_per_page": (index + keys) / pages,
+    }
 
 
 def main() -> int:
@@ -139,7 +167,7 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=128)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="folder on the drive to test (default: a temp dir)")
+    parser.add_argument("--dir", default=None, help="folder on the drive to test (default: temp)")
     parser.add_argument("--write-md", default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
@@ -150,8 +178,13 @@ def main() -> int:
     for row in rows.values():
         row["gbps"] = row["bytes"] / row["seconds"] / 1e9
     result = {
-        "session": {"layers": LAYERS, "pages": args.pages, "turns": args.turns,
-                    "page_layer_bytes": PAGE_LAYER_BYTES, "bytes": flat["bytes"]},
+        "session": {
+            "layers": LAYERS,
+            "pages": args.pages,
+            "turns": args.turns,
+            "page_layer_bytes": PAGE_LAYER_BYTES,
+            "bytes": flat["bytes"],
+        },
         "paths": rows,
         "flatcake_vs_eviction_order": flat["gbps"] / evicted["gbps"],
         "flatcake_vs_sequential": flat["gbps"] / sequential["gbps"],
@@ -159,30 +192,41 @@ def main() -> int:
     }
     print(json.dumps(result, indent=2))
     if args.write_md:
-        write_markdown(args.write_md, result, " ".join(sys.argv))
+        write_markdown(args.write_md, result, ".venv/bin/python " + " ".join(sys.argv))
     return 0
 
 
 def write_markdown(path, result, command):
     session = result["session"]
     lines = [
-        "## SSD restore of one long session (FC-CIO layout)", "",
-        f"Command: `{command}`", "",
+        "## SSD restore of one long session (FC-CIO layout)",
+        "",
+        f"Command: `{command}`",
+        "",
         f"{session['layers']} layers, {session['pages']} pages of 256 tokens at 7.5 KiB/token "
         f"({session['bytes'] / 2**20:.0f} MiB), written in {session['turns']} turns with another "
         "session between turns; O_DIRECT, page cache dropped before each repeat; medians of "
-        "repeats, side by side in one run.", "",
-        "| path | read commands | bytes read / delivered | GB/s |", "|---|---:|---:|---:|",
+        "repeats, side by side in one run.",
+        "",
+        "| path | read commands | bytes read / delivered | GB/s |",
+        "|---|---:|---:|---:|",
     ]
     for name, row in result["paths"].items():
-        lines.append(f"| {name} | {row['commands']} | {row['bytes_read'] / row['bytes']:.3f} | "
-                     f"{row['gbps']:.2f} |")
+        lines.append(
+            f"| {name} | {row['commands']} | {row['bytes_read'] / row['bytes']:.3f} | "
+            f"{row['gbps']:.2f} |"
+        )
     index = result["index"]
-    lines += ["", f"FlatCake / eviction order: **{result['flatcake_vs_eviction_order']:.2f}x**; "
-              f"FlatCake / sequential limit: **{result['flatcake_vs_sequential']:.2f}**.", "",
-              f"Index memory at {index['pages']:,} pages: {index['hash_table_bytes_per_page']:.1f} "
-              f"bytes/page in the hash table, {index['with_key_copies_bytes_per_page']:.1f} with "
-              "the per-segment key copies reclamation needs.", ""]
+    lines += [
+        "",
+        f"FlatCake / eviction order: **{result['flatcake_vs_eviction_order']:.2f}x**; "
+        f"FlatCake / sequential limit: **{result['flatcake_vs_sequential']:.2f}**.",
+        "",
+        f"Index memory at {index['pages']:,} pages: {index['hash_table_bytes_per_page']:.1f} "
+        f"bytes/page in the hash table, {index['with_key_copies_bytes_per_page']:.1f} with "
+        "the per-segment key copies reclamation needs.",
+        "",
+    ]
     _replace_section(path, "## SSD restore of one long session", "\n".join(lines))
 
 

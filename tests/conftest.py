@@ -8,11 +8,11 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-from flatcake_ray.config import StoreConfig  # noqa: E402
-from flatcake_ray.store import FlatCakeStore  # noqa: E402
+from flatcake_ray.config import StoreConfig
+from flatcake_ray.store import FlatCakeStore
 
 LAYERS = 4
 PAGE_BYTES = 8192

@@ -1,3 +1,5 @@
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,7 +54,7 @@ def test_runs_never_overlap(steps):
         else:
             space.place(scopes[scope_index], pages * 4096)
     runs = sorted((r.start, r.length) for s in scopes for r in s.runs)
-    for (a, la), (b, _) in zip(runs, runs[1:], strict=False):
+    for (a, la), (b, _) in itertools.pairwise(runs):
         assert a + la <= b
     assert all(r.used <= r.length for s in scopes for r in s.runs)
     assert space.free_bytes + sum(s.reserved_bytes for s in scopes) == space.capacity
