@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ALIGN
-from ..errors import ReadRangeError, ShipBufferFullError
+from ..errors import ReadRangeError, ShipBufferFullError, TransferError
 from ..media import AlignedBuffer, SsdPool
 from ..transports.base import ReadBatch
 from ..transports.local_ssd import LocalSsdTransport
@@ -168,19 +168,30 @@ class PullArea:
         self._lock = threading.Lock()
 
     def _reader(self, peer: Any) -> tuple[Any, threading.Lock]:
-        from ..transports.nixl_dram import NixlDramTransport
-
+        """The cached reader of ``peer``; one that broke (a failed READ removed its peer) or
+        that reaches an older export under the same name is closed and replaced."""
         with self._lock:
             known = self._peers.get(peer.agent_name)
             if known is not None:
-                self._peers.move_to_end(peer.agent_name)
-                return known
-            known = (NixlDramTransport(self.agent, peer), threading.Lock())
+                reader, lock = known
+                if not reader.broken and reader.peer == peer:
+                    self._peers.move_to_end(peer.agent_name)
+                    return known
+                del self._peers[peer.agent_name]
+                with lock:  # after any read still using it
+                    reader.close()
+            known = (self._connect(peer), threading.Lock())
             self._peers[peer.agent_name] = known
             while len(self._peers) > self._max_peers:
-                _, (old, _) = self._peers.popitem(last=False)
-                old.close()
+                _, (old, old_lock) = self._peers.popitem(last=False)
+                with old_lock:
+                    old.close()
             return known
+
+    def _connect(self, peer: Any) -> Any:
+        from ..transports.nixl_dram import NixlDramTransport
+
+        return NixlDramTransport(self.agent, peer)
 
     def pull(self, peer: Any, offset: int, nbytes: int) -> tuple[AlignedBuffer, np.ndarray]:
         """READ ``nbytes`` at ``offset`` of the peer's staging buffer; give the slot back with
@@ -189,13 +200,23 @@ class PullArea:
         try:
             if slot.nbytes < nbytes:
                 slot = AlignedBuffer(nbytes)  # the old one's registration ages out of the cache
-            reader, lock = self._reader(peer)
-            with lock:
-                reader.read(ReadBatch([offset], [nbytes], [0]), slot.array)
+            self._read(peer, ReadBatch([offset], [nbytes], [0]), slot.array)
         except BaseException:
             self._slots.put(slot)
             raise
         return slot, slot.array[:nbytes]
+
+    def _read(self, peer: Any, batch: ReadBatch, dst: np.ndarray) -> None:
+        for _ in range(3):
+            known = self._reader(peer)
+            reader, lock = known
+            with lock:
+                # Another pull may have broken or replaced this reader while we waited.
+                if reader.broken or self._peers.get(peer.agent_name) is not known:
+                    continue
+                reader.read(batch, dst)
+                return
+        raise TransferError(f"no working NIXL reader of {peer.agent_name}")
 
     def done(self, slot: AlignedBuffer) -> None:
         self._slots.put(slot)

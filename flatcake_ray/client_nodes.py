@@ -93,6 +93,12 @@ class NodeLink:
         key = (path, medium)
         with self._lock:
             known = self._transports.get(key)
+            if known is not None and getattr(known[0], "broken", False):
+                # A NIXL transport is dead after any transfer error (its peer was removed):
+                # reusing it would turn this node's pages into misses for good.
+                with known[1]:
+                    known[0].close()
+                known = None
             if known is None:
                 known = (self._make(path, medium, agent), threading.Lock())
                 self._transports[key] = known

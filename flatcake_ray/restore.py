@@ -11,14 +11,20 @@ Who calls what, in which order:
    consecutive hits of ``keys`` (their scopes cannot be reclaimed until the restore ends) and
    queues the restore. Prefix page ``i`` goes to slot ``slot_ids[i]`` of every layer of
    ``pool`` (``layer_first`` ``[layers, slots, *page]`` or ``page_first`` ``[slots, layers,
-   *page]``). Slots past the hits are left alone.
+   *page]``). Slots past the hits are left alone. ``pipeline.submit(keys, dest)`` takes any
+   :class:`~flatcake_ray.restore_dest.Destination` instead, e.g. :class:`LayerTensors` for
+   one KV tensor per layer (vLLM's), where page ``i`` goes to block ``block_ids[i]``.
 3. ``handle.wait_for_layer(l)`` before layer ``l``'s attention (vLLM's ``wait_for_layer_load``)
-   or ``handle.wait()``: block until that layer (every layer) is in ``pool``, and return the
+   or ``handle.wait()``: block until that layer (every layer) is in place, and return the
    verified prefix length so far. A worker's exception is raised here as :class:`RestoreError`.
    The count is final after ``wait()``; a checksum failure in a later layer can still shrink
    it, and slots past it hold nothing usable.
-4. ``pipeline.close()``: takes no new restores, lets every submitted one finish, stops workers.
-   Close the pipeline before its store, and never from a worker callback.
+4. ``pipeline.close(timeout=None)``: takes no new restores, lets every submitted one finish,
+   stops workers. Close the pipeline before its store, and never from a worker callback.
+
+Every restore submitted is finished exactly once, by its lane or, if the scheduler's
+bookkeeping fails, by the pipeline with that error; that is what wakes its waiters and
+``close()``. Lane threads survive any error of a restore or of the bookkeeping.
 
 Admission. Each restore is classified by its slowest medium. One whose hits are all in DRAM is
 dispatched at once and copied by the DRAM lane (from the shared arena; it holds no SSD window).
@@ -39,7 +45,7 @@ stream; the layer counts as in place once that stream has finished it.
 from __future__ import annotations
 
 import itertools
-import math
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,22 +54,30 @@ import numpy as np
 import torch
 
 from .config import ALIGN
-from .cuda_ext.scatter import LAYER_FIRST, Layout, scatter_layer, scatter_layer_reference
-from .errors import ConfigError, RestoreError, ShapeError, StoreClosedError
+from .cuda_ext.scatter import LAYER_FIRST, Layout, scatter_layer
+from .errors import ConfigError, RestoreError, RestoreTimeoutError, ShapeError, StoreClosedError
 from .gva import Medium
 from .gva import encode as encode_gva
 from .keys import KeyLike, PageKey
 from .media import AlignedBuffer
 from .reader import ReadOutcome
+from .restore_dest import Destination, LayerTensors, PagedPool, ScatterFn, as_destination
 from .restore_plan import LayerChunk, LayerStager, PageRun
 from .restore_window import Gauge, Job, Lane, RestoreHandle, Slot
 from .scheduler import Scheduler, SchedulerConfig
 from .store import FlatCakeStore
 
-__all__ = ["DEFAULT_SLOT_BYTES", "RestoreHandle", "RestorePipeline"]
+__all__ = [
+    "DEFAULT_SLOT_BYTES",
+    "Destination",
+    "LayerTensors",
+    "PagedPool",
+    "RestoreHandle",
+    "RestorePipeline",
+]
 
 DEFAULT_SLOT_BYTES = 16 << 20
-ScatterFn = Callable[..., None]  # cuda_ext.scatter.scatter_layer's signature
+logger = logging.getLogger(__name__)
 
 
 class RestorePipeline:
@@ -115,7 +129,8 @@ class RestorePipeline:
         self._drained = threading.Condition(self._lock)
         self._live = 0  # submitted, not yet finished
         self._ids = itertools.count()
-        self._closed = False
+        self._closed = False  # no new restores
+        self._stopped = False  # workers stopped, staging memory freed
         self._fault: BaseException | None = None
 
     # ---- memory ------------------------------------------------------------------------
@@ -152,17 +167,17 @@ class RestorePipeline:
     def submit(
         self,
         keys: Sequence[KeyLike | PageKey],
-        pool: torch.Tensor | np.ndarray,
-        slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        dest: Destination | torch.Tensor | np.ndarray,
+        slot_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
         layout: Layout = LAYER_FIRST,
         *,
         namespace: str | None = None,
     ) -> RestoreHandle:
-        """Lease the hits of ``keys`` and queue their restore into ``pool``; never blocks on I/O."""
+        """Lease the hits of ``keys`` and queue their restore into ``dest`` (a
+        :class:`Destination`, or a pool with its ``slot_ids`` and ``layout``); never blocks
+        on I/O."""
         self._check_open()
-        pool = self._check_pool(pool, layout)
-        slot_dim = 1 if layout == LAYER_FIRST else 0
-        ids = _check_slot_ids(slot_ids, len(keys), pool.shape[slot_dim])
+        dest = self._check_dest(as_destination(dest, slot_ids, layout), len(keys))
         lease = self.store.lease(keys, namespace=namespace)
         handed_over = False  # once a job owns the lease, its finish releases it
         try:
@@ -179,10 +194,10 @@ class RestorePipeline:
                     handle._finish(now, None)
                     return handle
                 self.scheduler.submit(handle.request_id, now, gvas, kv_bytes)
-                self._jobs[handle.request_id] = Job(handle, lease, stager, pool, ids, layout)
+                self._jobs[handle.request_id] = Job(handle, lease, stager, dest)
                 self._live += 1
                 handed_over = True
-                self._pump()
+                self._pump_or_break()
             return handle
         finally:
             if not handed_over:
@@ -194,38 +209,39 @@ class RestorePipeline:
         if self._closed:
             raise StoreClosedError("the restore pipeline is closed")
 
-    def _check_pool(self, pool: torch.Tensor | np.ndarray, layout: Layout) -> torch.Tensor:
-        if isinstance(pool, np.ndarray):
-            if not pool.flags.writeable:
-                raise ShapeError("the pool is a read-only array")
-            pool = torch.from_numpy(pool)
-        if not isinstance(pool, torch.Tensor) or pool.device != self.device:
-            where = getattr(pool, "device", type(pool).__name__)
-            raise ShapeError(f"the pool must be a tensor on {self.device}, not on {where}")
-        empty = torch.empty(0, dtype=torch.uint8, device=pool.device)
-        scatter_layer_reference(empty, pool, empty.long(), 0, layout)  # checks layout, strides
+    def _check_dest(self, dest: Destination, keys: int) -> Destination:
+        if dest.device != self.device:
+            raise ShapeError(f"the destination must be on {self.device}, not on {dest.device}")
         config = self.store.config
-        layers = pool.shape[0 if layout == LAYER_FIRST else 1]
-        page_bytes = math.prod(pool.shape[2:]) * pool.element_size()
-        if layers != config.layers or page_bytes != config.page_bytes:
+        if dest.layers != config.layers or dest.page_bytes != config.page_bytes:
             raise ShapeError(
-                f"the pool has {layers} layers of {page_bytes}-byte pages; the store has "
-                f"{config.layers} layers of {config.page_bytes}-byte pages"
+                f"the destination has {dest.layers} layers of {dest.page_bytes}-byte pages; "
+                f"the store has {config.layers} layers of {config.page_bytes}-byte pages"
             )
-        return pool
+        if dest.pages != keys:
+            raise ShapeError(f"the destination maps {dest.pages} pages, one per key: need {keys}")
+        return dest
 
     # ---- scheduling (callers hold self._lock) --------------------------------------------
+    def _pump_or_break(self) -> None:
+        try:
+            self._pump()
+        except BaseException as exc:  # every queued handle is failed with it, wait() raises it
+            self._break(exc)
+
     def _pump(self) -> None:
         now = self._clock()
         for request in self.scheduler.start_prefetches(now):
             job = self._jobs[request.request_id]
             job.handle._start(now)
             self._idle.pop().start(job)  # the scheduler's budget is the number of windows
+            job.dispatched = True
         for request in self.scheduler.pop_ready(now, None):
             job = self._jobs.pop(request.request_id)
             if request.medium is Medium.DRAM:
                 job.handle._start(now)
                 self._dram_lane.start(job)
+                job.dispatched = True
             # an SSD restore popped here is already in place: its window finished it
 
     # ---- the scatter threads' side -------------------------------------------------------
@@ -250,10 +266,7 @@ class RestorePipeline:
         page_bytes = self.store.config.page_bytes
         for run in runs:
             staged = source[run.offset : run.offset + len(run.positions) * page_bytes]
-            ids = torch.from_numpy(job.slot_ids[run.positions])
-            self._scatter(
-                torch.from_numpy(staged), job.pool, ids, chunk.layer, job.layout, check_slots=False
-            )
+            job.dest.scatter(torch.from_numpy(staged), run.positions, chunk.layer, self._scatter)
 
     def _scatter_device(
         self, job: Job, chunk: LayerChunk, runs: list[PageRun], source, slot: Slot
@@ -278,19 +291,11 @@ class RestorePipeline:
                     staged.append((twin, run))
                     cursor += length
             for twin, run in staged:
-                ids = torch.from_numpy(job.slot_ids[run.positions])
-                self._scatter(
-                    twin,
-                    job.pool,
-                    ids,
-                    chunk.layer,
-                    job.layout,
-                    stream=slot.stream,
-                    check_slots=False,
-                )
+                job.dest.scatter(twin, run.positions, chunk.layer, self._scatter, slot.stream)
         slot.stream.synchronize()  # the slot is reused, and the layer counts, only after this
 
     def _finish(self, lane: Lane, job: Job) -> None:
+        """The lane is done with ``job``; never raises (a lane thread must survive it)."""
         try:
             try:
                 self._account(job)
@@ -299,17 +304,21 @@ class RestorePipeline:
         except BaseException as exc:  # raised by wait()
             job.error = job.error or exc
         job.handle._finish(self._clock(), job.error)
-        try:
-            with self._lock:
+        with self._lock:
+            # Counted out first: close() must not wait for a job whatever the bookkeeping does.
+            self._live -= 1
+            try:
                 if lane is not self._dram_lane:
                     self._window_done(lane, job)
-                self._live -= 1
+            except BaseException as exc:
+                self._break(exc)
+            finally:
                 self._drained.notify_all()
-        except BaseException as exc:
-            self._break(exc)
 
     def _window_done(self, lane: Lane, job: Job) -> None:
         self._idle.append(lane)
+        if self._fault is not None:
+            return  # the scheduler is broken: nothing is queued or started any more
         request_id, now = job.handle.request_id, self._clock()
         if job.error is None:
             self.scheduler.prefetch_done(request_id, now)
@@ -319,16 +328,21 @@ class RestorePipeline:
         self._pump()
 
     def _break(self, exc: BaseException) -> None:
-        """The scheduler bookkeeping itself failed: fail every queued restore with it."""
-        with self._lock:
-            self._fault = exc
-            for job in self._jobs.values():
-                if job.handle.started_at is None:  # a started one finishes on its own lane
-                    job.handle._finish(self._clock(), exc)
-                    self.store.release(job.lease)
-                    self._live -= 1
-            self._jobs = {i: j for i, j in self._jobs.items() if j.handle.started_at is not None}
-            self._drained.notify_all()
+        """The scheduler bookkeeping failed (callers hold self._lock): fail every restore not
+        yet dispatched with it. A dispatched one finishes on its own lane."""
+        self._fault = self._fault or exc
+        now = self._clock()
+        failed = [job for job in self._jobs.values() if not job.dispatched]
+        self._jobs = {i: j for i, j in self._jobs.items() if j.dispatched}
+        for job in failed:  # woken and counted out before anything else can raise
+            job.handle._finish(now, exc)
+            self._live -= 1
+        self._drained.notify_all()
+        for job in failed:
+            try:
+                self.store.release(job.lease)
+            except BaseException:  # a lane thread runs this: it must live on; wait() raises exc
+                logger.exception("releasing the lease of restore %d failed", job.handle.request_id)
 
     def _account(self, job: Job) -> None:
         restored = job.handle.pages if job.error is None else 0
@@ -342,13 +356,21 @@ class RestorePipeline:
         self.store.account_read(outcome, delivered_pages=restored)
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def close(self) -> None:
-        """Refuse new restores, wait for every submitted one, stop the workers."""
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new restores, wait for every submitted one, stop the workers. A restore
+        still running after ``timeout`` seconds raises :class:`RestoreTimeoutError` and
+        leaves the workers running (close again to wait longer)."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
-            self._drained.wait_for(lambda: self._live <= 0)
+            if self._stopped:
+                return
+            if not self._drained.wait_for(lambda: self._live <= 0, timeout):
+                raise RestoreTimeoutError(
+                    f"{self._live} restores still running after {timeout} s; not closed"
+                )
+            if self._stopped:  # a concurrent close() stopped them while this one waited
+                return
+            self._stopped = True
         for lane in (*self._windows, self._dram_lane):
             lane.stop()
         for buffer in self._buffers:
@@ -368,19 +390,3 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"the staging window lives on the CPU or a CUDA GPU, not {device}")
     return device
-
-
-def _check_slot_ids(slot_ids, count: int, num_slots: int) -> np.ndarray:
-    if isinstance(slot_ids, torch.Tensor):
-        slot_ids = slot_ids.detach().cpu().numpy()
-    ids = np.asarray(slot_ids)
-    if ids.ndim != 1 or len(ids) != count or (count and not np.issubdtype(ids.dtype, np.integer)):
-        raise ShapeError(
-            f"slot_ids must be {count} integers, one per key, got {ids.shape} of {ids.dtype}"
-        )
-    ids = ids.astype(np.int64)
-    if count and (ids.min() < 0 or ids.max() >= num_slots):
-        raise ShapeError(f"slot ids must be in [0, {num_slots}); got {ids.min()}..{ids.max()}")
-    if np.unique(ids).size != ids.size:
-        raise ShapeError("slot ids must be distinct")
-    return ids

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from .catalog import Lease
-from .cuda_ext.scatter import Layout
 from .errors import RestoreError, RestoreTimeoutError, ShapeError
 from .gva import Medium
+from .restore_dest import Destination
 from .restore_plan import LayerStager
 
 __all__ = ["Gauge", "Job", "Lane", "RestoreHandle", "Slot"]
@@ -113,9 +113,8 @@ class Job:
     handle: RestoreHandle
     lease: Lease
     stager: LayerStager
-    pool: torch.Tensor
-    slot_ids: np.ndarray
-    layout: Layout
+    dest: Destination
+    dispatched: bool = False  # handed to a lane, which finishes it; under the pipeline's lock
     bad_scopes: set[int] = field(default_factory=set)
     ssd_commands: int = 0  # written by the reader thread only
     ssd_bytes: int = 0
@@ -186,9 +185,11 @@ class Lane:
         while (job := self._jobs.get()) is not None:
             try:
                 self._stage(job)
-                self._emit(job, _END, None)
+                end = _END
             except BaseException as exc:  # handed to the scatter side, raised by wait()
-                self._emit(job, exc, None)
+                end = exc
+            # Exactly one end per job, outside the try: finishing twice would count it out twice.
+            self._emit(job, end, None)
         self._handoff.put(None)
 
     def _stage(self, job: Job) -> None:

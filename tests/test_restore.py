@@ -22,8 +22,9 @@ from flatcake_ray.errors import (
     StoreClosedError,
 )
 from flatcake_ray.gva import Medium
-from flatcake_ray.restore import RestorePipeline
+from flatcake_ray.restore import LayerTensors, PagedPool, RestorePipeline
 from flatcake_ray.restore_plan import LayerStager
+from flatcake_ray.scheduler import Scheduler
 from flatcake_ray.store import FlatCakeStore, PutHints
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
@@ -469,6 +470,207 @@ def test_bad_arguments_are_typed_errors(make_store, pipelines):
         RestorePipeline(store, windows=0)
 
 
+# ---- per-layer destinations (vLLM's KV caches) ------------------------------------------------
+
+BLOCKS = 40
+
+
+def layer_tensors(shape, device):
+    return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
+
+
+def contiguous_layers(device="cpu"):
+    """vLLM's CPU caches: one [blocks, heads, block, 2 * head] bf16 tensor per layer."""
+    return layer_tensors((BLOCKS, 2, 32, 64), device)
+
+
+def kv_first_layers(device="cpu"):
+    """A K/V-first physical layout [2, blocks, block, heads, head] seen block first: a page
+    is the block's K half, then its V half, far apart in memory."""
+    return [t.transpose(0, 1) for t in layer_tensors((2, BLOCKS, 32, 2, 32), device)]
+
+
+def head_major_layers(device="cpu"):
+    """[blocks, block, heads, head] over [blocks, heads, block, head] memory: 64 pieces."""
+    return [t.transpose(1, 2) for t in layer_tensors((BLOCKS, 2, 32, 64), device)]
+
+
+def saved_pages(tensors, block_ids):
+    """What vLLM's connector saves: tensor[blocks] in logical order, as bytes per page."""
+    ids = torch.as_tensor(np.asarray(block_ids), dtype=torch.int64)
+    return np.stack([t.view(torch.uint8)[ids].reshape(len(ids), -1).numpy() for t in tensors])
+
+
+@pytest.mark.parametrize("make_layers", [contiguous_layers, kv_first_layers, head_major_layers])
+@pytest.mark.parametrize("hints", [[None, None], [DRAM, None], [DRAM, DRAM]])
+def test_per_layer_tensors_restore_byte_exact(make_store, pipelines, make_layers, hints):
+    store = make_store()
+    kv = random_kv(24, seed=60)
+    put_turns(store, kv, [9, 24], hints)
+    tensors = make_layers()
+    blocks = scattered_slots(24, seed=61, slots=BLOCKS)
+    pipeline = pipelines(store, slot_bytes=3 * PAGE_BYTES + 4096)  # layers span chunks
+    handle = pipeline.submit(list(range(24)), LayerTensors(tensors, blocks))
+    assert handle.wait(WAIT) == 24 and handle.layers_done == LAYERS
+    assert np.array_equal(saved_pages(tensors, blocks), kv)
+    untouched = np.setdiff1d(np.arange(BLOCKS), blocks)
+    assert not saved_pages(tensors, untouched).any()
+
+
+def test_per_layer_wait_returns_with_that_layer_in_place(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(8, seed=62)
+    store.put(list(range(8)), kv)
+    tensors = contiguous_layers()
+    opened = threading.Event()
+
+    def gated(staging, pool, ids, layer, layout, **options):
+        if pool.data_ptr() == tensors[1].data_ptr():
+            assert opened.wait(WAIT), "test gate never opened"
+        scatter_layer(staging, pool, ids, layer, layout, **options)
+
+    pipeline = pipelines(store, scatter=gated)
+    handle = pipeline.submit(list(range(8)), LayerTensors(tensors, np.arange(8)))
+    assert handle.wait_for_layer(0, WAIT) == 8
+    assert np.array_equal(saved_pages(tensors[:1], np.arange(8)), kv[:1])
+    with pytest.raises(RestoreTimeoutError):
+        handle.wait_for_layer(1, timeout=0.05)
+    assert not saved_pages(tensors[1:], np.arange(8)).any()
+    opened.set()
+    assert handle.wait(WAIT) == 8
+    assert np.array_equal(saved_pages(tensors, np.arange(8)), kv)
+
+
+def test_bad_destinations_are_typed_errors(make_store, pipelines):
+    store = make_store()
+    store.put(list(range(4)), random_kv(4))
+    pipeline = pipelines(store)
+    tensors = contiguous_layers()
+    keys = list(range(4))
+    with pytest.raises(ShapeError):
+        LayerTensors(tensors, [0, 1, 2, BLOCKS])  # a block out of range
+    with pytest.raises(ShapeError):
+        LayerTensors(tensors, [0, 1, 1, 2])
+    with pytest.raises(ShapeError):
+        LayerTensors([tensors[0], tensors[1][:, :1]], [0])  # layers differ in page bytes
+    with pytest.raises(ShapeError):
+        LayerTensors([t.transpose(-1, -2) for t in tensors], [0])  # last axis strided
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, LayerTensors(tensors[:3], [0, 1, 2, 3]))  # 3 of 4 layers
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, LayerTensors(tensors, [0, 1, 2]))  # a block short
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, LayerTensors(tensors, [0, 1, 2, 3]), [0, 1, 2, 3])
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, make_pool("layer_first"))  # a pool needs its slot ids
+    pool = make_pool("page_first")
+    assert pipeline.submit(keys, PagedPool(pool, [3, 2, 1, 0], "page_first")).wait(WAIT) == 4
+    assert np.array_equal(pool_pages(pool, "page_first", [3, 2, 1, 0]), random_kv(4))
+    assert store.stats()["leases_open"] == 0
+
+
+# ---- failures of the bookkeeping itself never leave a waiter or close() blocked -------------
+
+
+def test_a_failing_scheduler_fails_queued_restores_and_close_returns(
+    make_store, pipelines, monkeypatch
+):
+    store = make_store()
+    kv = random_kv(8, seed=63)
+    store.put(list(range(8)), kv)
+    recorder = GatedScatter()
+    pipeline = pipelines(store, windows=1, scatter=recorder)
+    pools = [make_pool("layer_first") for _ in range(3)]
+    gate = recorder.gate(pools[0], 0)
+    handles = [pipeline.submit(list(range(8)), p, np.arange(8), "layer_first") for p in pools]
+    assert recorder.entered.wait(WAIT)
+
+    def broken(self, request_id, now):
+        raise RuntimeError("bookkeeping lost")
+
+    monkeypatch.setattr(Scheduler, "prefetch_done", broken)
+    gate.set()
+    assert handles[0].wait(WAIT) == 8  # its bytes were in place before the bookkeeping failed
+    for handle in handles[1:]:  # queued behind it: failed with the scheduler's error
+        with pytest.raises(RestoreError) as caught:
+            handle.wait(WAIT)
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(RestoreError):
+        pipeline.submit(list(range(8)), pools[1], np.arange(8), "layer_first")
+    pipeline.close(timeout=WAIT)
+    assert store.stats()["leases_open"] == 0
+
+
+def test_a_failing_dispatch_at_submit_reaches_wait(make_store, pipelines, monkeypatch):
+    store = make_store()
+    store.put(list(range(4)), random_kv(4))
+    pipeline = pipelines(store)
+
+    def broken(self, now):
+        raise RuntimeError("no budget today")
+
+    monkeypatch.setattr(Scheduler, "start_prefetches", broken)
+    handle = pipeline.submit(list(range(4)), make_pool("layer_first"), np.arange(4))
+    with pytest.raises(RestoreError) as caught:
+        handle.wait(WAIT)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    pipeline.close(timeout=WAIT)
+    assert store.stats()["leases_open"] == 0
+
+
+@pytest.mark.parametrize("hint", [None, DRAM])
+def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
+    make_store, pipelines, monkeypatch, hint
+):
+    store = make_store()
+    kv = random_kv(6, seed=64)
+    store.put(list(range(6)), kv, hints=hint)
+    real_chunks = LayerStager.chunks
+    armed = threading.Event()
+    armed.set()
+
+    def chunks(self, layer):
+        if layer == 1 and armed.is_set():  # once: the next restore plans normally
+            armed.clear()
+            raise RuntimeError("plan lost")
+        return real_chunks(self, layer)
+
+    monkeypatch.setattr(LayerStager, "chunks", chunks)
+    pipeline = pipelines(store, windows=1)
+    handle = pipeline.submit(list(range(6)), make_pool("layer_first"), np.arange(6))
+    with pytest.raises(RestoreError) as caught:
+        handle.wait(WAIT)
+    assert isinstance(caught.value.__cause__, RuntimeError) and handle.layers_done == 1
+    pool = make_pool("layer_first")
+    assert pipeline.submit(list(range(6)), pool, np.arange(6)).wait(WAIT) == 6
+    assert np.array_equal(pool_pages(pool, "layer_first", np.arange(6)), kv)
+    assert store.stats()["leases_open"] == 0
+
+
+def test_close_with_a_timeout_raises_while_a_restore_runs(make_store):
+    store = make_store()
+    store.put(list(range(4)), random_kv(4))
+    recorder = GatedScatter()
+    pipeline = RestorePipeline(store, windows=1, scatter=recorder)
+    pool = make_pool("layer_first")
+    gate = recorder.gate(pool, 0)
+    handle = pipeline.submit(list(range(4)), pool, np.arange(4))
+    assert recorder.entered.wait(WAIT)
+    with pytest.raises(RestoreTimeoutError):
+        pipeline.close(timeout=0.05)
+    with pytest.raises(StoreClosedError):  # closing already refuses new restores
+        pipeline.submit(list(range(4)), pool, np.arange(4))
+    gate.set()
+    pipeline.close(timeout=WAIT)
+    assert handle.done and handle.pages == 4
+    closers = [threading.Thread(target=pipeline.close) for _ in range(3)]
+    for closer in closers:
+        closer.start()
+    for closer in closers:
+        closer.join(WAIT)
+    assert not any(closer.is_alive() for closer in closers)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
@@ -485,3 +687,17 @@ def test_restore_into_a_gpu_pool_is_byte_exact(make_store, pipelines, layout):
     assert [h.wait(WAIT) for h in handles] == [40, 40, 40, 18]
     assert np.array_equal(pool_pages(pool.cpu(), layout, slots), kv)
     assert pipeline.window_bytes == 2 * 2 * 4 * 4096 * 2 + 2 * 4 * 4096  # host + HBM twins
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("make_layers", [contiguous_layers, kv_first_layers])
+def test_per_layer_gpu_tensors_restore_byte_exact(make_store, pipelines, make_layers):
+    store = make_store()
+    kv = random_kv(24, seed=65)
+    put_turns(store, kv, [9, 24], [DRAM, None])
+    tensors = make_layers("cuda")
+    blocks = scattered_slots(24, seed=66, slots=BLOCKS)
+    pipeline = pipelines(store, device="cuda", slot_bytes=3 * PAGE_BYTES + 4096)
+    assert pipeline.submit(list(range(24)), LayerTensors(tensors, blocks)).wait(WAIT) == 24
+    assert np.array_equal(saved_pages([t.cpu() for t in tensors], blocks), kv)

@@ -28,11 +28,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from flatcake_ray import service  # noqa: E402
 from flatcake_ray.actors.coordinator import CapacityCoordinator  # noqa: E402
-from flatcake_ray.actors.protocol import COORDINATOR_NAME, NodeUsage, ServiceConfig  # noqa: E402
+from flatcake_ray.actors.protocol import (  # noqa: E402
+    COORDINATOR_NAME,
+    NodeDescription,
+    NodeUsage,
+    ServiceConfig,
+)
 from flatcake_ray.catalog import PutHints  # noqa: E402
 from flatcake_ray.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
-from flatcake_ray.gva import decode  # noqa: E402
+from flatcake_ray.gva import Medium, decode  # noqa: E402
 from flatcake_ray.transports.base import (  # noqa: E402
     LOCAL_DRAM,
     LOCAL_SSD,
@@ -445,3 +450,35 @@ def test_removed_node_turns_its_pages_into_misses(deployment):
     survivor = next(name for node, name in owners.items() if node != doomed)
     late = [got for t, name, got, *_ in log if name == survivor and t > misses[0]]
     assert late and all(got == 12 for got in late)
+
+
+class _RecordingTransport:
+    """A stand-in transport that records its closing and can be marked broken."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_broken_transport_is_rebuilt_not_reused(monkeypatch):
+    from flatcake_ray.client_nodes import NodeLink
+
+    description = NodeDescription(
+        "ray-a", 3, "node-3", LAYERS, PAGE_BYTES, "/dev/null", 0, (), 4096, True, 0.0
+    )
+    link = NodeLink(None, description, False, ServiceConfig(layers=LAYERS, page_bytes=PAGE_BYTES))
+    made: list[_RecordingTransport] = []
+
+    def make(path, medium, agent):
+        made.append(_RecordingTransport())
+        return made[-1]
+
+    monkeypatch.setattr(link, "_make", make)
+    first, _ = link.transport("remote-dram-nixl", Medium.DRAM, None)
+    assert link.transport("remote-dram-nixl", Medium.DRAM, None)[0] is first  # healthy: reused
+    first.broken = True
+    second, _ = link.transport("remote-dram-nixl", Medium.DRAM, None)
+    assert second is not first and first.closed and len(made) == 2

@@ -29,10 +29,10 @@ from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch, Registrati
 from flatcake_ray.transports.nixl_dram import (
     NixlAgent,
     NixlDramTransport,
-    NixlFileReader,
     NixlPeerInfo,
     unique_agent_name,
 )
+from flatcake_ray.transports.nixl_file import NixlFileReader
 
 ARENA_BYTES = 256 << 20
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}
@@ -123,14 +123,16 @@ def test_importing_transports_loads_neither_nixl_nor_pyverbs():
 # --------------------------------------------------------------------------- owner process
 
 
-def _owner_main(conn, size: int, seed: int) -> None:
-    """Child: export an arena holding ``pattern(size, seed)``; serve until told to stop."""
+def _owner_main(conn, size: int, seed: int, name: str | None, progress: str) -> None:
+    """Child: export an arena holding ``pattern(size, seed)`` from an agent progressed as
+    ``progress`` says; serve until told to stop."""
     from flatcake_ray.transports.nixl_dram import NixlArenaExporter
 
     os.environ.update(LOOPBACK_ENV)
     os.environ.pop("UCX_TLS", None)  # the owner offers every transport; readers choose
     try:
-        exporter = NixlArenaExporter(unique_agent_name("owner"), pattern(size, seed))
+        agent = NixlAgent(name or unique_agent_name("owner"), progress=progress)
+        exporter = NixlArenaExporter(agent.name, pattern(size, seed), agent=agent)
     except BaseException as exc:
         conn.send(repr(exc))
         raise
@@ -138,13 +140,17 @@ def _owner_main(conn, size: int, seed: int) -> None:
         conn.send(exporter.peer_info())
         with contextlib.suppress(EOFError):  # EOF: the parent died, so stop too
             conn.recv()
+    agent.close()
 
 
 class Owner:
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(
+        self, size: int, seed: int, name: str | None = None, progress: str = "thread"
+    ) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_owner_main, args=(child_conn, size, seed))
+        args = (child_conn, size, seed, name, progress)
+        self.process = context.Process(target=_owner_main, args=args)
         self.process.start()
         child_conn.close()
         if not self._conn.poll(START_TIMEOUT_S):
@@ -192,8 +198,8 @@ def spawn_owner(nixl_usable, monkeypatch):
         monkeypatch.setenv(key, value)
     owners: list[Owner] = []
 
-    def spawn(size: int, seed: int = 2) -> Owner:
-        owners.append(Owner(size, seed))
+    def spawn(size: int, seed: int = 2, **kwargs) -> Owner:
+        owners.append(Owner(size, seed, **kwargs))
         return owners[-1]
 
     yield spawn
@@ -211,13 +217,13 @@ def reader_agent(request, nixl_usable, monkeypatch):
     agent.close()
 
 
-def agent_over(tls: str | None, monkeypatch) -> NixlAgent:
+def agent_over(tls: str | None, monkeypatch, progress: str = "thread") -> NixlAgent:
     """An agent whose UCX context uses ``tls`` (None: whatever UCX picks)."""
     if tls is None:
         monkeypatch.delenv("UCX_TLS", raising=False)
     else:
         monkeypatch.setenv("UCX_TLS", tls)
-    return NixlAgent(unique_agent_name(f"reader-{tls or 'any'}"))
+    return NixlAgent(unique_agent_name(f"reader-{tls or 'any'}"), progress=progress)
 
 
 def scattered_batch(rng: np.random.Generator, arena_bytes: int, count: int) -> ReadBatch:
@@ -348,6 +354,97 @@ def test_stalled_or_dead_peer_gives_typed_errors_not_hangs(spawn_owner, monkeypa
     finally:
         for closeable in (stalled, survivor, tcp_agent, any_agent):
             closeable.close()
+
+
+def test_quiet_agents_read_from_a_pumped_owner_over_tcp(spawn_owner, monkeypatch):
+    """Readers without a progress thread read from an owner progressed only by its pump,
+    over TCP too (where UCX emulates READ with the owner's progress); the pump stops on close."""
+    with pytest.raises(ValueError, match="progress"):
+        NixlAgent("bad", progress="busy")
+    victim = spawn_owner(size=4 << 20, progress="pump")
+    for tls in ("tcp", None):
+        agent = agent_over(tls, monkeypatch, progress="none")
+        dst = np.zeros(victim.arena.size, np.uint8)
+        with NixlDramTransport(agent, victim.info, timeout_s=20) as transport:
+            transport.read(ReadBatch([0], [dst.size], [0]), dst)
+        agent.close()
+        np.testing.assert_array_equal(dst, victim.arena)
+    pumped = NixlAgent(unique_agent_name("pumped"), progress="pump")
+    pump = pumped._pump
+    assert pump is not None and pump.is_alive()
+    pumped.close()
+    assert not pump.is_alive()
+
+
+def test_pull_area_rebuilds_a_reader_whose_peer_died_and_came_back(spawn_owner, monkeypatch):
+    """A failed READ breaks the cached reader; the next pull from the peer, back under the
+    same agent name, gets a new reader instead of the dead one."""
+    from flatcake_ray.actors.shipping import PullArea
+
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    name = unique_agent_name("staging")
+    first = spawn_owner(size=1 << 20, seed=3, name=name)
+    area = PullArea(unique_agent_name("pull"))
+    try:
+        slot, got = area.pull(first.info, 100, 4096)
+        np.testing.assert_array_equal(got, first.arena[100:4196])
+        area.done(slot)
+        dead, _ = area._peers[name]
+        first.process.kill()
+        first.process.join(30)
+        with pytest.raises(TransferError):
+            area.pull(first.info, 0, 4096)
+        assert dead.broken
+        second = spawn_owner(size=1 << 20, seed=4, name=name)
+        slot, got = area.pull(second.info, 100, 4096)
+        np.testing.assert_array_equal(got, second.arena[100:4196])
+        area.done(slot)
+        assert area._peers[name][0] is not dead
+    finally:
+        area.close()
+
+
+class _FakeReader:
+    def __init__(self, peer) -> None:
+        self.peer, self.broken, self.closed, self.reads = peer, False, False, 0
+
+    def read(self, batch, dst) -> None:
+        assert not self.closed
+        self.reads += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_pull_area_cache_replaces_broken_outdated_and_evicted_readers(monkeypatch):
+    from flatcake_ray.actors import nixl_roles
+    from flatcake_ray.actors.shipping import PullArea
+
+    class FakeAgent:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(nixl_roles, "reader_agent", lambda name: FakeAgent())
+    monkeypatch.setattr(PullArea, "_connect", lambda self, peer: _FakeReader(peer))
+    area = PullArea("pull", max_peers=2)
+    a = NixlPeerInfo("a", b"meta-1", 0, 1 << 20)
+    slot, _ = area.pull(a, 0, 16)
+    area.done(slot)
+    first = area._peers["a"][0]
+    assert area._reader(a)[0] is first  # a healthy reader is reused
+    first.broken = True
+    second = area._reader(a)[0]
+    assert second is not first and first.closed
+    moved = NixlPeerInfo("a", b"meta-2", 0, 1 << 20)  # same name, a new export
+    third = area._reader(moved)[0]
+    assert third is not second and second.closed and third.peer == moved
+    others = [area._reader(NixlPeerInfo(n, b"m", 0, 1 << 20))[0] for n in "bc"]
+    assert third.closed and list(area._peers) == ["b", "c"]  # LRU: "a" was evicted
+    slot, _ = area.pull(NixlPeerInfo("b", b"m", 0, 1 << 20), 0, 16)
+    area.done(slot)
+    assert others[0].reads == 1
+    area.close()
+    assert all(r.closed for r in others)
 
 
 def test_large_read_bandwidth(owner, reader_agent, request):

@@ -5,8 +5,7 @@ Owner (StorageNode): ``NixlArenaExporter(name, arena)`` registers the arena once
 Reader: ``NixlDramTransport(local_agent, peer_info)`` reads a :class:`ReadBatch` of arena
 ranges with one NIXL transfer, one descriptor per range. On RDMA-capable UCX transports the
 owner's CPU takes no part; over TCP UCX emulates READ with the owner's progress thread.
-``NixlFileReader`` (POSIX backend) lets an owner read SSD file ranges into a bounce buffer
-that readers then fetch, for "remote-ssd-shipped".
+``nixl_file.NixlFileReader`` (POSIX backend) reads file ranges through the same agent code.
 
 UCX reads ``UCX_TLS``/``UCX_NET_DEVICES`` when an agent is created (tests pin
 ``UCX_NET_DEVICES=lo``); an empty ``UCX_TLS`` makes UCX refuse to start. Importing nixl
@@ -21,6 +20,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +39,8 @@ from ..errors import (
 from .base import REMOTE_DRAM_NIXL, ReadBatch, RegistrationCache, TransferStats, Transport
 
 DEFAULT_TIMEOUT_S = 30.0
+PUMP_INTERVAL_S = 0.0005
+PROGRESS_MODES = ("thread", "none", "pump")
 _POLL_SLEEP_MAX_S = 0.001
 _names = itertools.count()
 
@@ -97,14 +99,25 @@ def _buffer_address(buffer: np.ndarray) -> int:
 
 
 class NixlAgent:
-    """One NIXL agent (a UCX/POSIX context and its progress thread) and the local buffers
-    registered with it. One per process per role is enough; transports may share one."""
+    """One NIXL agent (a UCX/POSIX context) and the local buffers registered with it; one per
+    process per role is enough. ``progress``: ``"thread"`` (NIXL's thread, which polls without
+    pause: a busy core), ``"none"`` (a reader progresses its own request as it polls), or
+    ``"pump"`` (polls every ``pump_interval_s``: for memory others READ over UCX TCP/shm)."""
 
     def __init__(
-        self, name: str, *, backends: Sequence[str] = ("UCX",), max_registrations: int = 8
+        self,
+        name: str,
+        *,
+        backends: Sequence[str] = ("UCX",),
+        max_registrations: int = 8,
+        progress: str = "thread",
+        pump_interval_s: float = PUMP_INTERVAL_S,
     ) -> None:
+        if progress not in PROGRESS_MODES:
+            raise ValueError(f"progress must be one of {PROGRESS_MODES}, not {progress!r}")
         api = _nixl_api()
         config = api.nixl_agent_config(
+            enable_prog_thread=progress == "thread",
             backends=list(backends),
             # Reads may come from several threads; RW lets transfers run concurrently while
             # registration and metadata changes take the agent exclusively.
@@ -121,8 +134,21 @@ class NixlAgent:
         if missing:
             raise TransportUnavailableError(f"NIXL has no {missing} plugin")
         self.name = name
+        self.progress = progress
         self._stuck: list[tuple[Any, np.ndarray]] = []
         self.destinations = RegistrationCache(self.register, self.deregister, max_registrations)
+        self._stop = threading.Event()
+        self._pump: threading.Thread | None = None
+        if progress == "pump":
+            pump = threading.Thread(target=self._run_pump, args=(pump_interval_s,), daemon=True)
+            self._pump = pump
+            pump.start()
+
+    def _run_pump(self, interval_s: float) -> None:
+        agent = self._agent
+        while not self._stop.wait(interval_s):
+            # Fetching notifications progresses the UCX workers: a peer's READ completes.
+            agent.get_new_notifs()
 
     @property
     def _live(self) -> Any:
@@ -218,6 +244,10 @@ class NixlAgent:
         """Drop registrations and the agent (its UCX context and threads); idempotent."""
         if self._agent is None:
             return
+        self._stop.set()
+        if self._pump is not None:
+            self._pump.join()
+            self._pump = None
         self.destinations.clear()
         while self._stuck:
             handle, _ = self._stuck[-1]
@@ -361,7 +391,7 @@ class NixlDramTransport(_NixlReader):
         owns = isinstance(local_agent, str)
         agent = NixlAgent(local_agent, max_registrations=max_registrations) if owns else local_agent
         super().__init__(agent, owns, timeout_s)
-        self._peer = peer
+        self.peer = peer
         try:
             self._peer_name: str | None = agent.add_peer(peer.metadata)
         except BaseException:
@@ -373,9 +403,9 @@ class NixlDramTransport(_NixlReader):
         return nixl_probe("UCX")
 
     def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
-        source = f"the arena of {self._peer.agent_name}"
-        reads = self._checked(reads, dst, self._peer.length, source)
-        remote = _descriptors(self._peer.base_address + reads.src_offsets, reads.lengths)
+        source = f"the arena of {self.peer.agent_name}"
+        reads = self._checked(reads, dst, self.peer.length, source)
+        remote = _descriptors(self.peer.base_address + reads.src_offsets, reads.lengths)
         return self._transfer(self._peer_name, reads, dst, remote, "DRAM")
 
     def _drop_connection(self) -> None:
@@ -390,46 +420,3 @@ class NixlDramTransport(_NixlReader):
             self._drop_connection()
         finally:
             self._close_agent()
-
-
-class NixlFileReader(_NixlReader):
-    """Reads ranges of one file into host memory through NIXL's POSIX backend.
-
-    Owner-side helper for "remote-ssd-shipped" (never chosen by ``route``): source offsets
-    are file offsets. The file is opened read-only (buffered) and kept open until close.
-    """
-
-    name = "nixl-posix-file"
-
-    def __init__(self, path: str | os.PathLike[str], *, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self._path = os.fspath(path)
-        self._fd = os.open(self._path, os.O_RDONLY)
-        agent = None
-        try:
-            self._size = os.fstat(self._fd).st_size
-            agent = NixlAgent(unique_agent_name("posix"), backends=("POSIX",))
-            self._registration = agent.register_file(self._fd, self._size)
-        except BaseException:
-            os.close(self._fd)
-            if agent is not None:
-                agent.close()
-            raise
-        super().__init__(agent, True, timeout_s)
-
-    @classmethod
-    def probe(cls) -> str | None:
-        return nixl_probe("POSIX")
-
-    def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
-        reads = self._checked(reads, dst, self._size, self._path)
-        remote = _descriptors(reads.src_offsets, reads.lengths, device=self._fd)
-        return self._transfer(self._agent.name, reads, dst, remote, "FILE")
-
-    def close(self) -> None:
-        if self._agent is None:
-            return
-        try:
-            self._agent.deregister(self._registration)
-        finally:
-            self._close_agent()
-            os.close(self._fd)

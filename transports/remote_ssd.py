@@ -95,6 +95,11 @@ class ShippedSsdTransport(Transport):
         self._timeout_s = timeout_s
         self.actor_calls = 0
 
+    @property
+    def broken(self) -> bool:
+        """True once the NIXL reader inside failed: the caller builds a new transport."""
+        return self._reader is not None and bool(getattr(self._reader, "broken", False))
+
     @classmethod
     def probe(cls) -> str | None:
         from .nixl_dram import NixlDramTransport

@@ -5,50 +5,42 @@ vLLM hands each worker one tensor per attention layer, viewed ``[num_blocks, H, 
 stored as the bytes of ``tensor[block]`` in that logical order, so a page saved under one
 physical layout restores under another.
 
-Loads go through a :data:`RestoreFactory`. The one here restores a request's whole prefix with
-``store.get`` and lets ``wait_for_layer_load`` scatter layer by layer; a layer-pipelined
-restore plugs in by returning an object whose ``layer(l)`` blocks until layer ``l`` arrived.
+Loads go through the restore seam of ``_vllm_restore``: a :data:`RestoreFactory` gives a
+:class:`LayerRestore` per load, whose ``layer(l)`` returns once layer ``l`` is in vLLM's
+blocks. With an in-process store it is a :class:`PipelinedRestore` on the worker's own
+:class:`RestorePipeline` (made in ``register_kv_caches``, closed by ``shutdown``), so
+``wait_for_layer_load`` waits for one layer while later layers stream in; with any other
+store, :class:`WholePrefixRestore`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ..errors import FlatCakeError, ShapeError
+from ..restore import RestorePipeline
+from ..store import FlatCakeStore
 from ._common import Geometry, KVStore, begin_put, byte_view
+from ._vllm_restore import (
+    LayerRestore,
+    LoadTarget,
+    PipelinedRestore,
+    RestoreFactory,
+    RestoreSettings,
+    WholePrefixRestore,
+)
 from ._vllm_scheduler import LoadSpec, SaveSpec, StepPlan
 
+__all__ = ["LayerRestore", "RestoreFactory", "WholePrefixRestore", "WorkerSide"]
+
 logger = logging.getLogger(__name__)
-
-
-class LayerRestore(Protocol):
-    """One request's restore in progress: ``restored`` pages, fetched per layer."""
-
-    restored: int
-
-    def layer(self, layer: int) -> torch.Tensor: ...  # uint8 [restored, page_bytes]
-
-
-RestoreFactory = Callable[[KVStore, Sequence[bytes], str, Geometry], LayerRestore]
-
-
-class WholePrefixRestore:
-    """All layers at once with ``store.get``; the seam a pipelined restore replaces."""
-
-    def __init__(self, store: KVStore, keys: Sequence[bytes], namespace: str, geometry: Geometry):
-        self._pages = torch.empty(
-            (geometry.layers, len(keys), geometry.page_bytes), dtype=torch.uint8
-        )
-        self.restored = store.get(list(keys), self._pages, namespace=namespace)
-
-    def layer(self, layer: int) -> torch.Tensor:
-        return self._pages[layer, : self.restored]
 
 
 class _PendingLoad:
@@ -68,13 +60,17 @@ class WorkerSide:
         layer_names: Sequence[str],
         namespace: str,
         is_writer: bool,
-        restore_factory: RestoreFactory = WholePrefixRestore,
+        restore_factory: RestoreFactory | None = None,
+        restore_settings: RestoreSettings | None = None,
     ) -> None:
         self.store = store
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
         self.namespace = namespace
         self.is_writer = is_writer
-        self.restore_factory = restore_factory
+        self.restore_settings = restore_settings or RestoreSettings()
+        self._chosen_factory = restore_factory  # None: chosen by register_kv_caches
+        self.restore_factory: RestoreFactory = restore_factory or WholePrefixRestore
+        self.pipeline: RestorePipeline | None = None
         self._views: list[torch.Tensor] = []
         self.geometry: Geometry | None = None
         self._step: StepPlan | None = None
@@ -86,7 +82,7 @@ class WorkerSide:
         self._failed_lock = threading.Lock()
         self._failed_blocks: set[int] = set()
         self.counters = dict.fromkeys(
-            ("loaded_pages", "saved_pages", "failed_pages", "failed_saves"), 0
+            ("loaded_pages", "saved_pages", "failed_pages", "failed_saves", "pipelined_loads"), 0
         )
 
     # ---- registration ----------------------------------------------------------------------
@@ -105,15 +101,28 @@ class WorkerSide:
         self._views = views  # type: ignore[assignment]
         page_bytes = int(torch.Size(shapes.pop()).numel())
         self.geometry = Geometry(len(views), page_bytes)
+        self.restore_factory = self._choose_restore()
         return self.geometry
+
+    def _choose_restore(self) -> RestoreFactory:
+        """Pipelined where the store is in this process; the Ray client has no pipeline."""
+        if self._chosen_factory is not None:
+            return self._chosen_factory
+        settings = self.restore_settings
+        if settings.pipeline == "off" or not isinstance(self.store, FlatCakeStore):
+            return WholePrefixRestore
+        if self.pipeline is not None:  # registered again: the new tensors get a new pipeline
+            self.pipeline.close(timeout=settings.load_timeout_s)
+        self.pipeline = RestorePipeline(
+            self.store,
+            windows=settings.windows,
+            slot_bytes=settings.slot_bytes,
+            device=self._views[0].device,
+        )
+        return functools.partial(PipelinedRestore, self.pipeline, timeout=settings.load_timeout_s)
 
     def _ids(self, block_ids: Sequence[int], layer: int) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long, device=self._views[layer].device)
-
-    def _scatter(self, layer: int, block_ids: Sequence[int], pages: torch.Tensor) -> None:
-        view = self._views[layer]
-        target = pages.to(view.device, non_blocking=True).view(len(block_ids), *view.shape[1:])
-        view[self._ids(block_ids, layer)] = target
 
     def _gather(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
         pages = self._views[layer][self._ids(block_ids, layer)]
@@ -148,9 +157,18 @@ class WorkerSide:
 
     def _begin_load(self, spec: LoadSpec) -> _PendingLoad:
         assert self.geometry is not None
-        namespace = self.namespace + spec.tenant
-        restore = self.restore_factory(self.store, spec.keys, namespace, self.geometry)
-        self._note_shortfall(spec, restore.restored)
+        target = LoadTarget(
+            self.store,
+            spec.keys,
+            self.namespace + spec.tenant,
+            self.geometry,
+            self._views,
+            spec.block_ids,
+        )
+        restore = self.restore_factory(target)
+        if isinstance(restore, PipelinedRestore):
+            with self._failed_lock:  # async loads count from the loader threads
+                self.counters["pipelined_loads"] += 1
         return _PendingLoad(spec, restore, self.geometry.layers)
 
     def _note_shortfall(self, spec: LoadSpec, restored: int) -> None:
@@ -165,23 +183,37 @@ class WorkerSide:
     def _load_all(self, spec: LoadSpec) -> list[int]:
         pending = self._begin_load(spec)
         for layer in sorted(pending.layers_left):
-            self._scatter_layer(pending, layer)
+            self._place_layer(pending, layer)
         return list(spec.block_ids[: pending.restore.restored])
 
-    def _scatter_layer(self, pending: _PendingLoad, layer: int) -> None:
+    def _place_layer(self, pending: _PendingLoad, layer: int) -> None:
+        """Wait until ``layer`` of the load is in vLLM's blocks; once every layer is, the
+        restored count is final and the shortfall is reported."""
         if layer not in pending.layers_left:
             return
         pending.layers_left.discard(layer)
-        restored = pending.restore.restored
-        if restored:
-            self._scatter(layer, pending.spec.block_ids[:restored], pending.restore.layer(layer))
+        pending.restore.layer(layer)
+        if not pending.layers_left:
+            self._note_shortfall(pending.spec, pending.restore.restored)
+
+    def _place_sync_layer(self, pending: _PendingLoad, layer: int) -> None:
+        """A failed or stalled restore fails this request's blocks (vLLM recomputes them or
+        fails the request), not the forward; the error is logged in full."""
+        try:
+            self._place_layer(pending, layer)
+        except FlatCakeError:
+            logger.warning("FlatCake load for %s failed", pending.spec.req_id, exc_info=True)
+            pending.layers_left.clear()
+            with self._failed_lock:
+                self.counters["failed_pages"] += len(pending.spec.block_ids)
+                self._failed_blocks.update(pending.spec.block_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
         if layer is None:
             return
         for pending in self._sync_loads:
-            self._scatter_layer(pending, layer)
+            self._place_sync_layer(pending, layer)
 
     def save_kv_layer(self, layer_name: str) -> None:
         layer = self.layer_index.get(layer_name)
@@ -234,7 +266,7 @@ class WorkerSide:
         save call delivered (the forward has run, so the blocks hold this step's KV), commit."""
         for pending in self._sync_loads:
             for layer in sorted(pending.layers_left):
-                self._scatter_layer(pending, layer)
+                self._place_sync_layer(pending, layer)
         self._sync_loads.clear()
         if self._step is not None and self.is_writer:
             assert self.geometry is not None
@@ -280,4 +312,7 @@ class WorkerSide:
             future.exception(timeout=timeout)
 
     def shutdown(self) -> None:
+        """Async loads first (they wait on the pipeline), then the pipeline."""
         self._async_pool.shutdown(wait=True)
+        if self.pipeline is not None:
+            self.pipeline.close(timeout=self.restore_settings.load_timeout_s)

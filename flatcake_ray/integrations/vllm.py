@@ -8,7 +8,9 @@
     }
 
 (:func:`kv_transfer_config` builds that dict.) ``store: local`` with ``store_root`` opens an
-in-process store instead; ``store_<field>`` sets any StoreConfig field of it.
+in-process store instead; ``store_<field>`` sets any StoreConfig field of it. With an
+in-process store, loads stream layer by layer through a restore pipeline straight into vLLM's
+KV tensors (``restore_pipeline: off`` turns that off; see ``_vllm_restore.RestoreSettings``).
 
 Keys are vLLM's block hashes. Their seed is derived from PYTHONHASHSEED when it is set, and
 for the non-cryptographic hash algorithms (xxhash) it is random per process otherwise: then
@@ -36,6 +38,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..errors import ConfigError, ShapeError
 from ._common import Geometry, make_namespace, open_store
+from ._vllm_restore import RestoreSettings
 from ._vllm_scheduler import SchedulerSide, StepPlan
 from ._vllm_worker import WorkerSide
 
@@ -139,6 +142,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 layer_names=layer_names,
                 namespace=shards[0] if self.is_mla else shards[rank],
                 is_writer=not self.is_mla or rank == 0,
+                restore_settings=RestoreSettings.from_options(options),
             )
             self._expected = geometry
 

@@ -12,12 +12,15 @@ require_vllm()
 from flatcake_ray.errors import ConfigError  # noqa: E402
 from flatcake_ray.integrations import _common  # noqa: E402
 from flatcake_ray.integrations.vllm import kv_transfer_config  # noqa: E402
+from flatcake_ray.restore import RestorePipeline  # noqa: E402
+from flatcake_ray.restore_window import RestoreHandle  # noqa: E402
 from tests.integrations.vllm_harness import (  # noqa: E402
     BLOCK,
     LAYER_NAMES,
     build_engine,
     model_config,
     prefix_kv,
+    shutdown_engines,
 )
 
 PROMPT = list(range(100, 200))  # 3 full blocks and a partial one
@@ -28,6 +31,13 @@ USER = [5, 6, 7, 8, 9]
 @pytest.fixture(scope="module")
 def base_model(tiny_model_dir):
     return model_config(tiny_model_dir)
+
+
+@pytest.fixture
+def local_store_options(local_store_options):
+    """The shared options; the engines built on them shut down before their store closes."""
+    yield local_store_options
+    shutdown_engines()
 
 
 def expected_block_bytes(tokens: list[int], blocks: int) -> list[torch.Tensor]:
@@ -74,6 +84,7 @@ def test_second_turn_restores_from_ssd_asynchronously(base_model, local_store_op
     assert "waiting_for_remote_kvs:turn-2" in engine.events
     assert "finished_recving:['turn-2']" in engine.events
     assert_restored_exactly(engine, tokens)
+    assert engine.worker.worker_side.counters["pipelined_loads"] == 1  # on the loader thread
     stats = engine.worker.worker_side.store.stats()
     assert stats["placement_rules"].get("one-shot", 0) >= 1
     assert stats["ssd_bytes_read"] > 0
@@ -87,6 +98,79 @@ def test_synchronous_load_feeds_the_same_step(base_model, local_store_options):
     assert engine.connector.scheduler_side.counters["async_loads"] == 0
     assert not any(event.startswith("waiting_for_remote_kvs") for event in engine.events)
     assert_restored_exactly(engine, tokens)
+
+
+def record_layer_waits(engine, monkeypatch) -> list[tuple[str, int]]:
+    """("attention", l) as the model runner reaches layer l, ("waited", l) as the pipelined
+    restore's handle waits for layer l."""
+    seen: list[tuple[str, int]] = []
+    reach = engine.worker.wait_for_layer_load
+    real_wait = RestoreHandle.wait_for_layer
+
+    def attention(layer_name):
+        seen.append(("attention", LAYER_NAMES.index(layer_name)))
+        reach(layer_name)
+
+    def wait_for_layer(self, layer, timeout=None):
+        seen.append(("waited", layer))
+        return real_wait(self, layer, timeout)
+
+    monkeypatch.setattr(engine.worker, "wait_for_layer_load", attention)
+    monkeypatch.setattr(RestoreHandle, "wait_for_layer", wait_for_layer)
+    return seen
+
+
+def test_synchronous_load_waits_for_each_layer_in_the_pipeline(
+    base_model, local_store_options, monkeypatch
+):
+    options = {**local_store_options, "load_async": "never", "restore_slot_bytes": "16KiB"}
+    reply = first_turn(base_model, options)
+    engine = build_engine(base_model, options)
+    seen = record_layer_waits(engine, monkeypatch)
+    tokens = PROMPT + reply + USER
+    engine.run(engine.add_request("turn-2", tokens, max_tokens=3))
+
+    worker_side = engine.worker.worker_side
+    assert isinstance(worker_side.pipeline, RestorePipeline)
+    assert worker_side.counters["pipelined_loads"] == 1
+    waits = [i for i, (kind, _) in enumerate(seen) if kind == "waited"]
+    # One wait per layer, in order, each inside that layer's wait_for_layer_load.
+    assert [seen[i][1] for i in waits] == list(range(len(LAYER_NAMES)))
+    assert all(seen[i - 1] == ("attention", seen[i][1]) for i in waits)
+    assert worker_side.pipeline.scheduler.stats().prefetches_completed == 1  # an SSD restore
+    assert worker_side.counters["loaded_pages"] == 4 and worker_side.counters["failed_pages"] == 0
+    assert_restored_exactly(engine, tokens)
+
+
+def test_restore_pipeline_off_restores_the_same_bytes(base_model, local_store_options):
+    options = {**local_store_options, "load_async": "never", "restore_pipeline": "off"}
+    reply = first_turn(base_model, options)
+    engine, tokens = second_turn(base_model, options, reply)
+    assert engine.worker.worker_side.pipeline is None
+    assert engine.worker.worker_side.counters["pipelined_loads"] == 0
+    assert_restored_exactly(engine, tokens)
+
+
+def test_a_failed_pipelined_restore_is_recomputed(base_model, local_store_options, monkeypatch):
+    options = {**local_store_options, "load_async": "never"}
+    reply = first_turn(base_model, options)
+    real_deliver = RestorePipeline._deliver
+
+    def deliver(self, job, chunk, slot):
+        if chunk.layer == 1:
+            raise RuntimeError("scatter lost")
+        real_deliver(self, job, chunk, slot)
+
+    monkeypatch.setattr(RestorePipeline, "_deliver", deliver)  # before the lanes bind it
+    engine = build_engine(base_model, options, kv_load_failure_policy="recompute")
+    tokens = PROMPT + reply + USER
+    engine.run(engine.add_request("turn-2", tokens, max_tokens=1))
+    assert engine.worker.worker_side.counters["failed_pages"] == 4
+    assert any(e.startswith("forward:turn-2:0+") for e in engine.events)  # from the start
+    for got, want in zip(
+        engine.block_bytes("turn-2", 4), expected_block_bytes(tokens, 4), strict=True
+    ):
+        assert torch.equal(got, want)
 
 
 def test_hit_sources_name_the_medium(base_model, local_store_options):
@@ -171,8 +255,10 @@ def test_a_store_without_layer_puts_or_media_still_round_trips(base_model, local
     options = {**local_store_options, "store": "put-only"}
     reply = first_turn(base_model, options)
     engine, tokens = second_turn(base_model, options, reply)
-    # Without hit media the load is synchronous; the pages are the same.
+    # Without hit media the load is synchronous; the pages are the same. Not a FlatCakeStore:
+    # whole-prefix gets, as for the Ray client.
     assert engine.connector.scheduler_side.counters["async_loads"] == 0
+    assert engine.worker.worker_side.pipeline is None
     assert_restored_exactly(engine, tokens)
 
 

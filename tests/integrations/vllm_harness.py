@@ -231,6 +231,10 @@ class Engine:
             sampled[req_id] = [next_token(list(request.all_token_ids))] if done else []
         return sampled
 
+    def shutdown(self) -> None:
+        """What vLLM does at exit: the worker connector closes its restore pipeline."""
+        self.worker.shutdown()
+
     def run(self, request: Request, max_steps: int = 200) -> list[int]:
         """Step until ``request`` finished; its output tokens."""
         for _ in range(max_steps):
@@ -241,6 +245,15 @@ class Engine:
                 time.sleep(0.005)  # the load runs on the connector's loader thread
             self.step()
         raise AssertionError(f"{request.request_id} did not finish in {max_steps} steps")
+
+
+BUILT: list[Engine] = []  # every engine built, for shutdown_engines()
+
+
+def shutdown_engines() -> None:
+    """Shut down every engine built so far (before their stores close)."""
+    while BUILT:
+        BUILT.pop().shutdown()
 
 
 def build_engine(base: ModelConfig, extra_config: dict[str, Any], **config: Any) -> Engine:
@@ -260,4 +273,5 @@ def build_engine(base: ModelConfig, extra_config: dict[str, Any], **config: Any)
     worker = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, worker_config)
     kv_caches = allocate_kv_cache(worker_config, torch.device("cpu"), layout, [BLOCK])
     worker.register_kv_caches(kv_caches)
-    return Engine(vllm_config, scheduler, worker, kv_caches, hash_block)
+    BUILT.append(Engine(vllm_config, scheduler, worker, kv_caches, hash_block))
+    return BUILT[-1]
