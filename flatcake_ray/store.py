@@ -129,6 +129,13 @@ class FlatCakeStore:
         if self._closed:
             raise StoreClosedError("the store is closed")
 
+    def _page_view(self, array: Any, pages: int, *, writable: bool, what: str):
+        """A caller's [layers, pages, page_elems] buffer as bytes, checked against this store."""
+        config = self.config
+        return as_page_bytes(
+            array, config.layers, config.page_bytes, min_pages=pages, writable=writable, what=what
+        )
+
     def _digests(self, keys: Keys, namespace: str | None) -> np.ndarray:
         resolved, bare = split_namespace(keys, namespace)
         return digest_keys(resolved, bare)
@@ -159,14 +166,7 @@ class FlatCakeStore:
         return PutHandle(self, plan, len(keys))
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
-        pages, _ = as_page_bytes(
-            kv,
-            self.config.layers,
-            self.config.page_bytes,
-            min_pages=len(keys),
-            writable=False,
-            what="kv",
-        )
+        pages, _ = self._page_view(kv, len(keys), writable=False, what="kv")
         if pages.shape[1] != len(keys):
             raise ShapeError(f"kv holds {pages.shape[1]} pages for {len(keys)} keys")
         handle = self.begin_put(keys, **options)
@@ -279,14 +279,7 @@ class FlatCakeStore:
 
     def get(self, keys: Keys, out: Any, *, namespace: str | None = None) -> int:
         self._check_open()
-        view, finish = as_page_bytes(
-            out,
-            self.config.layers,
-            self.config.page_bytes,
-            min_pages=len(keys),
-            writable=True,
-            what="out",
-        )
+        view, finish = self._page_view(out, len(keys), writable=True, what="out")
         lease = self.lease(keys, namespace=namespace)
         try:
             outcome = self.read_leased(lease, view, range(self.config.layers))
