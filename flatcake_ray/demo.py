@@ -189,7 +189,7 @@ def run_replay_comparison(out_dir: Path, qps: tuple[float, ...] = (0.25, 1.0)) -
 def print_replay_summary(result: dict[str, Any]) -> None:
     print(
         "\n== 3. Replay model: synthetic agentic trace (1% of Claude Code), DeepSeek-V4-Flash "
-        "on B200, 2 GiB HBM + 16 GiB DRAM per rank =="
+        "on B200, 2 GiB HBM + 2 GiB DRAM per rank (16 GiB per node) =="
     )
     print(
         f"{'system':>10} {'QPS':>5} {'hit %':>6} {'TTFT mean s':>11} {'TTFT P99 s':>10} "
