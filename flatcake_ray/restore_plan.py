@@ -34,7 +34,7 @@ from .coalesce import coalesce
 from .config import ALIGN
 from .errors import ConfigError
 from .gva import Medium
-from .reader import SegmentReader
+from .reader import SegmentReader, ssd_extents
 
 
 class ExtentCheck:
@@ -188,17 +188,12 @@ class LayerStager:
     def _ssd_chunks(self, layer: int) -> list[LayerChunk]:
         if not self.ssd_parts:
             return []
-        pool, config = self.reader.pool, self.reader.config
-        located = [
-            pool.locate(p.segment.offset + p.segment.layout.layer_offset(layer))
-            for p in self.ssd_parts
-        ]
-        lengths = np.array([p.segment.layout.layer_bytes for p in self.ssd_parts], dtype=np.int64)
+        located = ssd_extents(self.ssd_parts, [layer], self.reader.pool.file_bytes)
         reads = coalesce(
-            np.array([f for f, _ in located], dtype=np.int64),
-            np.array([o for _, o in located], dtype=np.int64),
-            lengths,
-            gap_bytes=config.gap_bytes,
+            located.files,
+            located.offsets,
+            located.lengths,
+            gap_bytes=self.reader.config.gap_bytes,
             max_read_bytes=self.capacity,
             align=ALIGN,
         )
