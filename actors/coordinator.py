@@ -23,9 +23,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ServiceError
-from ..gva import MAX_NODE_ID
-from .protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage, ServiceConfig
+from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage
+from flatcake_ray.config import ServiceConfig
+from flatcake_ray.core.gva import MAX_NODE_ID
+from flatcake_ray.errors import ServiceError
 
 log = logging.getLogger(__name__)
 MAX_SESSIONS = 1 << 20  # session -> node entries kept (oldest forgotten first)

@@ -14,9 +14,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..catalog import Lease
-from ..store import FlatCakeStore
-from .protocol import SegmentPart
+from flatcake_ray.actors.protocol import SegmentPart
+from flatcake_ray.core.catalog import Lease
+from flatcake_ray.node.store import FlatCakeStore
 
 
 class LeaseTable:

@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ALIGN
-from ..errors import ReadRangeError, ShipBufferFullError, TransferError
-from ..media import AlignedBuffer, SsdPool
-from ..transports.base import ReadBatch
-from ..transports.local_ssd import LocalSsdTransport
+from flatcake_ray.config import ALIGN
+from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferError
+from flatcake_ray.media.buffers import AlignedBuffer
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.transports.base import ReadBatch
+from flatcake_ray.transports.local_ssd import LocalSsdTransport
 
 
 def _align(nbytes: int) -> int:
@@ -110,7 +111,7 @@ class ShipBuffer:
 
     def export(self, agent: Any) -> Any:
         """Register the buffer on the node's exporter agent; returns its NixlPeerInfo."""
-        from ..transports.nixl_dram import NixlArenaExporter
+        from flatcake_ray.transports.nixl_dram import NixlArenaExporter
 
         self.exporter = NixlArenaExporter(agent.name, self.buffer.array, agent=agent)
         return self.exporter.peer_info()
@@ -157,7 +158,7 @@ class PullArea:
     """Reusable local buffers a node READs staged puts into, and one NIXL reader per peer."""
 
     def __init__(self, agent_name: str, slots: int = 2, max_peers: int = 8) -> None:
-        from .nixl_roles import reader_agent
+        from flatcake_ray.actors.nixl_roles import reader_agent
 
         self.agent = reader_agent(agent_name)
         self._slots: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
@@ -189,7 +190,7 @@ class PullArea:
             return known
 
     def _connect(self, peer: Any) -> Any:
-        from ..transports.nixl_dram import NixlDramTransport
+        from flatcake_ray.transports.nixl_dram import NixlDramTransport
 
         return NixlDramTransport(self.agent, peer)
 

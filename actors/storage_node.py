@@ -31,24 +31,24 @@ from typing import Any
 
 import numpy as np
 
-from ..catalog import Lease, PutHints
-from ..errors import ServiceError, ShapeError
-from ..gva import Medium
-from ..media import DramArena
-from ..put import PutResult
-from ..store import FlatCakeStore
-from ..transports.local_dram import LocalDramTransport
-from .leases import LeaseTable, wire_parts
-from .protocol import (
+from flatcake_ray.actors.leases import LeaseTable, wire_parts
+from flatcake_ray.actors.protocol import (
     COORDINATOR_NAME,
     LeaseReply,
     NodeDescription,
     NodeUsage,
-    ServiceConfig,
     StagedPages,
     node_actor_name,
 )
-from .shipping import PullArea, ShipBuffer, ShipReply
+from flatcake_ray.actors.shipping import PullArea, ShipBuffer, ShipReply
+from flatcake_ray.config import ServiceConfig
+from flatcake_ray.core.catalog import Lease, PutHints
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.errors import ServiceError, ShapeError
+from flatcake_ray.media.arena import DramArena
+from flatcake_ray.node.put import PutResult
+from flatcake_ray.node.store import FlatCakeStore
+from flatcake_ray.transports.local_dram import LocalDramTransport
 
 log = logging.getLogger(__name__)
 MAX_SHM_MAPPINGS = 16
@@ -145,8 +145,12 @@ class StorageNode:
 
     # ---- NIXL exports ----------------------------------------------------------------------
     def _export(self) -> tuple[Any, Any, str | None]:
-        from ..transports.nixl_dram import NixlArenaExporter, NixlDramTransport, unique_agent_name
-        from .nixl_roles import exporter_agent
+        from flatcake_ray.actors.nixl_roles import exporter_agent
+        from flatcake_ray.transports.nixl_dram import (
+            NixlArenaExporter,
+            NixlDramTransport,
+            unique_agent_name,
+        )
 
         reason = NixlDramTransport.probe()
         if reason is not None:
@@ -164,7 +168,7 @@ class StorageNode:
         return arena_peer, ship_peer, None
 
     def _export_rdma(self) -> Any:
-        from ..transports.rdma_verbs import RdmaArenaExporter, rdma_probe
+        from flatcake_ray.transports.rdma_verbs import RdmaArenaExporter, rdma_probe
 
         if rdma_probe() is not None or not self.store.arena.nbytes:
             return None
@@ -344,7 +348,7 @@ class StorageNode:
         self.counters["fallback_reads"] += 1
         if Medium(medium) is Medium.SSD:
             return self.ship_buffer.read_ssd(src_offsets, lengths)
-        from ..transports.base import ReadBatch
+        from flatcake_ray.transports.base import ReadBatch
 
         batch = ReadBatch.packed(src_offsets, lengths)
         out = np.empty(batch.total_bytes, dtype=np.uint8)

@@ -18,7 +18,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from flatcake_ray.bench_restore import add_bench_arguments, run_from_args
+from flatcake_ray.cli.bench import add_bench_arguments, run_from_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flatcake_ray.config import StoreConfig
 from flatcake_ray.cuda_ext.scatter import scatter_layer
-from flatcake_ray.restore import RestorePipeline
-from flatcake_ray.store import FlatCakeStore, PutHints
+from flatcake_ray.node.store import FlatCakeStore, PutHints
+from flatcake_ray.restore.pipeline import RestorePipeline
 
 LAYERS, PAGE_BYTES = 43, 45_723  # as benchmarks/ssd_layout.py
 SSD_SESSIONS, SSD_PAGES = 5, 24

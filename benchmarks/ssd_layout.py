@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from flatcake_ray.catalog import Catalog
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.keys import digest_keys
-from flatcake_ray.media import AlignedBuffer
-from flatcake_ray.store import FlatCakeStore
+from flatcake_ray.core.catalog import Catalog
+from flatcake_ray.core.keys import digest_keys
+from flatcake_ray.media.buffers import AlignedBuffer
+from flatcake_ray.node.store import FlatCakeStore
 
 LAYERS, PAGE_TOKENS, BYTES_PER_TOKEN = 43, 256, 7680  # DeepSeek-V4-Flash per rank (paper)
 PAGE_LAYER_BYTES = PAGE_TOKENS * BYTES_PER_TOKEN // LAYERS  # 45,723 bytes

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._library import (
+from flatcake_ray.cuda_ext._library import (
     SOURCE_PATH,
     ScatterLibraryError,
     default_build_dir,

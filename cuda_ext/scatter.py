@@ -38,11 +38,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from flatcake_ray.errors import ShapeError
-
-from . import _library
-from ._library import ScatterKernelError, ScatterLibrary, ScatterLibraryError
-from ._validate import (
+from flatcake_ray.cuda_ext import _library
+from flatcake_ray.cuda_ext._library import ScatterKernelError, ScatterLibrary, ScatterLibraryError
+from flatcake_ray.cuda_ext._validate import (
     BIT_VIEWS,
     as_index_tensor,
     check_byte_offsets,
@@ -53,6 +51,7 @@ from ._validate import (
     require_bit_view,
     require_tensor,
 )
+from flatcake_ray.errors import ShapeError
 
 __all__ = [
     "LAYER_FIRST",

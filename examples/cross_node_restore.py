@@ -32,7 +32,7 @@ class Session:
     """One client, pinned to one node: writes and restores sessions of known bytes."""
 
     def __init__(self, namespace: str) -> None:
-        from flatcake_ray.client import FlatCakeClient
+        from flatcake_ray.client.client import FlatCakeClient
 
         self.client = FlatCakeClient(namespace)
 
@@ -40,7 +40,7 @@ class Session:
         return self.client.nodes.local_node_id
 
     def write(self, name: str, medium: str, seed: int) -> str:
-        from flatcake_ray.catalog import PutHints
+        from flatcake_ray.core.catalog import PutHints
 
         hints = PutHints(turn=2, prior_reply_tokens=1) if medium == "DRAM" else PutHints(turn=1)
         keys = [f"{name}/{i}" for i in range(PAGES)]
@@ -62,8 +62,8 @@ def _local_cluster(root: str):
     import ray
     from ray.cluster_utils import Cluster
 
-    from flatcake_ray import service
-    from flatcake_ray.actors.protocol import ServiceConfig
+    from flatcake_ray.client import deploy as service
+    from flatcake_ray.config import ServiceConfig
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
@@ -87,7 +87,7 @@ def run(address: str | None) -> int:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from flatcake_ray import service
+    from flatcake_ray.client import deploy as service
 
     cluster = None
     if address is None:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench", action="store_true", help="run the restore benchmark")
     args, rest = parser.parse_known_args(argv)
     if args.bench:
-        from flatcake_ray.bench_restore import add_bench_arguments, run_from_args
+        from flatcake_ray.cli.bench import add_bench_arguments, run_from_args
 
         bench = argparse.ArgumentParser()
         add_bench_arguments(bench)

@@ -56,7 +56,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from flatcake_ray.client import FlatCakeClient
+    from flatcake_ray.client.client import FlatCakeClient
 
     ray.init(address="auto", namespace=args.namespace)
     FlatCakeClient(args.namespace).close()  # fails fast (ServiceError) without a service

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
-from .errors import ConfigError
-from .gva import MAX_NODE_ID, MAX_OFFSET
+from flatcake_ray.core.gva import MAX_NODE_ID, MAX_OFFSET
+from flatcake_ray.errors import ConfigError
 
 ALIGN = 4096  # O_DIRECT and cuFile alignment
 ENV_PREFIX = "FLATCAKE_"
@@ -161,3 +161,69 @@ class StoreConfig:
             base = merged.get("placement", PlacementConfig())
             merged["placement"] = dataclasses.replace(base, **placement_env)
         return cls(**merged)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """The service's knobs: the store geometry every node shares, per-node sizes (each node's
+    ``FLATCAKE_*`` variables override them again for its own store), and service timings."""
+
+    namespace: str = "flatcake"  # the Ray namespace of the coordinator and storage nodes
+    root: str = "/var/tmp/flatcake/{node}"  # {node}: the Ray node id (one machine, many nodes)
+    layers: int = 32
+    page_bytes: int = 64 << 10
+    dram_bytes: int = 1 << 30
+    ssd_dirs: tuple[str, ...] = ()
+    ssd_files_per_dir: int = 4
+    ssd_file_bytes: int = 1 << 30
+    hugepages: str = "auto"
+    fsync: bool = True
+    ship_bytes: int = 64 << 20  # each node's NIXL bounce buffer for shipped SSD reads
+    lease_ttl_s: float = 60.0  # a lease not released by then is dropped (its reader is gone)
+    rpc_timeout_s: float = 10.0  # a client waits this long for a node before calling it down
+    node_down_s: float = 5.0  # ... and skips that node this long before trying it again
+    report_interval_s: float = 2.0  # storage node -> coordinator capacity reports
+    node_timeout_s: float = 10.0  # no report for this long: the coordinator stops placing there
+    ramp_seconds: float = 60.0  # a newly joined node reaches its full share of new scopes
+    ramp_floor: float = 0.1  # ... starting from this fraction of it
+    nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
+    node_concurrency: int = 16  # concurrent RPCs a storage node serves
+
+    def __post_init__(self) -> None:
+        _require(bool(self.namespace), "namespace must be non-empty")
+        _require(bool(self.root), "root must be non-empty")
+        for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
+            _require(getattr(self, name) > 0, f"{name} must be positive")
+        _require(self.node_down_s >= 0, "node_down_s must be >= 0")
+        _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0")
+        _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]")
+        _require(
+            self.ship_bytes >= ALIGN and self.ship_bytes % ALIGN == 0,
+            f"ship_bytes must be a positive multiple of {ALIGN}",
+        )
+        _require(self.node_concurrency >= 2, "node_concurrency must be at least 2")
+        self.store_config("0" * 16, 1)  # the store's own checks, before any node starts
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> ServiceConfig:
+        """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
+        sizes = {k: parse_size(v) for k, v in given.items() if k.endswith("bytes")}
+        return cls(**{**given, **sizes, **env_overrides(cls, environ)})
+
+    def store_config(self, ray_node_id: str, node_id: int) -> StoreConfig:
+        """This node's store: the service values, then the node's own ``FLATCAKE_*``."""
+        return StoreConfig.from_env(
+            root=self.root.format(node=ray_node_id[:16]),
+            layers=self.layers,
+            page_bytes=self.page_bytes,
+            node_id=node_id,
+            dram_bytes=self.dram_bytes,
+            ssd_dirs=tuple(d.format(node=ray_node_id[:16]) for d in self.ssd_dirs),
+            ssd_files_per_dir=self.ssd_files_per_dir,
+            ssd_file_bytes=self.ssd_file_bytes,
+            hugepages=self.hugepages,
+            fsync=self.fsync,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

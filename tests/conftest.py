@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.store import FlatCakeStore
+from flatcake_ray.node.store import FlatCakeStore
 
 LAYERS = 4
 PAGE_BYTES = 8192

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray.coalesce import coalesce
+from flatcake_ray.core.coalesce import coalesce
 
 
 def test_adjacent_descriptors_merge_out_of_order():

@@ -3,7 +3,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray.extents import ExtentAllocator, MediumSpace, ScopeRuns
+from flatcake_ray.core.extents import ExtentAllocator, MediumSpace, ScopeRuns
 
 
 def test_first_fit_and_merge_on_free():

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flatcake_ray import gva
+from flatcake_ray.core import gva
 from flatcake_ray.errors import GVAError
 
 media = st.sampled_from([gva.Medium.DRAM, gva.Medium.SSD])

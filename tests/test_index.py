@@ -2,8 +2,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray.index import PageIndex, pack_location, unpack_location
-from flatcake_ray.keys import digest_keys
+from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
+from flatcake_ray.core.keys import digest_keys
 
 
 def test_insert_lookup_delete():

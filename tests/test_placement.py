@@ -1,9 +1,9 @@
 import pytest
 
 from flatcake_ray.config import PlacementConfig
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.placement import PlacementInputs, PlacementPolicy
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.gva import Medium
-from flatcake_ray.placement import PlacementInputs, PlacementPolicy
 
 policy = PlacementPolicy(PlacementConfig(page_tokens=256, tau_tokens=1000, l_agent_tokens=50_000))
 

@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from flatcake_ray.catalog import Catalog
-from flatcake_ray.coalesce import coalesce
 from flatcake_ray.config import PlacementConfig, StoreConfig
+from flatcake_ray.core.catalog import Catalog
+from flatcake_ray.core.coalesce import coalesce
+from flatcake_ray.core.placement import PlacementPolicy
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.placement import PlacementPolicy
-from flatcake_ray.reader import lease_parts, ssd_extents
+from flatcake_ray.node.reader import lease_parts, ssd_extents
 from flatcake_ray.replay import flat_store, run_comparison, write_outputs
 from flatcake_ray.replay.engine import Replay
 from flatcake_ray.replay.metrics import summarize
@@ -239,7 +239,7 @@ def test_ssd_extents_match_the_per_layer_coalescing_of_the_restore_pipeline():
 
 
 def test_live_store_still_reads_what_it_wrote(tmp_path):
-    from flatcake_ray.store import FlatCakeStore
+    from flatcake_ray.node.store import FlatCakeStore
 
     config = StoreConfig(
         root=str(tmp_path),
@@ -310,7 +310,7 @@ def test_comparison_writes_json_table_and_plots(tmp_path):
 def test_cli_runs_a_replay(tmp_path, capsys):
     import argparse
 
-    from flatcake_ray.cli_replay import add_replay_commands
+    from flatcake_ray.cli.replay import add_replay_commands
 
     trace_path = tmp_path / "t.jsonl"
     from flatcake_ray.traces.readers import write_generic

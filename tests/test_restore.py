@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray import media
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.scheduler import Scheduler
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import (
     ConfigError,
@@ -21,11 +22,10 @@ from flatcake_ray.errors import (
     ShapeError,
     StoreClosedError,
 )
-from flatcake_ray.gva import Medium
-from flatcake_ray.restore import LayerTensors, PagedPool, RestorePipeline
-from flatcake_ray.restore_plan import LayerStager
-from flatcake_ray.scheduler import Scheduler
-from flatcake_ray.store import FlatCakeStore, PutHints
+from flatcake_ray.media import buffers as media
+from flatcake_ray.node.store import FlatCakeStore, PutHints
+from flatcake_ray.restore.pipeline import LayerTensors, PagedPool, RestorePipeline
+from flatcake_ray.restore.plan import LayerStager
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 DRAM = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: short-turn chat goes to DRAM

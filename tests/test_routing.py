@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flatcake_ray.core.gva import MAX_NODE_ID, MAX_OFFSET, Medium, encode
 from flatcake_ray.errors import GVAError
-from flatcake_ray.gva import MAX_NODE_ID, MAX_OFFSET, Medium, encode
 from flatcake_ray.transports.base import (
     LOCAL_DRAM,
     LOCAL_SSD,

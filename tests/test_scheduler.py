@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from flatcake_ray.core.gva import SSD_FLOOR, Medium
+from flatcake_ray.core.scheduler import Phase, Scheduler, SchedulerConfig, response_ratio
 from flatcake_ray.errors import (
     ClockError,
     ConfigError,
@@ -19,8 +21,6 @@ from flatcake_ray.errors import (
     RequestStateError,
     UnknownRequestError,
 )
-from flatcake_ray.gva import SSD_FLOOR, Medium
-from flatcake_ray.scheduler import Phase, Scheduler, SchedulerConfig, response_ratio
 
 DRAM_HIT = [7, 4096]
 SSD_HIT = np.array([7, SSD_FLOOR + 4096], dtype=np.uint64)  # hybrid: DRAM prompt + SSD history

@@ -26,18 +26,14 @@ from ray import cloudpickle  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from flatcake_ray import service  # noqa: E402
 from flatcake_ray.actors.coordinator import CapacityCoordinator  # noqa: E402
-from flatcake_ray.actors.protocol import (  # noqa: E402
-    COORDINATOR_NAME,
-    NodeDescription,
-    NodeUsage,
-    ServiceConfig,
-)
-from flatcake_ray.catalog import PutHints  # noqa: E402
-from flatcake_ray.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.actors.protocol import COORDINATOR_NAME, NodeDescription, NodeUsage  # noqa: E402
+from flatcake_ray.client import deploy as service  # noqa: E402
+from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.config import ServiceConfig  # noqa: E402
+from flatcake_ray.core.catalog import PutHints  # noqa: E402
+from flatcake_ray.core.gva import Medium, decode  # noqa: E402
 from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
-from flatcake_ray.gva import Medium, decode  # noqa: E402
 from flatcake_ray.transports.base import (  # noqa: E402
     LOCAL_DRAM,
     LOCAL_SSD,
@@ -191,7 +187,7 @@ def test_config_file_then_flags_then_environment(tmp_path, monkeypatch):
     import argparse
     import json
 
-    from flatcake_ray.cli_service import add_service_commands, config_from_args
+    from flatcake_ray.cli.service import add_service_commands, config_from_args
     from flatcake_ray.errors import ConfigError
 
     path = tmp_path / "service.json"
@@ -323,7 +319,7 @@ def test_cli_start_is_idempotent_and_status_prints_the_table(deployment, capsys)
     import argparse
     import json
 
-    from flatcake_ray.cli_service import add_service_commands
+    from flatcake_ray.cli.service import add_service_commands
 
     parser = argparse.ArgumentParser(prog="flatcake-ray")
     add_service_commands(parser.add_subparsers(dest="command", required=True))
@@ -464,7 +460,7 @@ class _RecordingTransport:
 
 
 def test_a_broken_transport_is_rebuilt_not_reused(monkeypatch):
-    from flatcake_ray.client_nodes import NodeLink
+    from flatcake_ray.client.nodes import NodeLink
 
     description = NodeDescription(
         "ray-a", 3, "node-3", LAYERS, PAGE_BYTES, "/dev/null", 0, (), 4096, True, 0.0

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flatcake_ray.config import PlacementConfig
+from flatcake_ray.core.keys import PageKey
 from flatcake_ray.errors import (
     ConfigError,
     InvalidKeyError,
@@ -18,9 +19,8 @@ from flatcake_ray.errors import (
     StoreClosedError,
     StoreWriteError,
 )
-from flatcake_ray.keys import PageKey
-from flatcake_ray.media import SsdPool
-from flatcake_ray.store import FlatCakeStore, PutHints
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.node.store import FlatCakeStore, PutHints
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 SHORT_CHAT = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: DRAM
@@ -425,7 +425,7 @@ def test_another_process_maps_the_arena_read_only(make_store, tmp_path):
     offset = int(store.gvas(["m0"])[0])  # a DRAM GVA is its own arena offset (medium and node 0)
     script = (
         "import sys, numpy as np\n"
-        "from flatcake_ray.media import DramArena\n"
+        "from flatcake_ray.media.arena import DramArena\n"
         "mapping, view = DramArena.attach(sys.argv[1], int(sys.argv[2]))\n"
         "sys.stdout.write(view[int(sys.argv[3]) : int(sys.argv[3]) + 64].tobytes().hex())\n"
         "try:\n"
@@ -451,7 +451,7 @@ def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):
     script = (
         "import os, sys\n"
         "from flatcake_ray.config import StoreConfig\n"
-        "from flatcake_ray.store import FlatCakeStore\n"
+        "from flatcake_ray.node.store import FlatCakeStore\n"
         "store = FlatCakeStore(StoreConfig(**eval(sys.argv[1])))\n"
         "print(store.arena.path, flush=True)\n"
         "os._exit(0)  # dies without closing: the arena file stays behind\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flatcake_ray.cli_trace import add_trace_commands
+from flatcake_ray.cli.trace import add_trace_commands
 from flatcake_ray.errors import ConfigError, TraceFormatError
 from flatcake_ray.traces.infer import infer_sessions, with_inferred_sessions
 from flatcake_ray.traces.readers import (

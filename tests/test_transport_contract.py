@@ -18,13 +18,14 @@ pytestmark = pytest.mark.ray
 
 ray = pytest.importorskip("ray")
 
-from flatcake_ray import service  # noqa: E402
-from flatcake_ray.actors.protocol import ServiceConfig, node_actor_name  # noqa: E402
-from flatcake_ray.catalog import PutHints  # noqa: E402
-from flatcake_ray.client import FlatCakeClient  # noqa: E402
-from flatcake_ray.client_nodes import NodeLink  # noqa: E402
+from flatcake_ray.actors.protocol import node_actor_name  # noqa: E402
+from flatcake_ray.client import deploy as service  # noqa: E402
+from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.client.nodes import NodeLink  # noqa: E402
+from flatcake_ray.config import ServiceConfig  # noqa: E402
+from flatcake_ray.core.catalog import PutHints  # noqa: E402
+from flatcake_ray.core.gva import Medium  # noqa: E402
 from flatcake_ray.errors import ReadRangeError, ShapeError, TransportClosedError  # noqa: E402
-from flatcake_ray.gva import Medium  # noqa: E402
 from flatcake_ray.transports import base  # noqa: E402
 from flatcake_ray.transports.base import ReadBatch  # noqa: E402
 from flatcake_ray.transports.nixl_dram import NixlDramTransport  # noqa: E402
@@ -162,7 +163,7 @@ def test_repeated_reads_into_one_buffer_agree(case):
 def test_aligned_whole_strides_into_an_aligned_buffer(case):
     """The shape a restore asks for: every layer's whole (4 KiB padded) stride, packed into
     page-aligned staging (local SSD then reads straight into it)."""
-    from flatcake_ray.media import AlignedBuffer
+    from flatcake_ray.media.buffers import AlignedBuffer
 
     _, transport, offset, image = case
     stride = image.size // LAYERS
@@ -230,7 +231,8 @@ def test_service_agents_run_without_a_spinning_progress_thread():
 
 def test_local_ssd_lands_whole_aligned_extents_without_a_bounce_copy(tmp_path):
     """Extents that tile a coalesced read go straight from the drive into aligned staging."""
-    from flatcake_ray.media import AlignedBuffer, SsdPool
+    from flatcake_ray.media.buffers import AlignedBuffer
+    from flatcake_ray.media.pool import SsdPool
     from flatcake_ray.transports.local_ssd import LocalSsdTransport
 
     pool = SsdPool((str(tmp_path),), 1, 1 << 20)
@@ -256,7 +258,8 @@ def test_local_ssd_lands_whole_aligned_extents_without_a_bounce_copy(tmp_path):
 def test_an_nvmeof_view_needs_the_whole_pool_visible_and_reads_like_local(tmp_path):
     """The remote-ssd-nvmeof code path: the owner's pool files under ``nvmeof_root`` (here a
     plain folder standing in for an exported namespace), read with the local-SSD code."""
-    from flatcake_ray.media import AlignedBuffer, SsdPool
+    from flatcake_ray.media.buffers import AlignedBuffer
+    from flatcake_ray.media.pool import SsdPool
     from flatcake_ray.transports.remote_ssd import visible_pool
 
     owner_pool = SsdPool((str(tmp_path / "7"),), 2, 1 << 20)
@@ -287,7 +290,8 @@ def test_gds_reads_pool_ranges_into_gpu_memory(tmp_path):
         pytest.skip(f"local-ssd-gds: {reason}")
     import torch
 
-    from flatcake_ray.media import AlignedBuffer, SsdPool
+    from flatcake_ray.media.buffers import AlignedBuffer
+    from flatcake_ray.media.pool import SsdPool
 
     pool = SsdPool((str(tmp_path),), 1, 1 << 20)
     data = AlignedBuffer(1 << 20)

@@ -41,7 +41,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ..errors import ReadRangeError, ShapeError
+from flatcake_ray.errors import ReadRangeError, ShapeError
 
 LOCAL_DRAM = "local-dram"
 LOCAL_SSD = "local-ssd"

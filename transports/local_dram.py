@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from ..errors import TransportClosedError
-from ..media import DramArena
-from .base import LOCAL_DRAM, ReadBatch, TransferStats, Transport
+from flatcake_ray.errors import TransportClosedError
+from flatcake_ray.media.arena import DramArena
+from flatcake_ray.transports.base import LOCAL_DRAM, ReadBatch, TransferStats, Transport
 
 
 def merge_contiguous(batch: ReadBatch) -> ReadBatch:

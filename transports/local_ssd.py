@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from ..coalesce import CoalescedReads, coalesce
-from ..config import ALIGN
-from ..errors import ReadRangeError, TransferError, TransportClosedError
-from ..media import AlignedBuffer, SsdPool
-from .base import LOCAL_SSD, ReadBatch, TransferStats, Transport
+from flatcake_ray.config import ALIGN
+from flatcake_ray.core.coalesce import CoalescedReads, coalesce
+from flatcake_ray.errors import ReadRangeError, TransferError, TransportClosedError
+from flatcake_ray.media.buffers import AlignedBuffer
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.transports.base import LOCAL_SSD, ReadBatch, TransferStats, Transport
 
 DEFAULT_GAP_BYTES = 64 << 10
 DEFAULT_MAX_READ_BYTES = 32 << 20

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
+from flatcake_ray.errors import (
     PeerDisconnectedError,
     ShapeError,
     TransferError,
@@ -36,7 +36,13 @@ from ..errors import (
     TransportClosedError,
     TransportUnavailableError,
 )
-from .base import REMOTE_DRAM_NIXL, ReadBatch, RegistrationCache, TransferStats, Transport
+from flatcake_ray.transports.base import (
+    REMOTE_DRAM_NIXL,
+    ReadBatch,
+    RegistrationCache,
+    TransferStats,
+    Transport,
+)
 
 DEFAULT_TIMEOUT_S = 30.0
 PUMP_INTERVAL_S = 0.0005

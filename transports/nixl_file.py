@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 
-from .base import ReadBatch, TransferStats
-from .nixl_dram import (
+from flatcake_ray.transports.base import ReadBatch, TransferStats
+from flatcake_ray.transports.nixl_dram import (
     DEFAULT_TIMEOUT_S,
     NixlAgent,
     _descriptors,

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PeerDisconnectedError, TransferTimeoutError, TransportClosedError
-from ..gva import Medium
-from .base import OBJECT_STORE_FALLBACK, ReadBatch, TransferStats, Transport
-from .local_dram import merge_contiguous
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.errors import PeerDisconnectedError, TransferTimeoutError, TransportClosedError
+from flatcake_ray.transports.base import OBJECT_STORE_FALLBACK, ReadBatch, TransferStats, Transport
+from flatcake_ray.transports.local_dram import merge_contiguous
 
 
 class ObjectStoreTransport(Transport):

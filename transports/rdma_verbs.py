@@ -29,13 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
+from flatcake_ray.errors import (
     TransferError,
     TransferTimeoutError,
     TransportClosedError,
     TransportUnavailableError,
 )
-from .base import REMOTE_DRAM_RDMA, ReadBatch, RegistrationCache, TransferStats, Transport
+from flatcake_ray.transports.base import (
+    REMOTE_DRAM_RDMA,
+    ReadBatch,
+    RegistrationCache,
+    TransferStats,
+    Transport,
+)
 
 DEFAULT_TIMEOUT_S = 30.0
 _MAX_WR_BYTES = 1 << 30  # an SGE length is 32-bit; stay well inside it and max_msg_sz

@@ -23,16 +23,22 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
+from flatcake_ray.errors import (
     PeerDisconnectedError,
     ShipBufferFullError,
     TransferError,
     TransferTimeoutError,
     TransportClosedError,
 )
-from .base import REMOTE_SSD_NVMEOF, REMOTE_SSD_SHIPPED, ReadBatch, TransferStats, Transport
-from .local_dram import merge_contiguous
-from .local_ssd import LocalSsdTransport
+from flatcake_ray.transports.base import (
+    REMOTE_SSD_NVMEOF,
+    REMOTE_SSD_SHIPPED,
+    ReadBatch,
+    TransferStats,
+    Transport,
+)
+from flatcake_ray.transports.local_dram import merge_contiguous
+from flatcake_ray.transports.local_ssd import LocalSsdTransport
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +108,7 @@ class ShippedSsdTransport(Transport):
 
     @classmethod
     def probe(cls) -> str | None:
-        from .nixl_dram import NixlDramTransport
+        from flatcake_ray.transports.nixl_dram import NixlDramTransport
 
         return NixlDramTransport.probe()
 

@@ -23,9 +23,9 @@ from collections.abc import Set
 
 import numpy as np
 
-from ..errors import GVAError
-from ..gva import MAX_NODE_ID, MEDIA_SHIFT, NODE_SHIFT, Medium, decode
-from .base import (
+from flatcake_ray.core.gva import MAX_NODE_ID, MEDIA_SHIFT, NODE_SHIFT, Medium, decode
+from flatcake_ray.errors import GVAError
+from flatcake_ray.transports.base import (
     LOCAL_DRAM,
     LOCAL_SSD,
     OBJECT_STORE_FALLBACK,

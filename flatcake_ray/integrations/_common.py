@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import StoreConfig, parse_size
-from ..errors import ConfigError, ShapeError
-from ..gva import SSD_FLOOR
+from flatcake_ray.config import StoreConfig, parse_size
+from flatcake_ray.core.gva import SSD_FLOOR
+from flatcake_ray.errors import ConfigError, ShapeError
 
 # Keys that steer the adapter itself; every other ``store_*`` option is a StoreConfig field.
 STORE_KIND = "store"
@@ -80,7 +80,7 @@ def _store_fields(options: Mapping[str, Any]) -> dict[str, Any]:
 def _open_local(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
     """One FlatCakeStore per root in this process: vLLM's scheduler-side and worker-side
     connectors (and SGLang's ranks when they share a process) must see the same index."""
-    from ..store import FlatCakeStore
+    from flatcake_ray.node.store import FlatCakeStore
 
     root = options.get("store_root")
     if not root:
@@ -129,7 +129,7 @@ def _check_geometry(store: KVStore, geometry: Geometry) -> None:
 
 
 def _open_ray(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
-    from ..client import FlatCakeClient  # type: ignore[import-not-found]
+    from flatcake_ray.client.client import FlatCakeClient  # type: ignore[import-not-found]
 
     client_options = {
         name[len("ray_") :]: value for name, value in options.items() if name.startswith("ray_")

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ShapeError
-from ._common import Geometry, byte_view
+from flatcake_ray.errors import ShapeError
+from flatcake_ray.integrations._common import Geometry, byte_view
 
 # (axes of kv_buffer in allocation order) per (is_mla, layout). "S" is the token axis
 # (page-aligned), "P"/"T" the page and in-page token axes of the *_direct / page_head forms.

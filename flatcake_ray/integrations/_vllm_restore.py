@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import parse_size
-from ..errors import ConfigError
-from ..restore import LayerTensors, RestorePipeline
-from ._common import Geometry, KVStore
+from flatcake_ray.config import parse_size
+from flatcake_ray.errors import ConfigError
+from flatcake_ray.integrations._common import Geometry, KVStore
+from flatcake_ray.restore.pipeline import LayerTensors, RestorePipeline
 
 __all__ = [
     "LayerRestore",

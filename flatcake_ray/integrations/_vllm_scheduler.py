@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import PutHints
-from ..errors import ConfigError
-from ._common import KVStore, Probe, probe_prefix
+from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.errors import ConfigError
+from flatcake_ray.integrations._common import KVStore, Probe, probe_prefix
 
 LOAD_POLICIES = ("auto", "always", "never")
 

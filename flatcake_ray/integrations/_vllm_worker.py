@@ -24,11 +24,9 @@ from typing import Any
 
 import torch
 
-from ..errors import FlatCakeError, ShapeError
-from ..restore import RestorePipeline
-from ..store import FlatCakeStore
-from ._common import Geometry, KVStore, begin_put, byte_view
-from ._vllm_restore import (
+from flatcake_ray.errors import FlatCakeError, ShapeError
+from flatcake_ray.integrations._common import Geometry, KVStore, begin_put, byte_view
+from flatcake_ray.integrations._vllm_restore import (
     LayerRestore,
     LoadTarget,
     PipelinedRestore,
@@ -36,7 +34,9 @@ from ._vllm_restore import (
     RestoreSettings,
     WholePrefixRestore,
 )
-from ._vllm_scheduler import LoadSpec, SaveSpec, StepPlan
+from flatcake_ray.integrations._vllm_scheduler import LoadSpec, SaveSpec, StepPlan
+from flatcake_ray.node.store import FlatCakeStore
+from flatcake_ray.restore.pipeline import RestorePipeline
 
 __all__ = ["LayerRestore", "RestoreFactory", "WholePrefixRestore", "WorkerSide"]
 

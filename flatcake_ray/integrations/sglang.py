@@ -30,9 +30,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from ..errors import ConfigError, FlatCakeError
-from ._common import KVStore, make_namespace, open_store
-from ._sglang_layout import HostPoolView, host_pool_view
+from flatcake_ray.errors import ConfigError, FlatCakeError
+from flatcake_ray.integrations._common import KVStore, make_namespace, open_store
+from flatcake_ray.integrations._sglang_layout import HostPoolView, host_pool_view
 
 logger = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..errors import ConfigError, ShapeError
-from ._common import Geometry, make_namespace, open_store
-from ._vllm_restore import RestoreSettings
-from ._vllm_scheduler import SchedulerSide, StepPlan
-from ._vllm_worker import WorkerSide
+from flatcake_ray.errors import ConfigError, ShapeError
+from flatcake_ray.integrations._common import Geometry, make_namespace, open_store
+from flatcake_ray.integrations._vllm_restore import RestoreSettings
+from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
+from flatcake_ray.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

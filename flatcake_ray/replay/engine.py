@@ -30,16 +30,15 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import PlacementConfig
-from flatcake_ray.scheduler import Scheduler, SchedulerConfig
-
-from .devices import Link, SsdWorkers, StagingPool
-from .flat_store import FlatStorage
-from .metrics import RequestRecords
-from .pages import TracePages
-from .profiles import Profile
-from .systems import Located, Storage, SystemSpec, Transfer
-from .tiered_store import TieredStorage
-from .tiers import KeyMap, PageLru
+from flatcake_ray.core.scheduler import Scheduler, SchedulerConfig
+from flatcake_ray.replay.devices import Link, SsdWorkers, StagingPool
+from flatcake_ray.replay.flat_store import FlatStorage
+from flatcake_ray.replay.metrics import RequestRecords
+from flatcake_ray.replay.pages import TracePages
+from flatcake_ray.replay.profiles import Profile
+from flatcake_ray.replay.systems import Located, Storage, SystemSpec, Transfer
+from flatcake_ray.replay.tiered_store import TieredStorage
+from flatcake_ray.replay.tiers import KeyMap, PageLru
 
 # Event kinds, in the order they run at equal times: data lands before it is asked for.
 TRANSFER_DONE, PREFETCH_DONE, STAGING_FREE, PREFILL_DONE, ARRIVE = range(5)

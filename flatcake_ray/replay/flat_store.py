@@ -15,18 +15,17 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.catalog import Catalog, PutHints
-from flatcake_ray.coalesce import coalesce
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
+from flatcake_ray.core.catalog import Catalog, PutHints
+from flatcake_ray.core.coalesce import coalesce
+from flatcake_ray.core.extents import align_up
+from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
+from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.errors import MediumFullError
-from flatcake_ray.extents import align_up
-from flatcake_ray.gva import MEDIA_SHIFT, Medium
-from flatcake_ray.placement import Placement, PlacementInputs, PlacementPolicy
-from flatcake_ray.reader import lease_parts, ssd_extents
-
-from .pages import TracePages
-from .profiles import Profile
-from .systems import Located, StorageCounters, SystemSpec, Transfer
+from flatcake_ray.node.reader import lease_parts, ssd_extents
+from flatcake_ray.replay.pages import TracePages
+from flatcake_ray.replay.profiles import Profile
+from flatcake_ray.replay.systems import Located, StorageCounters, SystemSpec, Transfer
 
 
 class OraclePlacement:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flatcake_ray.core.keys import DIGEST_DTYPE, HI_MARK
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.keys import DIGEST_DTYPE, HI_MARK
 from flatcake_ray.traces.records import NO_VALUE, Trace
 
 _U64 = np.uint64

@@ -61,7 +61,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path
     paths = {"json": out / "result.json", "markdown": out / "results.md"}
     paths["json"].write_text(json.dumps(result, indent=1, default=_jsonable))
     paths["markdown"].write_text(markdown_table(result))
-    from .plots import plot_result  # matplotlib only when plots are asked for
+    from flatcake_ray.replay.plots import plot_result  # matplotlib only when plots are asked for
 
     paths.update(plot_result(result, out))
     return paths

@@ -18,14 +18,13 @@ from typing import Any
 
 from flatcake_ray.config import PlacementConfig
 from flatcake_ray.errors import ConfigError
+from flatcake_ray.replay.engine import Replay
+from flatcake_ray.replay.metrics import aggregate, summarize
+from flatcake_ray.replay.pages import TracePages, build_pages
+from flatcake_ray.replay.profiles import Profile, get_profile
+from flatcake_ray.replay.systems import SystemSpec, get_system
+from flatcake_ray.replay.workloads import arrivals_for, as_trace, context_length_trace
 from flatcake_ray.traces.records import Trace, TraceRequest
-
-from .engine import Replay
-from .metrics import aggregate, summarize
-from .pages import TracePages, build_pages
-from .profiles import Profile, get_profile
-from .systems import SystemSpec, get_system
-from .workloads import arrivals_for, as_trace, context_length_trace
 
 TraceSource = Trace | Iterable[TraceRequest] | str | Path
 DEFAULT_SYSTEMS = ("flatcake", "tiered", "dram-only")

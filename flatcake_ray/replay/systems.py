@@ -43,8 +43,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.gva import Medium
 
 STORAGE_KINDS = ("flat", "tiered")
 SSD_READS = ("extents", "objects", "page-layer")

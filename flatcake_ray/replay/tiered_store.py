@@ -13,14 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.coalesce import coalesce
 from flatcake_ray.config import ALIGN, StoreConfig
-from flatcake_ray.gva import SSD_FLOOR, Medium
-
-from .pages import TracePages
-from .profiles import Profile
-from .systems import Located, StorageCounters, SystemSpec, Transfer
-from .tiers import FifoBucketSsd, PageLru
+from flatcake_ray.core.coalesce import coalesce
+from flatcake_ray.core.gva import SSD_FLOOR, Medium
+from flatcake_ray.replay.pages import TracePages
+from flatcake_ray.replay.profiles import Profile
+from flatcake_ray.replay.systems import Located, StorageCounters, SystemSpec, Transfer
+from flatcake_ray.replay.tiers import FifoBucketSsd, PageLru
 
 _DEFAULTS = StoreConfig(root="replay-model", layers=1, page_bytes=1)  # gap / max read defaults
 

@@ -17,8 +17,8 @@ from itertools import repeat
 import numpy as np
 
 from flatcake_ray.config import ALIGN
+from flatcake_ray.core.keys import DIGEST_DTYPE
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.keys import DIGEST_DTYPE
 
 _NEVER = np.iinfo(np.int64).max
 

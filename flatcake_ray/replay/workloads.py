@@ -19,11 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from flatcake_ray.errors import ConfigError
+from flatcake_ray.replay.pages import TracePages
 from flatcake_ray.traces.infer import with_inferred_sessions
 from flatcake_ray.traces.readers import load_trace
 from flatcake_ray.traces.records import NO_VALUE, Trace, TraceRequest, frozen_blocks
-
-from .pages import TracePages
 
 ARRIVAL_MODES = ("jitter", "scaled", "poisson")
 

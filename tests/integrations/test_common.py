@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from flatcake_ray.catalog import PutHints
+from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.integrations._common import (
     BufferedPut,

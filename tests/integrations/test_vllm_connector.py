@@ -12,8 +12,8 @@ require_vllm()
 from flatcake_ray.errors import ConfigError  # noqa: E402
 from flatcake_ray.integrations import _common  # noqa: E402
 from flatcake_ray.integrations.vllm import kv_transfer_config  # noqa: E402
-from flatcake_ray.restore import RestorePipeline  # noqa: E402
-from flatcake_ray.restore_window import RestoreHandle  # noqa: E402
+from flatcake_ray.restore.pipeline import RestorePipeline  # noqa: E402
+from flatcake_ray.restore.window import RestoreHandle  # noqa: E402
 from tests.integrations.vllm_harness import (  # noqa: E402
     BLOCK,
     LAYER_NAMES,

@@ -1,0 +1,314 @@
+"""``flatcake-ray bench restore``: restore bandwidth per path, beside its limit, same run.
+
+Two sessions of ``--pages`` pages (default 3,421, a 54K-token context at 16 tokens a page)
+are written, one placed in DRAM and one on SSD. For each, a client on the owner's node
+restores it (local DRAM, local SSD) and a client on another node does (remote DRAM over NIXL,
+remote SSD shipped over NIXL, or NVMe-oF where visible). Beside each, its limit measured in
+the same run on the same node: a memcpy of the same bytes (local DRAM), a sequential O_DIRECT
+read of the same bytes from the owner's pool files (local SSD), one raw NIXL DRAM-to-DRAM read
+of the same bytes (remote DRAM), and the lower of those two for remote SSD (it is both).
+Also the control-plane time of a request (lookup + lease, warm and cold location cache) and
+its actor calls. ``gbps`` is 1e9 bytes per second. Without ``--address`` it starts a
+``ray.cluster_utils.Cluster`` of ``--nodes`` nodes on 127.0.0.1 (one machine: all "nodes"
+share its memory bus and disk, so remote paths here measure loopback, not a network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.config import ServiceConfig, parse_size
+from flatcake_ray.core.catalog import PutHints
+
+NAMESPACE = "flatcake-bench"
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=2, help="storage nodes (at least 2)")
+    parser.add_argument("--pages", type=int, default=3421, help="pages a restored session has")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--page-bytes", default="16KiB", help="bytes of a page of one layer")
+    parser.add_argument("--repeats", type=int, default=3, help="timed restores; best is kept")
+    parser.add_argument("--address", help="a running Ray cluster (default: start a local one)")
+    parser.add_argument("--root", default="/tmp/flatcake-bench", help="per-node store folders")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+class RestoreBench:
+    """One client on one node; wrapped with ray.remote and pinned to that node."""
+
+    def __init__(self, namespace: str) -> None:
+        from flatcake_ray.client.client import FlatCakeClient
+
+        self.client = FlatCakeClient(namespace)
+
+    def where(self) -> dict[str, Any]:
+        return {"ray_node_id": self.client.ray_node_id, "node_id": self.client.nodes.local_node_id}
+
+    def put_session(self, name: str, pages: int, medium: str, seed: int) -> dict[str, Any]:
+        keys = [f"{name}-{i}" for i in range(pages)]
+        # A later turn after a short reply goes to DRAM (the context hint keeps a long
+        # session from counting as agentic); a first turn goes to SSD.
+        short_chat = PutHints(turn=2, prior_reply_tokens=1, context_tokens=1)
+        hints = short_chat if medium == "DRAM" else PutHints(turn=1)
+        kv = _kv(self.client, pages, seed)
+        result = self.client.put(keys, kv, session_id=name, hints=hints)
+        return {"keys": keys, "medium": result.medium, "owner": self.client.locate(keys).node_id}
+
+    def restore(self, keys: list[str], seed: int, repeats: int) -> dict[str, Any]:
+        out = np.zeros((self.client.layers, len(keys), self.client.page_bytes), dtype=np.uint8)
+        reports = [self.client.restore(keys, out) for _ in range(repeats + 1)]
+        exact = bool(np.array_equal(out, _kv(self.client, len(keys), seed)))
+        timed = reports[1:]  # the first pays for connections and registrations
+        best = min(timed, key=lambda r: r.control_seconds + r.data_seconds)
+        (path, tally), *_ = best.paths.items()
+        return {
+            "transport": path,
+            "pages": best.pages,
+            "byte_exact": exact and best.pages == len(keys),
+            "bytes": out.nbytes,  # delivered; moved_bytes includes read padding
+            "moved_bytes": tally.bytes,
+            "seconds": best.control_seconds + best.data_seconds,
+            "data_seconds": best.data_seconds,
+            "io_commands": tally.io_commands,
+            "actor_calls": best.actor_calls,
+        }
+
+    def control(self, keys: list[str], repeats: int) -> dict[str, Any]:
+        """Lookup + lease + release of a request, no data: cold and warm location cache."""
+        cold, warm = [], []
+        for _ in range(repeats):
+            self.client.forget_locations()
+            cold.append(self.client.locate(keys, lease=True))  # asks every node
+            warm.append(self.client.locate(keys, lease=True))  # asks the one that has it
+        return {
+            "pages": len(keys),
+            "warm_seconds": statistics.median(r.control_seconds for r in warm),
+            "cold_seconds": statistics.median(r.control_seconds for r in cold),
+            "warm_actor_calls": int(statistics.median(r.actor_calls for r in warm)),
+            "cold_actor_calls": int(statistics.median(r.actor_calls for r in cold)),
+        }
+
+    def memcpy_limit(self, nbytes: int, repeats: int) -> float:
+        src = np.ones(nbytes, dtype=np.uint8)
+        dst = np.empty_like(src)
+        return _best_gbps(nbytes, repeats, lambda: np.copyto(dst, src))
+
+    def odirect_limit(self, nbytes: int, repeats: int) -> float:
+        """Sequential O_DIRECT reads of this node's pool files, 32 MiB a command."""
+        from flatcake_ray.media.buffers import AlignedBuffer
+
+        link = self.client.nodes.get(self.client.nodes.local_node_id)
+        paths, file_bytes = link.description.pool_paths, link.description.pool_file_bytes
+        chunk = 32 << 20
+        buffer = AlignedBuffer(chunk)
+        fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+
+        def read_all() -> None:
+            left, at = nbytes, 0
+            while left:
+                n = min(chunk, left, file_bytes - at % file_bytes)
+                fd = fds[(at // file_bytes) % len(fds)]
+                os.preadv(fd, [memoryview(buffer.array[:n])], at % file_bytes)
+                left, at = left - n, at + n
+
+        try:
+            return _best_gbps(nbytes, repeats, read_all)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def nixl_limit(self, owner: int, nbytes: int, repeats: int) -> float:
+        """One raw NIXL READ of ``nbytes`` from the owner's arena (one descriptor)."""
+        from flatcake_ray.core.gva import Medium
+        from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch
+
+        link = self.client.nodes.get(owner)
+        transport, lock = link.transport(REMOTE_DRAM_NIXL, Medium.DRAM, self.client._nixl_agent)
+        dst = np.empty(nbytes, dtype=np.uint8)
+        batch = ReadBatch([0], [nbytes], [0])
+        with lock:
+            transport.read(batch, dst)  # registration and connection, untimed
+            return _best_gbps(nbytes, repeats, lambda: transport.read(batch, dst))
+
+
+def _kv(client: Any, pages: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (client.layers, pages, client.page_bytes), dtype=np.uint8)
+
+
+def _best_gbps(nbytes: int, repeats: int, fn: Any) -> float:
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return nbytes / min(times) / 1e9
+
+
+def _row(measured: dict[str, Any], limit_gbps: float) -> dict[str, Any]:
+    gbps = measured["bytes"] / measured["seconds"] / 1e9
+    return {
+        **measured,
+        "gbps": round(gbps, 3),
+        "limit_gbps": round(limit_gbps, 3),
+        "ratio_to_limit": round(gbps / limit_gbps, 3) if limit_gbps else None,
+    }
+
+
+# ---- orchestration ---------------------------------------------------------------------------
+def _start_cluster(nodes: int) -> Any:
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    head = {"num_cpus": 1, "include_dashboard": False, "resources": {"fcbench": 1}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=1, resources={"fcbench": 1})
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _service_config(args: argparse.Namespace, session_bytes: int) -> ServiceConfig:
+    file_bytes = -(-(session_bytes + (8 << 20)) // (4 << 20)) * (4 << 20)
+    return ServiceConfig(
+        namespace=NAMESPACE,
+        root=os.path.join(args.root, "{node}"),
+        layers=args.layers,
+        page_bytes=parse_size(args.page_bytes),
+        dram_bytes=2 * file_bytes,
+        ssd_files_per_dir=2,
+        ssd_file_bytes=file_bytes,
+        fsync=False,
+        rpc_timeout_s=60.0,
+    )
+
+
+def _bench_actors(ray_nodes: list[str]) -> list[Any]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(RestoreBench)
+    return [
+        actor.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote(NAMESPACE)
+        for node in ray_nodes
+    ]
+
+
+def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespace) -> dict:
+    import ray
+
+    sessions = {
+        "DRAM": ray.get(benches[0].put_session.remote("bench-dram", args.pages, "DRAM", 1)),
+        "SSD": ray.get(benches[0].put_session.remote("bench-ssd", args.pages, "SSD", 2)),
+    }
+    nbytes = args.layers * args.pages * parse_size(args.page_bytes)
+    results: dict[str, Any] = {}
+    for medium, seed in (("DRAM", 1), ("SSD", 2)):
+        session = sessions[medium]
+        owner = by_node[session["owner"]]
+        other = next(b for node_id, b in by_node.items() if node_id != session["owner"])
+        local = ray.get(owner.restore.remote(session["keys"], seed, args.repeats))
+        remote = ray.get(other.restore.remote(session["keys"], seed, args.repeats))
+        if medium == "DRAM":
+            memcpy = ray.get(owner.memcpy_limit.remote(nbytes, args.repeats))
+            nixl = ray.get(other.nixl_limit.remote(session["owner"], nbytes, args.repeats))
+            results["local_dram"] = _row(local, memcpy)
+            results["remote_dram"] = _row(remote, nixl)
+        else:
+            odirect = ray.get(owner.odirect_limit.remote(nbytes, args.repeats))
+            results["local_ssd"] = _row(local, odirect)
+            results["remote_ssd"] = _row(remote, min(odirect, nixl))
+            results["remote_ssd"]["serial_limit_gbps"] = round(1 / (1 / odirect + 1 / nixl), 3)
+        results.setdefault("_placed", {})[medium] = session["medium"]
+    results["control_plane"] = ray.get(benches[-1].control.remote(sessions["DRAM"]["keys"], 5))
+    return results
+
+
+def _remove_arenas(root: str) -> None:
+    """Arenas of storage nodes that did not shut down cleanly stay in /dev/shm: drop ours."""
+    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
+    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
+        path.unlink(missing_ok=True)
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from flatcake_ray.client import deploy as service
+
+    if args.nodes < 2:
+        raise ValueError("--nodes must be at least 2 (a remote path needs a second node)")
+    session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
+    config = _service_config(args, session_bytes)
+    cluster = None if args.address else _start_cluster(args.nodes)
+    ray.init(address=args.address or cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    started = time.perf_counter()
+    try:
+        targets = service.service_nodes(None if args.address else "fcbench")[: args.nodes]
+        service.start(config, nodes=targets)
+        benches = _bench_actors(targets)
+        wheres = ray.get([b.where.remote() for b in benches])
+        by_node = {w["node_id"]: b for w, b in zip(wheres, benches, strict=True)}
+        results = _measure(benches, by_node, args)
+    finally:
+        service.stop(NAMESPACE)
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(args.root, ignore_errors=True)
+        _remove_arenas(args.root)
+    placed = results.pop("_placed")
+    return {
+        "config": {
+            "nodes": args.nodes,
+            "pages": args.pages,
+            "layers": args.layers,
+            "page_bytes": parse_size(args.page_bytes),
+            "bytes_per_restore": session_bytes,
+            "repeats": args.repeats,
+            "placed": placed,
+            "units": "gbps = 1e9 bytes/s; seconds = best of repeats, lookup to last byte",
+            "wall_seconds": round(time.perf_counter() - started, 1),
+        },
+        "paths": {k: v for k, v in results.items() if k != "control_plane"},
+        "control_plane": results["control_plane"],
+    }
+
+
+def format_results(results: dict[str, Any]) -> str:
+    lines = [
+        f"{'path':<12} {'transport':<20} {'GB/s':>7} {'limit':>7} {'ratio':>6} "
+        f"{'io cmds':>8} {'calls':>5}  exact"
+    ]
+    for name, row in results["paths"].items():
+        lines.append(
+            f"{name:<12} {row['transport']:<20} {row['gbps']:>7.3f} {row['limit_gbps']:>7.3f} "
+            f"{row['ratio_to_limit']:>6.2f} {row['io_commands']:>8} {row['actor_calls']:>5}  "
+            f"{row['byte_exact']}"
+        )
+    control = results["control_plane"]
+    lines.append(
+        f"control plane, {control['pages']}-page request: "
+        f"{control['warm_seconds'] * 1e3:.2f} ms / {control['warm_actor_calls']} calls (warm), "
+        f"{control['cold_seconds'] * 1e3:.2f} ms / {control['cold_actor_calls']} calls (cold)"
+    )
+    return "\n".join(lines)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    results = run_bench(args)
+    print(json.dumps(results, indent=2) if args.json else format_results(results))
+    return 0 if all(row["byte_exact"] for row in results["paths"].values()) else 1

@@ -1,0 +1,236 @@
+"""Deploy, inspect and stop the service on a running Ray cluster.
+
+``start`` creates (or finds) the detached CapacityCoordinator in the service's namespace,
+then one detached StorageNode per alive Ray node, each pinned to its node with a hard
+``NodeAffinitySchedulingStrategy``. It is idempotent: run it again after nodes join and only
+the new ones get a storage node. The actors take no CPU slot (``num_cpus=0``): they serve
+control calls; bytes move in the callers' processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from flatcake_ray.actors.protocol import COORDINATOR_NAME, NODE_NAME_PREFIX, node_actor_name
+from flatcake_ray.config import ServiceConfig
+from flatcake_ray.errors import ServiceError
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 120.0
+
+
+def connect(address: str | None, namespace: str) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
+
+
+def _affinity(node_id: str, soft: bool) -> Any:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
+
+
+def start_coordinator(config: ServiceConfig) -> Any:
+    """The coordinator's handle, creating it (on this node, softly) when absent."""
+    import ray
+
+    from flatcake_ray.actors.coordinator import CapacityCoordinator
+
+    here = ray.get_runtime_context().get_node_id()
+    return (
+        ray.remote(CapacityCoordinator)
+        .options(
+            name=COORDINATOR_NAME,
+            namespace=config.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,  # a crash restarts it, and it rebuilds from the storage nodes
+            num_cpus=0,
+            scheduling_strategy=_affinity(here, soft=True),
+        )
+        .remote(config)
+    )
+
+
+def service_nodes(resource: str | None = None) -> list[str]:
+    """Alive Ray node ids that get a storage node (all, or those offering ``resource``)."""
+    import ray
+
+    return [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n["Alive"] and (resource is None or n.get("Resources", {}).get(resource, 0) > 0)
+    ]
+
+
+def start_storage_node(config: ServiceConfig, ray_node_id: str) -> Any:
+    import ray
+
+    from flatcake_ray.actors.storage_node import StorageNode
+
+    return (
+        ray.remote(StorageNode)
+        .options(
+            name=node_actor_name(ray_node_id),
+            namespace=config.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_concurrency=config.node_concurrency,
+            scheduling_strategy=_affinity(ray_node_id, soft=False),
+        )
+        .remote(config)
+    )
+
+
+def start(
+    config: ServiceConfig,
+    *,
+    address: str | None = None,
+    resource: str | None = None,
+    nodes: Iterable[str] | None = None,
+    timeout_s: float = START_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Deploy the coordinator and the storage nodes; returns :func:`status` once all answer."""
+    import ray
+
+    connect(address, config.namespace)
+    coordinator = start_coordinator(config)
+    ray.get(coordinator.ping.remote(), timeout=timeout_s)
+    targets = list(nodes) if nodes is not None else service_nodes(resource)
+    if not targets:
+        raise ServiceError("no alive Ray node to run a storage node on")
+    handles = [start_storage_node(config, node) for node in targets]
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+    return status(config.namespace)
+
+
+def _named(namespace: str) -> list[str]:
+    import ray
+
+    return sorted(
+        e["name"]
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if e["namespace"] == namespace and e["name"].startswith(NODE_NAME_PREFIX)
+    )
+
+
+def _actor(name: str, namespace: str) -> Any:
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def status(namespace: str = "flatcake", timeout_s: float = 10.0) -> dict[str, Any]:
+    """The coordinator's view merged with every storage node's own stats."""
+    import ray
+    from ray.exceptions import RayError
+
+    coordinator = _actor(COORDINATOR_NAME, namespace)
+    info: dict[str, Any] = {"coordinator": None, "nodes": []}
+    placement: dict[int, dict[str, Any]] = {}
+    if coordinator is not None:
+        try:
+            info["coordinator"] = ray.get(coordinator.info.remote(), timeout=timeout_s)
+            rows = ray.get(coordinator.nodes_table.remote(), timeout=timeout_s)
+            placement = {row["node_id"]: row for row in rows}
+        except RayError as exc:
+            info["coordinator_error"] = str(exc)
+    handles = [h for h in (_actor(n, namespace) for n in _named(namespace)) if h is not None]
+    refs = [h.stats.remote() for h in handles]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for ref in refs:
+        if ref not in ready:
+            continue
+        try:
+            stats = ray.get(ref)
+        except RayError as exc:
+            info.setdefault("node_errors", []).append(str(exc))
+            continue
+        info["nodes"].append(_row(stats, placement.get(stats["node_id"], {})))
+    info["nodes"].sort(key=lambda row: row["node_id"])
+    return info
+
+
+def _row(stats: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "node_id": stats["node_id"],
+        "ray_node_id": stats["ray_node_id"],
+        "alive": placed.get("alive", True),
+        "dram_capacity": stats["dram_capacity"],
+        "dram_used": stats["dram_used"],
+        "ssd_capacity": stats["ssd_capacity"],
+        "ssd_used": stats["ssd_reserved"],
+        "scopes": stats["scopes"],
+        "sessions": stats["sessions"],
+        "pages": stats["pages_indexed"],
+        "hit_pages": stats["leased_pages"],  # pages found and leased to readers
+        "lookups": stats["lookups"],
+        "puts": stats["puts"],
+        "placed": placed.get("placed", 0),
+        "nixl": stats["nixl"],
+    }
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f}"
+
+
+def format_status(info: dict[str, Any]) -> str:
+    """A plain-text table: one row per storage node."""
+    head = (
+        f"{'node':>4} {'ray node':<12} {'dram GiB used/cap':>18} {'ssd GiB used/cap':>18} "
+        f"{'scopes':>6} {'pages':>8} {'lookups':>8} {'hits':>9} {'puts':>6}  nixl"
+    )
+    lines = [head]
+    for r in info["nodes"]:
+        lines.append(
+            f"{r['node_id']:>4} {r['ray_node_id'][:12]:<12} "
+            f"{_gib(r['dram_used']) + '/' + _gib(r['dram_capacity']):>18} "
+            f"{_gib(r['ssd_used']) + '/' + _gib(r['ssd_capacity']):>18} "
+            f"{r['scopes']:>6} {r['pages']:>8} {r['lookups']:>8} {r['hit_pages']:>9} "
+            f"{r['puts']:>6}  {r['nixl']}"
+        )
+    coordinator = info.get("coordinator")
+    if coordinator is None:
+        lines.append(f"coordinator: not answering ({info.get('coordinator_error', 'absent')})")
+    else:
+        lines.append(
+            f"coordinator: {coordinator['nodes']} nodes, {coordinator['sessions']} sessions, "
+            f"{coordinator['placements']} placements"
+        )
+    return "\n".join(lines)
+
+
+def stop(namespace: str = "flatcake", timeout_s: float = 30.0) -> int:
+    """Shut every storage node down (SSD scopes stay on disk), then the coordinator.
+    Returns how many actors were stopped."""
+    import ray
+    from ray.exceptions import RayError
+
+    stopped = 0
+    handles = [h for h in (_actor(n, namespace) for n in _named(namespace)) if h is not None]
+    refs = [h.shutdown.remote() for h in handles]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for handle, ref in zip(handles, refs, strict=True):
+        try:
+            ray.get(ref, timeout=0)
+        except RayError as exc:  # already dead or stuck: killed below all the same
+            log.warning("a storage node did not shut down cleanly: %s", exc)
+        ray.kill(handle, no_restart=True)
+        stopped += 1
+    coordinator = _actor(COORDINATOR_NAME, namespace)
+    if coordinator is not None:
+        ray.kill(coordinator, no_restart=True)
+        stopped += 1
+    return stopped

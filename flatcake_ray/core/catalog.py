@@ -1,0 +1,381 @@
+"""The store's metadata: sessions, scopes, segments, the page index, space and reclamation.
+
+No bytes move here. The live store (``store.py``) pairs a catalog with real media; the replay
+model pairs one with modeled devices and a virtual clock. Not thread-safe: callers serialise.
+
+Lifecycle of a put: :meth:`Catalog.plan_put` resolves the session, places the batch (paper
+Table 2), allocates its segment (the address exists before the write) and pins the scope;
+the caller writes the bytes; :meth:`Catalog.publish` then makes the keys visible, or
+:meth:`Catalog.abort` gives the space back. A reader takes a :class:`Lease` (scope refcounts
+up) and releases it; reclamation frees only unreferenced scopes, oldest first, whole.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flatcake_ray.config import StoreConfig
+from flatcake_ray.core.extents import MediumSpace, ScopeRuns
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
+from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.placement import PlacementInputs, PlacementPolicy
+from flatcake_ray.errors import MediumFullError
+
+
+@dataclass(frozen=True)
+class PutHints:
+    """Placement signals an engine may know better than the store can infer."""
+
+    prefix_refcount: int | None = None
+    turn: int | None = None
+    prior_reply_tokens: int | None = None
+    context_tokens: int | None = None
+
+
+@dataclass
+class Segment:
+    segment_id: int
+    scope_id: int
+    medium: Medium
+    offset: int  # medium-local byte offset of layer 0, page 0
+    layout: SegmentLayout
+    digests: np.ndarray  # one per page, in page order
+    checksums: np.ndarray | None = None  # one per layer, set when written
+    continuations: int = 0  # later puts that continued from this segment's last page
+
+
+@dataclass
+class Scope:
+    scope_id: int
+    session_id: str
+    medium: Medium
+    runs: ScopeRuns = field(default_factory=ScopeRuns)
+    segments: list[int] = field(default_factory=list)
+    refs: int = 0  # leases plus in-flight puts
+    pages: int = 0
+
+
+@dataclass
+class Session:
+    session_id: str
+    turns: int = 0
+    context_pages: int = 0
+    scopes: dict[Medium, int] = field(default_factory=dict)
+
+
+@dataclass
+class PutPlan:
+    segment: Segment
+    new_positions: np.ndarray  # positions in the caller's key list of the pages written
+    session_id: str
+    rule: str
+    turn: int
+    parent_segment: int | None
+
+
+@dataclass
+class Lease:
+    """The located prefix of a request; its scopes cannot be reclaimed until release."""
+
+    lease_id: int
+    segment_ids: np.ndarray  # per page
+    pages: np.ndarray  # per page: index inside its segment
+    scope_ids: tuple[int, ...]
+    segments: dict[int, Segment]  # held here so a quarantine mid-read cannot pull them away
+
+    @property
+    def hits(self) -> int:
+        return len(self.pages)
+
+
+class Catalog:
+    def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy or PlacementPolicy(config.placement)
+        self.index = PageIndex()
+        files = config.ssd_files_per_dir * len(config.ssd_folders)
+        self.space = {
+            Medium.DRAM: MediumSpace(config.dram_bytes, 1 if config.dram_bytes else 0, 4096),
+            Medium.SSD: MediumSpace(config.ssd_file_bytes, files, config.ssd_min_run_bytes),
+        }
+        self.segments: dict[int, Segment] = {}
+        self.scopes: dict[int, Scope] = {}
+        self.sessions: dict[str, Session] = {}
+        self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
+        self._ids = itertools.count(1)
+        self.leases: dict[int, Lease] = {}
+        self.counters = {
+            "reclaimed_scopes": 0,
+            "reclaimed_bytes": 0,
+            "quarantined_scopes": 0,
+            "forks": 0,
+        }
+        self.rule_counts: dict[str, int] = {}
+        self.on_free: Callable[[Scope], None] | None = None  # the store logs SSD frees
+
+    # ---- lookups -------------------------------------------------------------------------
+    def prefix(self, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(segment ids, pages in segment) of the consecutive hits from the first key."""
+        found, values = self.index.lookup(digests)
+        misses = np.flatnonzero(~found)
+        hits = int(misses[0]) if misses.size else len(digests)
+        return unpack_location(values[:hits])
+
+    def lease(self, digests: np.ndarray) -> Lease:
+        segment_ids, pages = self.prefix(digests)
+        unique_segments = np.unique(segment_ids)
+        scope_ids = tuple(sorted({self.segments[int(s)].scope_id for s in unique_segments}))
+        for scope_id in scope_ids:
+            self._touch(self.scopes[scope_id], +1)
+        segments = {int(s): self.segments[int(s)] for s in unique_segments}
+        lease = Lease(next(self._ids), segment_ids, pages, scope_ids, segments)
+        self.leases[lease.lease_id] = lease
+        return lease
+
+    def release(self, lease: Lease) -> None:
+        if self.leases.pop(lease.lease_id, None) is None:
+            return
+        for scope_id in lease.scope_ids:
+            scope = self.scopes.get(scope_id)
+            if scope is not None:
+                scope.refs -= 1
+
+    # ---- the write path ------------------------------------------------------------------
+    def plan_put(
+        self,
+        digests: np.ndarray,
+        *,
+        session_id: str | None = None,
+        parent: np.ndarray | None = None,
+        hints: PutHints | None = None,
+    ) -> PutPlan | None:
+        """Place and allocate the absent pages of ``digests``; None when all are stored."""
+        hints = hints or PutHints()
+        found, values = self.index.lookup(digests)
+        new_positions = np.flatnonzero(~found)
+        if not new_positions.size:
+            return None
+        matched = int(new_positions[0])
+        anchor = values[matched - 1 : matched] if matched else self._parent_value(parent)
+        session, refcount, parent_segment = self._resolve_session(session_id, anchor)
+        turn = hints.turn or session.turns + 1
+        appended_tokens = len(new_positions) * self.config.placement.page_tokens
+        context = (
+            hints.context_tokens
+            or (max(matched, session.context_pages) + len(new_positions))
+            * self.config.placement.page_tokens
+        )
+        reply = hints.prior_reply_tokens
+        if reply is None:
+            reply = self.policy.infer_prior_reply(turn, appended_tokens)
+        if refcount > 1:
+            self.counters["forks"] += 1
+        # The inferred refcount belongs to the stored page this put forks from, not to the
+        # new pages: using it for them sent nearly every Mooncake conversation (all fork off
+        # the system prompt) to DRAM as "shared" and cost 5.5 points of hit rate in the replay
+        # (docs/bench_replay.md). Only the engine knows that the pages being written are
+        # shared (its radix-tree refcount), so only its hint fires the shared rule.
+        inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
+        layout = SegmentLayout(len(new_positions), self.config.layers, self.config.page_bytes)
+        placement = self.policy.decide(inputs)
+        scope, offset = self._allocate(session, placement.medium, layout.nbytes)
+        rule = placement.rule
+        if scope is None and placement.medium is Medium.DRAM:
+            scope, offset, rule = (*self._allocate(session, Medium.SSD, layout.nbytes), "spill")
+        if scope is None:
+            raise MediumFullError(
+                f"no room for {layout.nbytes} bytes on DRAM or SSD and nothing reclaimable"
+            )
+        scope.refs += 1  # an in-flight write pins its scope
+        segment = Segment(
+            next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
+        )
+        return PutPlan(segment, new_positions, session.session_id, rule, turn, parent_segment)
+
+    def _parent_value(self, parent: np.ndarray | None) -> np.ndarray:
+        if parent is None:
+            return np.zeros(0, dtype=np.uint64)
+        found, values = self.index.lookup(parent)
+        return values[found]
+
+    def _resolve_session(
+        self, session_id: str | None, anchor: np.ndarray
+    ) -> tuple[Session, int, int | None]:
+        """The session a put belongs to, the refcount of its prefix, the segment it continues."""
+        parent_segment = None
+        refcount = 1
+        inherited = None
+        if anchor.size:
+            seg_ids, pages = unpack_location(anchor)
+            segment = self.segments[int(seg_ids[0])]
+            parent_segment = segment.segment_id
+            at_tail = int(pages[0]) == segment.layout.pages - 1
+            refcount = 1 + (segment.continuations if at_tail else 1)
+            if at_tail:
+                segment.continuations += 1
+            inherited = self.scopes[segment.scope_id].session_id
+        if session_id is not None:
+            return (
+                self.sessions.setdefault(session_id, Session(session_id)),
+                refcount,
+                parent_segment,
+            )
+        if inherited is not None and refcount == 1:
+            return self.sessions[inherited], refcount, parent_segment
+        new_id = f"auto-{next(self._ids)}"
+        session = self.sessions.setdefault(new_id, Session(new_id))
+        if inherited is not None:  # a fork carries its parent's context length
+            session.context_pages = self.sessions[inherited].context_pages
+        return session, refcount, parent_segment
+
+    def _allocate(self, session: Session, medium: Medium, nbytes: int) -> tuple[Scope | None, int]:
+        space = self.space[medium]
+        if space.capacity < nbytes:
+            return None, 0
+        scope = self._scope_for(session, medium)
+        scope.refs += 1  # keep reclamation away from the scope we are growing
+        try:
+            if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:
+                self.reclaim(medium, target=self.config.low_watermark)
+            offset = space.place(scope.runs, nbytes)
+            while offset is None and self._reclaim_oldest(medium):
+                offset = space.place(scope.runs, nbytes)
+        finally:
+            scope.refs -= 1
+        if offset is None:
+            if not scope.segments and not scope.runs.runs:
+                self._drop_scope(scope)
+            return None, 0
+        return scope, offset
+
+    def _scope_for(self, session: Session, medium: Medium) -> Scope:
+        scope_id = session.scopes.get(medium)
+        if scope_id is not None and scope_id in self.scopes:
+            return self.scopes[scope_id]
+        scope = Scope(next(self._ids), session.session_id, medium)
+        self.scopes[scope.scope_id] = scope
+        session.scopes[medium] = scope.scope_id
+        self._age[medium][scope.scope_id] = None
+        return scope
+
+    def publish(self, plan: PutPlan) -> np.ndarray:
+        """Make a written segment's keys visible; returns the mask of pages published."""
+        segment = plan.segment
+        scope = self.scopes[segment.scope_id]
+        scope.refs -= 1
+        self.segments[segment.segment_id] = segment
+        scope.segments.append(segment.segment_id)
+        values = pack_location(
+            np.full(segment.layout.pages, segment.segment_id), np.arange(segment.layout.pages)
+        )
+        inserted = self.index.insert(segment.digests, values)
+        scope.pages += int(inserted.sum())
+        session = self.sessions[plan.session_id]
+        session.turns = max(session.turns, plan.turn)
+        session.context_pages += segment.layout.pages
+        self.rule_counts[plan.rule] = self.rule_counts.get(plan.rule, 0) + 1
+        self._touch(scope, 0)
+        return inserted
+
+    def abort(self, plan: PutPlan) -> None:
+        """Give back an unwritten segment's space (exactly when it is still the run's tail)."""
+        segment = plan.segment
+        scope = self.scopes[segment.scope_id]
+        scope.refs -= 1
+        if plan.parent_segment in self.segments:
+            parent = self.segments[plan.parent_segment]
+            parent.continuations = max(0, parent.continuations - 1)
+        last = scope.runs.runs[-1] if scope.runs.runs else None
+        if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
+            last.used -= segment.layout.nbytes
+        if not scope.segments:
+            self._drop_scope(scope)
+
+    # ---- reclamation ---------------------------------------------------------------------
+    def _touch(self, scope: Scope, ref_delta: int) -> None:
+        scope.refs += ref_delta
+        self._age[scope.medium].move_to_end(scope.scope_id)
+
+    def reclaim(self, medium: Medium, target: float) -> list[Scope]:
+        """Free the oldest unreferenced scopes until ``medium`` is at most ``target`` full."""
+        freed = []
+        while self.space[medium].used_fraction > target:
+            scope = self._reclaim_oldest(medium)
+            if scope is None:
+                break
+            freed.append(scope)
+        return freed
+
+    def _reclaim_oldest(self, medium: Medium) -> Scope | None:
+        for scope_id in self._age[medium]:
+            scope = self.scopes[scope_id]
+            if scope.refs == 0:
+                self.free_scope(scope)
+                self.counters["reclaimed_scopes"] += 1
+                return scope
+        return None
+
+    def free_scope(self, scope: Scope) -> int:
+        """Drop a scope whole: its keys leave the index at once, its runs return to the pool."""
+        for segment_id in scope.segments:
+            segment = self.segments.pop(segment_id)
+            self.index.delete(segment.digests)
+        freed = self.space[scope.medium].release(scope.runs)
+        self.counters["reclaimed_bytes"] += freed
+        self._drop_scope(scope)
+        if self.on_free is not None:
+            self.on_free(scope)
+        return freed
+
+    def _drop_scope(self, scope: Scope) -> None:
+        self.scopes.pop(scope.scope_id, None)
+        self._age[scope.medium].pop(scope.scope_id, None)
+        session = self.sessions.get(scope.session_id)
+        if session is not None and session.scopes.get(scope.medium) == scope.scope_id:
+            del session.scopes[scope.medium]
+
+    def quarantine(self, scope_id: int) -> None:
+        """A scope with a bad checksum: its keys go at once; its space is never reused."""
+        scope = self.scopes.get(scope_id)
+        if scope is None:
+            return
+        for segment_id in scope.segments:
+            self.index.delete(self.segments.pop(segment_id).digests)
+        scope.segments.clear()
+        scope.runs.runs.clear()  # the runs stay allocated: suspect media is not handed out again
+        self._drop_scope(scope)
+        self.counters["quarantined_scopes"] += 1
+
+    # ---- recovery ------------------------------------------------------------------------
+    def adopt_scope(
+        self, scope_id: int, session_id: str, runs: list[list[int]], segments: list[Segment]
+    ) -> None:
+        """Re-create an SSD scope from the manifest (a restarted node)."""
+        scope = Scope(scope_id, session_id, Medium.SSD)
+        space = self.space[Medium.SSD]
+        for _allocator, start, length, used in runs:
+            space.reserve(scope.runs, start, length, used)
+        self.scopes[scope_id] = scope
+        self._age[Medium.SSD][scope_id] = None
+        session = self.sessions.setdefault(session_id, Session(session_id))
+        session.scopes[Medium.SSD] = scope_id
+        for segment in segments:
+            self.segments[segment.segment_id] = segment
+            scope.segments.append(segment.segment_id)
+            values = pack_location(
+                np.full(segment.layout.pages, segment.segment_id), np.arange(segment.layout.pages)
+            )
+            scope.pages += int(self.index.insert(segment.digests, values).sum())
+            session.turns += 1
+            session.context_pages += segment.layout.pages
+        if not segments:  # a quarantined scope: space held, nothing readable
+            self._drop_scope(scope)
+
+    def skip_ids_below(self, floor: int) -> None:
+        self._ids = itertools.count(max(floor, next(self._ids)))

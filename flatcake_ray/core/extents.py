@@ -1,0 +1,193 @@
+"""Space allocation: aligned extents inside one address range, and scopes' runs on a medium.
+
+The live store and the replay model share this code; the replay model simply never writes
+bytes into what it allocates.
+
+- :class:`ExtentAllocator`: first-fit over a sorted free list, neighbours merged on free.
+  One per DRAM arena, one per SSD pool file (a run never crosses a file boundary, so every
+  run is one single-extent file range).
+- :class:`MediumSpace`: the allocators of one medium, plus the rule that keeps a scope's
+  segments contiguous without wasting a large file on a small chat scope: a new scope
+  reserves a run of ``max(2 x first segment, min_run)``; later segments fill the run, then
+  grow it in place if the bytes after it are free, else chain a new run twice as large.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from flatcake_ray.config import ALIGN
+
+
+def align_up(value: int, alignment: int = ALIGN) -> int:
+    return -(-value // alignment) * alignment
+
+
+class ExtentAllocator:
+    """Aligned first-fit allocation over ``[base, base + capacity)``."""
+
+    def __init__(self, base: int, capacity: int) -> None:
+        self.base = base
+        self.capacity = capacity
+        self._starts: list[int] = [base] if capacity else []
+        self._lengths: list[int] = [capacity] if capacity else []
+        self.free_bytes = capacity
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Start of a free run of ``nbytes`` (a multiple of ALIGN), or None when none fits."""
+        for i, length in enumerate(self._lengths):
+            if length >= nbytes:
+                start = self._starts[i]
+                self._take(i, start, nbytes)
+                return start
+        return None
+
+    def extend(self, start: int, length: int, extra: int) -> bool:
+        """Grow the run ``[start, start+length)`` by ``extra`` bytes in place, if free."""
+        end = start + length
+        i = bisect.bisect_left(self._starts, end)
+        if i < len(self._starts) and self._starts[i] == end and self._lengths[i] >= extra:
+            self._take(i, end, extra)
+            return True
+        return False
+
+    def _take(self, i: int, start: int, nbytes: int) -> None:
+        assert self._starts[i] == start
+        if self._lengths[i] == nbytes:
+            del self._starts[i], self._lengths[i]
+        else:
+            self._starts[i] += nbytes
+            self._lengths[i] -= nbytes
+        self.free_bytes -= nbytes
+
+    def reserve(self, start: int, nbytes: int) -> None:
+        """Mark a known run as used (a restarted store replaying its manifest)."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        if i < 0 or start + nbytes > self._starts[i] + self._lengths[i]:
+            raise ValueError(f"run {start}+{nbytes} is not free")
+        head = start - self._starts[i]
+        tail = self._starts[i] + self._lengths[i] - start - nbytes
+        del self._starts[i], self._lengths[i]
+        for offset, size in ((start + nbytes, tail), (start - head, head)):
+            if size:
+                self._starts.insert(i, offset)
+                self._lengths.insert(i, size)
+        self.free_bytes -= nbytes
+
+    def free(self, start: int, nbytes: int) -> None:
+        i = bisect.bisect_left(self._starts, start)
+        self._starts.insert(i, start)
+        self._lengths.insert(i, nbytes)
+        self.free_bytes += nbytes
+        if i + 1 < len(self._starts) and start + nbytes == self._starts[i + 1]:
+            self._lengths[i] += self._lengths.pop(i + 1)
+            self._starts.pop(i + 1)
+        if i > 0 and self._starts[i - 1] + self._lengths[i - 1] == start:
+            self._lengths[i - 1] += self._lengths.pop(i)
+            self._starts.pop(i)
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._lengths, default=0)
+
+
+@dataclass
+class Run:
+    """A contiguous reservation of a scope inside one allocator."""
+
+    allocator: int
+    start: int
+    length: int
+    used: int = 0
+
+    @property
+    def room(self) -> int:
+        return self.length - self.used
+
+
+@dataclass
+class ScopeRuns:
+    """The runs a scope holds on its medium; the last one is being filled."""
+
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(run.length for run in self.runs)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(run.used for run in self.runs)
+
+
+class MediumSpace:
+    """All allocators of one medium, laid end to end in one medium-local offset space."""
+
+    def __init__(self, region_bytes: int, regions: int, min_run: int) -> None:
+        self.region_bytes = region_bytes
+        self.allocators = [ExtentAllocator(i * region_bytes, region_bytes) for i in range(regions)]
+        self.min_run = min_run
+        self._next_region = 0  # new scopes rotate over regions (files, hence drives)
+
+    @property
+    def capacity(self) -> int:
+        return self.region_bytes * len(self.allocators)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(a.free_bytes for a in self.allocators)
+
+    @property
+    def used_fraction(self) -> float:
+        return 1.0 - self.free_bytes / self.capacity if self.capacity else 1.0
+
+    def region_of(self, offset: int) -> int:
+        return offset // self.region_bytes
+
+    def place(self, scope: ScopeRuns, nbytes: int) -> int | None:
+        """Medium offset for a new segment of ``nbytes`` appended to ``scope``, or None."""
+        if scope.runs:
+            last = scope.runs[-1]
+            if last.room < nbytes and self.allocators[last.allocator].extend(
+                last.start, last.length, align_up(nbytes - last.room)
+            ):
+                last.length += align_up(nbytes - last.room)
+            if last.room >= nbytes:
+                offset = last.start + last.used
+                last.used += nbytes
+                return offset
+        grown = 2 * scope.runs[-1].length if scope.runs else 2 * nbytes
+        for want in (max(grown, self.min_run), nbytes):
+            run = self._new_run(min(align_up(want), self.region_bytes))
+            if run is not None and run.length >= nbytes:
+                run.used = nbytes
+                scope.runs.append(run)
+                return run.start
+            if run is not None:
+                self.allocators[run.allocator].free(run.start, run.length)
+        return None
+
+    def _new_run(self, nbytes: int) -> Run | None:
+        count = len(self.allocators)
+        for step in range(count):
+            region = (self._next_region + step) % count
+            start = self.allocators[region].allocate(nbytes)
+            if start is not None:
+                self._next_region = (region + 1) % count
+                return Run(region, start, nbytes)
+        return None
+
+    def release(self, scope: ScopeRuns) -> int:
+        """Free every run of a scope at once; returns the bytes freed."""
+        freed = 0
+        for run in scope.runs:
+            self.allocators[run.allocator].free(run.start, run.length)
+            freed += run.length
+        scope.runs.clear()
+        return freed
+
+    def reserve(self, scope: ScopeRuns, start: int, length: int, used: int) -> None:
+        region = self.region_of(start)
+        self.allocators[region].reserve(start, length)
+        scope.runs.append(Run(region, start, length, used))

@@ -1,0 +1,81 @@
+"""Page keys: an engine's page hash (chained prefix hash) inside a namespace (tenant).
+
+The index stores a 128-bit BLAKE2b digest of (namespace, key type, key), never the key itself,
+so every page costs the same 16 bytes whatever the engine's hash looks like. The type tag
+keeps ``b"1"``, ``"1"`` and ``1`` apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
+
+import numpy as np
+
+from flatcake_ray.errors import InvalidKeyError, MixedNamespaceError
+
+DEFAULT_NAMESPACE = "default"
+KeyLike = bytes | str | int
+
+# A digest is two uint64 words. The top bit of ``hi`` is always set, so ``hi == 0`` is free
+# for the index's empty and deleted slot markers (127 bits of hash remain).
+HI_MARK = np.uint64(1 << 63)
+DIGEST_DTYPE = np.dtype([("hi", "<u8"), ("lo", "<u8")])
+
+
+@dataclass(frozen=True)
+class PageKey:
+    """A key with its namespace, for callers that mix tenants in one list (then rejected)."""
+
+    namespace: str
+    key: KeyLike
+
+
+def _key_bytes(key: KeyLike) -> bytes:
+    if isinstance(key, bool):
+        raise InvalidKeyError("a page key may not be a bool")
+    if isinstance(key, bytes | bytearray | memoryview):
+        raw = bytes(key)
+        tag = b"b"
+    elif isinstance(key, str):
+        raw = key.encode()
+        tag = b"s"
+    elif isinstance(key, int | np.integer):
+        value = int(key)
+        raw = value.to_bytes((value.bit_length() + 8) // 8 or 1, "little", signed=True)
+        tag = b"i"
+    else:
+        raise InvalidKeyError(f"page keys are bytes, str or int, not {type(key).__name__}")
+    if tag != b"i" and not raw:
+        raise InvalidKeyError("a page key may not be empty")
+    return tag + raw
+
+
+def split_namespace(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> tuple[str, list]:
+    """One namespace for the whole call and the bare keys; mixed namespaces are an error."""
+    seen: set[str] = set()
+    bare: list[KeyLike] = []
+    for key in keys:
+        if isinstance(key, PageKey):
+            seen.add(key.namespace)
+            bare.append(key.key)
+        else:
+            bare.append(key)
+    if namespace is not None:
+        seen.add(namespace)
+    if len(seen) > 1:
+        raise MixedNamespaceError(f"one call may name one namespace, got {sorted(seen)}")
+    resolved = seen.pop() if seen else DEFAULT_NAMESPACE
+    if not isinstance(resolved, str) or not resolved:
+        raise InvalidKeyError("a namespace is a non-empty str")
+    return resolved, bare
+
+
+def digest_keys(namespace: str, keys: Iterable[KeyLike]) -> np.ndarray:
+    """An array of DIGEST_DTYPE, one row per key, in order."""
+    prefix = namespace.encode() + b"\x00"
+    raw = b"".join(blake2b(prefix + _key_bytes(key), digest_size=16).digest() for key in keys)
+    digests = np.frombuffer(raw, dtype=DIGEST_DTYPE).copy()
+    digests["hi"] |= HI_MARK
+    return digests

@@ -1,0 +1,92 @@
+"""Views of callers' KV buffers as bytes: numpy arrays and torch tensors (CPU or CUDA).
+
+torch is never imported here: a tensor is recognised by its type's module, so a caller who
+passes numpy never pays for torch, and nobody pays for CUDA initialisation.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.config import ALIGN
+from flatcake_ray.errors import ShapeError
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory (O_DIRECT needs aligned user buffers)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        self._map = mmap.mmap(-1, self.nbytes)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def close(self) -> None:
+        # Views handed out may still be alive; dropping our references unmaps the memory once
+        # the last view goes (mmap.close() would raise BufferError while views exist).
+        self.array = np.zeros(0, dtype=np.uint8)
+        self._map = None
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch")
+
+
+def _host_numpy(array: Any, *, writable: bool) -> tuple[np.ndarray, Callable[[], None]]:
+    """A numpy view of ``array``; for a CUDA tensor a host copy plus a function that writes
+    the host copy back (a cudaMemcpyAsync through torch's copy)."""
+    if not _is_torch(array):
+        if not isinstance(array, np.ndarray):
+            raise ShapeError(f"KV buffers are numpy arrays or torch tensors, not {type(array)}")
+        return array, lambda: None
+    if array.device.type == "cpu":
+        return array.detach().numpy(), lambda: None
+    host = array.detach().to("cpu")
+    if not writable:
+        return host.numpy(), lambda: None
+
+    def copy_back() -> None:
+        array.copy_(host, non_blocking=True)
+        if array.device.type == "cuda":
+            import torch
+
+            torch.cuda.current_stream(array.device).synchronize()
+
+    return host.numpy(), copy_back
+
+
+def as_page_bytes(
+    array: Any, layers: int, page_bytes: int, *, min_pages: int, writable: bool, what: str
+) -> tuple[np.ndarray, Callable[[], None]]:
+    """``array`` shaped [layers, pages, page_elems] as a uint8 view [layers, pages, page_bytes]."""
+    host, finish = _host_numpy(array, writable=writable)
+    if host.ndim != 3 or host.shape[0] != layers:
+        raise ShapeError(
+            f"{what} must be shaped [layers={layers}, pages, page_elems], got {host.shape}"
+        )
+    if host.shape[1] < min_pages:
+        raise ShapeError(f"{what} holds {host.shape[1]} pages, the call needs {min_pages}")
+    if host.shape[2] * host.itemsize != page_bytes:
+        raise ShapeError(
+            f"{what}: a page is {host.shape[2]} x {host.dtype} = {host.shape[2] * host.itemsize} "
+            f"bytes, this store's pages are {page_bytes} bytes"
+        )
+    if host.strides[2] != host.itemsize:
+        raise ShapeError(f"{what}: each page must be contiguous in memory (last axis stride)")
+    if writable and not host.flags.writeable:
+        raise ShapeError(f"{what} is read-only")
+    return host.view(np.uint8).reshape(layers, host.shape[1], page_bytes), finish
+
+
+def as_layer_bytes(array: Any, pages: int, page_bytes: int) -> np.ndarray:
+    """One layer's pages, shaped [pages, page_elems], as uint8 [pages, page_bytes]."""
+    host, _ = _host_numpy(array, writable=False)
+    if host.ndim != 2 or host.shape[0] != pages or host.shape[1] * host.itemsize != page_bytes:
+        raise ShapeError(
+            f"a layer must be shaped [pages={pages}, page_elems] with {page_bytes} bytes a page, "
+            f"got {host.shape} of {host.dtype}"
+        )
+    return np.ascontiguousarray(host).view(np.uint8).reshape(pages, page_bytes)

@@ -1,0 +1,105 @@
+"""The O_DIRECT SSD file pool of a node: pre-allocated single-extent files, one folder per drive.
+
+Addressed by pool offsets (the GVA's Offset field of an SSD page). Knows nothing of keys or
+scopes; the catalog decides where bytes go.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from flatcake_ray.media.log import log_once
+
+
+class SsdPool:
+    """Pre-allocated single-extent files, one folder per drive, opened O_DIRECT.
+
+    File ``i`` covers pool offsets ``[i * file_bytes, (i + 1) * file_bytes)``; files are
+    numbered round-robin over folders so consecutive scopes land on different drives.
+    """
+
+    def __init__(self, folders: tuple[str, ...], files_per_dir: int, file_bytes: int) -> None:
+        self.file_bytes = file_bytes
+        self.paths: list[str] = []
+        for i in range(files_per_dir * len(folders)):
+            folder = Path(folders[i % len(folders)])
+            folder.mkdir(parents=True, exist_ok=True)
+            self.paths.append(str(folder / f"pool-{i:04d}.fc"))
+        self.direct = True
+        self.fds = [self._open(path) for path in self.paths]
+
+    def _open(self, path: str) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < self.file_bytes:
+                os.posix_fallocate(fd, 0, self.file_bytes)
+        finally:
+            os.close(fd)
+        try:
+            return os.open(path, os.O_RDWR | os.O_DIRECT)
+        except OSError:
+            # tmpfs and some overlay filesystems refuse O_DIRECT; stay correct, say so once.
+            log_once("odirect", "SSD pool at %s: O_DIRECT refused, using buffered I/O", path)
+            self.direct = False
+            return os.open(path, os.O_RDWR)
+
+    @classmethod
+    def open_readonly(cls, paths: list[str] | tuple[str, ...], file_bytes: int) -> SsdPool:
+        """Open another process's pool files O_DIRECT, read-only (a client's local-SSD path).
+
+        Creates and sizes nothing: the files must exist, as the owning store made them.
+        """
+        pool = cls.__new__(cls)
+        pool.file_bytes = file_bytes
+        pool.paths = [str(p) for p in paths]
+        pool.direct = True
+        pool.fds = []
+        try:
+            for path in pool.paths:
+                pool.fds.append(pool._open_readonly(path))
+        except OSError:
+            pool.close()
+            raise
+        return pool
+
+    def _open_readonly(self, path: str) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as exc:
+            if not Path(path).exists():
+                raise FileNotFoundError(f"SSD pool file {path} does not exist") from exc
+            log_once("odirect-ro", "SSD pool at %s: O_DIRECT refused, using buffered I/O", path)
+            self.direct = False
+            return os.open(path, os.O_RDONLY)
+
+    def locate(self, offset: int) -> tuple[int, int]:
+        """(file index, offset in file) of a pool offset."""
+        return divmod(offset, self.file_bytes)
+
+    def write(self, offset: int, buffer: np.ndarray) -> None:
+        """Write an aligned buffer at an aligned pool offset (one command per call)."""
+        file_index, file_offset = self.locate(offset)
+        view = memoryview(buffer)
+        while view.nbytes:
+            written = os.pwrite(self.fds[file_index], view, file_offset)
+            view, file_offset = view[written:], file_offset + written
+
+    def read_into(self, file_index: int, file_offset: int, buffer: np.ndarray) -> int:
+        done = 0
+        while done < buffer.size:
+            got = os.preadv(self.fds[file_index], [memoryview(buffer[done:])], file_offset + done)
+            if got == 0:
+                raise OSError(f"short read at {file_offset + done} of {self.paths[file_index]}")
+            done += got
+        return done
+
+    def sync(self, offset: int) -> None:
+        os.fdatasync(self.fds[self.locate(offset)[0]])
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []

@@ -1,0 +1,203 @@
+"""Where a restore's pages go: the destinations of the restore pipeline.
+
+The pipeline streams a layer of a leased prefix as staged pages in request order; a
+:class:`Destination` knows where request position ``i`` of layer ``l`` lives in the engine's
+KV memory and copies staged pages there. Two kinds:
+
+- :class:`PagedPool`: one pool tensor, ``layer_first`` ``[layers, slots, *page]`` or
+  ``page_first`` ``[slots, layers, *page]``; position ``i`` goes to slot ``slot_ids[i]``.
+- :class:`LayerTensors`: one tensor per layer, ``[blocks, *page]`` in logical (block first)
+  order, as vLLM registers its KV caches; position ``i`` of layer ``l`` goes to block
+  ``block_ids[i]`` of ``tensors[l]``. A page is the bytes of ``tensors[l][block]`` in logical
+  row-major order, which is what vLLM's connector saves (``tensor[blocks].reshape(n, -1)``),
+  so a page saved under one physical layout restores under another. A block whose bytes are
+  contiguous is copied by the pipeline's scatter (one memcpy per run of consecutive blocks on
+  the CPU); a block split in memory (the K and V halves of a K/V-first physical layout seen
+  block first) is written piece by piece with :func:`scatter_pages`, one byte offset per
+  contiguous piece, in the same logical order.
+
+Constructors check everything that can be checked before any byte moves, and raise
+:class:`~flatcake_ray.errors.ShapeError`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from flatcake_ray.cuda_ext.scatter import (
+    LAYER_FIRST,
+    Layout,
+    scatter_layer_reference,
+    scatter_pages,
+)
+from flatcake_ray.errors import ShapeError
+
+__all__ = ["Destination", "LayerTensors", "PagedPool", "as_destination"]
+
+ScatterFn = Callable[..., None]  # cuda_ext.scatter.scatter_layer's signature
+
+
+class Destination(ABC):
+    """Maps (layer, request positions) to engine memory; see the module docstring."""
+
+    device: torch.device
+    layers: int
+    page_bytes: int
+    pages: int  # request positions mapped: one per key of the restore
+
+    @abstractmethod
+    def scatter(
+        self,
+        staged: torch.Tensor,
+        positions: np.ndarray,
+        layer: int,
+        scatter: ScatterFn,
+        stream: Any = None,
+    ) -> None:
+        """Copy ``staged`` (contiguous, ``len(positions)`` pages of ``layer`` back to back) to
+        where ``positions`` go, through ``scatter`` where the layout allows; ``stream`` is
+        the CUDA stream to run on (None on the CPU)."""
+
+
+class PagedPool(Destination):
+    """One paged pool tensor (or writable numpy array) in ``layer_first`` or ``page_first``."""
+
+    def __init__(
+        self,
+        pool: torch.Tensor | np.ndarray,
+        slot_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        layout: Layout = LAYER_FIRST,
+    ) -> None:
+        self.pool = _as_pool(pool, layout)
+        self.layout = layout
+        layer_dim, slot_dim = (0, 1) if layout == LAYER_FIRST else (1, 0)
+        self.slot_ids = check_ids(slot_ids, self.pool.shape[slot_dim], "slot")
+        self.device = self.pool.device
+        self.layers = self.pool.shape[layer_dim]
+        self.page_bytes = math.prod(self.pool.shape[2:]) * self.pool.element_size()
+        self.pages = len(self.slot_ids)
+
+    def scatter(self, staged, positions, layer, scatter, stream=None) -> None:
+        ids = torch.from_numpy(self.slot_ids[positions])
+        scatter(staged, self.pool, ids, layer, self.layout, stream=stream, check_slots=False)
+
+
+class LayerTensors(Destination):
+    """One ``[blocks, *page]`` tensor per layer (vLLM's KV caches); see the module docstring.
+
+    Every tensor's last dimension must be contiguous (vLLM's always is): pieces are found in
+    its byte view.
+    """
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        block_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    ) -> None:
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ShapeError("LayerTensors needs one torch.Tensor per layer")
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            names = sorted(map(str, devices))
+            raise ShapeError(f"the layer tensors are on several devices: {names}")
+        self._layers = [_LayerMap(tensor, layer) for layer, tensor in enumerate(tensors)]
+        sizes = {m.page_bytes for m in self._layers}
+        if len(sizes) != 1:
+            raise ShapeError(f"the layer tensors differ in page bytes: {sorted(sizes)}")
+        blocks = min(m.blocks for m in self._layers)
+        self.block_ids = check_ids(block_ids, blocks, "block")
+        self.device = devices.pop()
+        self.layers = len(self._layers)
+        self.page_bytes = sizes.pop()
+        self.pages = len(self.block_ids)
+
+    def scatter(self, staged, positions, layer, scatter, stream=None) -> None:
+        self._layers[layer].scatter(staged, self.block_ids[positions], scatter, stream)
+
+
+class _LayerMap:
+    """How one layer tensor's blocks lie in memory: one contiguous piece or several."""
+
+    def __init__(self, tensor: torch.Tensor, layer: int) -> None:
+        if tensor.dim() < 2:
+            raise ShapeError(f"layer {layer}: a KV tensor is [blocks, *page], got {tensor.shape}")
+        if tensor.dtype != torch.uint8 and tensor.stride(-1) != 1:
+            raise ShapeError(f"layer {layer}: the last axis must be contiguous ({tensor.stride()})")
+        data = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+        self.blocks = data.shape[0]
+        self.page_bytes = math.prod(data.shape[1:])
+        self.block_stride = data.stride(0)  # bytes: data is a uint8 view
+        piece_dims, self.piece_bytes = _split_contiguous(data)
+        if not piece_dims:  # one piece: the pipeline's scatter, as a one-layer pool
+            self.pool: torch.Tensor | None = data.unsqueeze(0)
+            empty = torch.empty(0, dtype=torch.uint8, device=data.device)
+            scatter_layer_reference(empty, self.pool, empty.long(), 0, LAYER_FIRST)  # checks
+            return
+        self.pool = None
+        grid = np.indices([data.shape[d] for d in piece_dims]).reshape(len(piece_dims), -1)
+        strides = np.array([data.stride(d) for d in piece_dims], dtype=np.int64)
+        self.piece_offsets = (grid.T @ strides).astype(np.int64)  # logical (row-major) order
+        extent = zip(data.shape, data.stride(), strict=True)
+        span = sum((size - 1) * stride for size, stride in extent) + 1
+        self.span = data.as_strided((span,), (1,))  # every byte the tensor covers, contiguous
+
+    def scatter(self, staged: torch.Tensor, blocks: np.ndarray, scatter, stream) -> None:
+        if self.pool is not None:
+            ids = torch.from_numpy(blocks)
+            scatter(staged, self.pool, ids, 0, LAYER_FIRST, stream=stream, check_slots=False)
+            return
+        offsets = (blocks[:, None] * self.block_stride + self.piece_offsets[None, :]).reshape(-1)
+        scatter_pages(staged, self.span, torch.from_numpy(offsets), self.piece_bytes, stream=stream)
+
+
+def _split_contiguous(data: torch.Tensor) -> tuple[list[int], int]:
+    """(page dims outside the trailing contiguous run, bytes of that run) of a uint8 tensor."""
+    run, dim = 1, data.dim() - 1
+    while dim >= 1 and (data.shape[dim] == 1 or data.stride(dim) == run):
+        run *= data.shape[dim]
+        dim -= 1
+    return [d for d in range(1, dim + 1) if data.shape[d] != 1], run
+
+
+def as_destination(dest: Any, slot_ids: Any, layout: Layout) -> Destination:
+    """``submit``'s two forms: a :class:`Destination`, or a pool with its slot ids."""
+    if isinstance(dest, Destination):
+        if slot_ids is not None:
+            raise ShapeError("slot ids come with a pool; a Destination carries its own")
+        return dest
+    if slot_ids is None:
+        raise ShapeError("a pool needs slot ids (one per key)")
+    return PagedPool(dest, slot_ids, layout)
+
+
+def _as_pool(pool: torch.Tensor | np.ndarray, layout: Layout) -> torch.Tensor:
+    if isinstance(pool, np.ndarray):
+        if not pool.flags.writeable:
+            raise ShapeError("the pool is a read-only array")
+        pool = torch.from_numpy(pool)
+    if not isinstance(pool, torch.Tensor):
+        raise ShapeError(f"the pool must be a tensor or an array, not {type(pool).__name__}")
+    empty = torch.empty(0, dtype=torch.uint8, device=pool.device)
+    scatter_layer_reference(empty, pool, empty.long(), 0, layout)  # checks layout, strides
+    return pool
+
+
+def check_ids(ids: Any, limit: int, what: str) -> np.ndarray:
+    """Distinct integer ids in ``[0, limit)`` as int64 numpy (1-D)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    array = np.asarray(ids)
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise ShapeError(f"{what} ids must be 1-D integers, got {array.shape} of {array.dtype}")
+    array = array.astype(np.int64)
+    if array.size and (array.min() < 0 or array.max() >= limit):
+        raise ShapeError(f"{what} ids must be in [0, {limit}); got {array.min()}..{array.max()}")
+    if np.unique(array).size != array.size:
+        raise ShapeError(f"{what} ids must be distinct")
+    return array
