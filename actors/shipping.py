@@ -22,15 +22,12 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import ALIGN
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferError
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport
-
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,7 @@ class RegionAllocator:
 
     def allocate(self, nbytes: int) -> tuple[int, int]:
         """(region id, start); raises ShipBufferFullError when nothing fits."""
-        nbytes = _align(nbytes)
+        nbytes = align_up(nbytes)
         found = self._first_fit(nbytes)
         if found is None:
             self._expire(time.monotonic())
@@ -99,12 +96,10 @@ class RegionAllocator:
 
 
 class ShipBuffer:
-    def __init__(
-        self, nbytes: int, pool: SsdPool, *, gap_bytes: int, max_read_bytes: int, ttl_s: float
-    ) -> None:
+    def __init__(self, nbytes: int, pool: SsdPool, *, ttl_s: float) -> None:
         self.buffer = AlignedBuffer(nbytes)
         self.regions = RegionAllocator(self.buffer.nbytes, ttl_s)
-        self.reader = LocalSsdTransport(pool, gap_bytes=gap_bytes, max_read_bytes=max_read_bytes)
+        self.reader = LocalSsdTransport(pool)
         self.exporter: Any = None  # a NixlArenaExporter of ``buffer`` once exported
         self._lock = threading.Lock()
         self.counters = {"ships": 0, "shipped_bytes": 0, "ship_io_commands": 0}

@@ -111,6 +111,10 @@ class StoreConfig:
     hugepages: str = "auto"  # auto | off | require
     fsync: bool = True  # data reaches the drive before its manifest record does
     verify_dram: bool = False  # checksums are always checked on SSD reads
+    check_bytes: int = 64 << 10  # a checksum block: whole pages, about this many bytes
+    restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
+    restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two
+    gds: str = "auto"  # GPUDirect Storage for SSD reads into GPU memory: auto | on | off
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
@@ -147,6 +151,14 @@ class StoreConfig:
         _require(
             self.hugepages in ("auto", "off", "require"), "hugepages must be auto, off or require"
         )
+        _require(self.check_bytes > 0, "check_bytes must be positive")
+        _require(self.restore_windows >= 1, "restore_windows must be >= 1")
+        _require(
+            self.restore_slot_bytes % ALIGN == 0
+            and self.restore_slot_bytes >= self.page_bytes + ALIGN,
+            f"restore_slot_bytes must be a multiple of {ALIGN} holding a page plus {ALIGN} bytes",
+        )
+        _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off")
 
     @property
     def ssd_folders(self) -> tuple[str, ...]:

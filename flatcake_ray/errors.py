@@ -35,6 +35,10 @@ class StoreClosedError(FlatCakeError):
     """The store (or service) was closed; no further calls are accepted."""
 
 
+class StoreInUseError(FlatCakeError):
+    """Another store (in this process or another) has the store root open."""
+
+
 class StoreWriteError(FlatCakeError):
     """Writing a segment failed; nothing of it was published."""
 

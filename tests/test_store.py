@@ -20,6 +20,7 @@ from flatcake_ray.errors import (
     StoreWriteError,
 )
 from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.restore import PagedPool
 from flatcake_ray.node.store import FlatCakeStore, PutHints
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
@@ -36,7 +37,7 @@ def test_round_trip_on_each_medium(make_store, hints, medium):
     store = make_store()
     kv = random_kv(12)
     result = store.put(list(range(12)), kv, hints=hints)
-    assert (result.medium, result.pages_written) == (medium, 12)
+    assert (result.medium.name, result.pages_written) == (medium, 12)
     count, out = restore(store, list(range(12)))
     assert count == 12 and np.array_equal(out, kv)
 
@@ -47,7 +48,7 @@ def test_round_trip_across_turns_and_media(make_store):
     first = store.put(list(range(10)), kv[:, :10])  # turn 1: SSD
     second = store.put(list(range(20)), kv[:, :20], hints=SHORT_CHAT)  # turn 2: DRAM
     third = store.put(list(range(30)), kv)
-    assert (first.medium, second.medium) == ("SSD", "DRAM")
+    assert (first.medium.name, second.medium.name) == ("SSD", "DRAM")
     assert (second.pages_skipped, third.pages_written) == (10, 10)
     assert first.session_id == second.session_id == third.session_id
     count, out = restore(store, list(range(30)))
@@ -153,7 +154,8 @@ def test_leased_scopes_survive_reclamation(make_store):
     assert store.exists(["old-0"]) == 0  # oldest unreferenced: freed whole
     assert store.exists(["held-0", "held-1", "held-2", "held-3"]) == 4
     out = np.zeros((LAYERS, 4, PAGE_BYTES), dtype=np.uint8)
-    assert store.read_leased(lease, out, range(LAYERS)).pages_ok == 4
+    dest = PagedPool(out, np.arange(4))
+    assert store.restore_lease(lease, dest).wait() == 4
     assert np.array_equal(out, kv)
     store.release(lease)
     assert store.stats()["reclaimed_scopes"] >= 1
@@ -248,7 +250,7 @@ def test_chat_that_turns_agentic_keeps_old_blocks_and_moves_new_turns(make_store
     turn3 = store.put(list(range(6)), kv[:, :6])
     turn4 = store.put(list(range(14)), kv[:, :14])  # the context crosses L_agent: agentic, SSD
     turn5 = store.put(list(range(16)), kv[:, :16])  # stays agentic: the context only grows
-    assert [t.medium for t in (turn1, turn2, turn3, turn4, turn5)] == [
+    assert [t.medium.name for t in (turn1, turn2, turn3, turn4, turn5)] == [
         "SSD",
         "DRAM",
         "DRAM",
@@ -275,7 +277,7 @@ def test_fork_of_a_shared_prefix_is_a_new_session(make_store):
     assert (fork.rule, mid_fork.rule) == ("one-shot", "one-shot")  # its own pages: turn 1
     assert store.stats()["forks"] == 2
     shared = store.put(["sys", "d1"], kv[:, :2], hints=PutHints(prefix_refcount=3))
-    assert (shared.medium, shared.rule) == ("DRAM", "shared")  # the engine knows better
+    assert (shared.medium.name, shared.rule) == ("DRAM", "shared")  # the engine knows better
 
 
 def test_explicit_session_id_wins(make_store):

@@ -7,15 +7,28 @@ pages by transport, builds one :class:`ReadBatch` per source and calls :meth:`Tr
 
 Who calls what:
 
-- The restore pipeline / client (reader side):
-  ``Transport.probe()`` once per process, to learn which paths this machine can use (the
-  names it returns ``None`` for form the ``available`` set given to ``route``);
-  construct a transport per source (per remote node for the remote paths);
-  ``read(batch, dst)`` any number of times, one at a time per instance;
-  ``close()`` (or leave a ``with`` block) when the source goes away.
-- The storage node (owner side) never calls a transport: it exports its arena (e.g.
-  ``NixlArenaExporter``) and hands the exported description to readers through a Ray call.
-  That is one remote call per node touched, never one per block.
+- The restore pipeline's sources (reader side): ``Transport.probe()`` once per process, to
+  learn which paths this machine can use (the names it returns ``None`` for form the
+  ``available`` set given to ``route``); construct a transport per source (per remote node
+  for the remote paths, through :func:`flatcake_ray.transports.registry.transport_class`);
+  ``read(batch, dst)`` any number of times, one at a time per instance (``LocalSsdTransport``
+  and ``LocalDramTransport`` also from several threads at once); ``close()`` (or leave a
+  ``with`` block) when the source goes away.
+- The storage node (owner side) never reads through a remote transport: it exports its arena
+  (e.g. ``NixlArenaExporter``) and hands the exported description to readers through a Ray
+  call. That is one remote call per node touched, never one per block.
+
+Abilities a transport declares (defaults in :class:`Transport`; callers read these, they
+never probe with ``getattr``):
+
+- ``destination``: ``"host"`` (``dst`` is a host numpy array) or ``"device"`` (``dst`` is a
+  1-D uint8 CUDA tensor: GPUDirect Storage).
+- ``broken``: True once a failure left the connection unusable; the caller closes the
+  transport and builds a new one (reconnect) instead of reusing it.
+- ``actor_calls``: control calls this transport made to the owner so far (shipped SSD reads,
+  the object-store fallback); 0 for one-sided paths.
+- ``mapped_view()``: a host view of the whole source when this process can address it in
+  place (the local arena); the restore pipeline then reads pages there, with no copy.
 
 Rules every implementation keeps:
 
@@ -37,7 +50,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -45,6 +58,7 @@ from flatcake_ray.errors import ReadRangeError, ShapeError
 
 LOCAL_DRAM = "local-dram"
 LOCAL_SSD = "local-ssd"
+LOCAL_SSD_GDS = "local-ssd-gds"
 REMOTE_DRAM_NIXL = "remote-dram-nixl"
 REMOTE_DRAM_RDMA = "remote-dram-rdma"
 REMOTE_SSD_NVMEOF = "remote-ssd-nvmeof"
@@ -157,9 +171,18 @@ class TransferStats:
 
 
 class Transport(abc.ABC):
-    """One data path. See the module docstring for who calls what."""
+    """One data path. See the module docstring for who calls what and the abilities."""
 
     name: str = ""
+    destination: ClassVar[str] = "host"
+    actor_calls: int = 0
+
+    @property
+    def broken(self) -> bool:
+        return False
+
+    def mapped_view(self) -> np.ndarray | None:
+        return None
 
     @classmethod
     @abc.abstractmethod

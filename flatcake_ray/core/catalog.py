@@ -23,7 +23,7 @@ from flatcake_ray.config import StoreConfig
 from flatcake_ray.core.extents import MediumSpace, ScopeRuns
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
-from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.layout import SegmentLayout, check_pages_for
 from flatcake_ray.core.placement import PlacementInputs, PlacementPolicy
 from flatcake_ray.errors import MediumFullError
 
@@ -46,7 +46,7 @@ class Segment:
     offset: int  # medium-local byte offset of layer 0, page 0
     layout: SegmentLayout
     digests: np.ndarray  # one per page, in page order
-    checksums: np.ndarray | None = None  # one per layer, set when written
+    checksums: np.ndarray | None = None  # uint64 [layers, blocks], set as layers are written
     continuations: int = 0  # later puts that continued from this segment's last page
 
 
@@ -182,7 +182,7 @@ class Catalog:
         # (docs/bench_replay.md). Only the engine knows that the pages being written are
         # shared (its radix-tree refcount), so only its hint fires the shared rule.
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
-        layout = SegmentLayout(len(new_positions), self.config.layers, self.config.page_bytes)
+        layout = self.layout_for(len(new_positions))
         placement = self.policy.decide(inputs)
         scope, offset = self._allocate(session, placement.medium, layout.nbytes)
         rule = placement.rule
@@ -197,6 +197,11 @@ class Catalog:
             next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
         )
         return PutPlan(segment, new_positions, session.session_id, rule, turn, parent_segment)
+
+    def layout_for(self, pages: int) -> SegmentLayout:
+        config = self.config
+        check_pages = check_pages_for(config.check_bytes, config.page_bytes)
+        return SegmentLayout(pages, config.layers, config.page_bytes, check_pages)
 
     def _parent_value(self, parent: np.ndarray | None) -> np.ndarray:
         if parent is None:

@@ -17,11 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from flatcake_ray.config import ALIGN
-
-
-def align_up(value: int, alignment: int = ALIGN) -> int:
-    return -(-value // alignment) * alignment
+from flatcake_ray.core.runs import align_up
 
 
 class ExtentAllocator:

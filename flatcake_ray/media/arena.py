@@ -115,8 +115,9 @@ class DramArena:
 
             torch.cuda.cudart().cudaHostUnregister(self.view.ctypes.data)
         self.view = np.zeros(0, dtype=np.uint8)
-        if self._map is not None:
-            self._map.close()
+        # A view still alive elsewhere (a traceback's frame, a caller's slice) keeps the
+        # mapping until it goes; mmap.close() would raise BufferError meanwhile.
+        self._map = None
         Path(self.path).unlink(missing_ok=True)
 
     @staticmethod

@@ -18,7 +18,7 @@ import msgpack
 
 from flatcake_ray.errors import ConfigError
 
-VERSION = 1
+VERSION = 2  # 2: checksums per block of pages (1: per layer; refused)
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Manifest:
             scope.runs, scope.segments, scope.quarantined = record["runs"], [], True
 
     def _check_header(self, record: dict[str, Any]) -> None:
-        for key in ("layers", "page_bytes", "file_bytes", "files"):
+        for key in ("layers", "page_bytes", "check_pages", "file_bytes", "files"):
             if record.get(key) != self.header[key]:
                 raise ConfigError(
                     f"SSD pool at {self.path.parent} was made with {key}={record.get(key)}, "

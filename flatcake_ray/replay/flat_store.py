@@ -18,7 +18,7 @@ import numpy as np
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
 from flatcake_ray.core.catalog import Catalog, PutHints
 from flatcake_ray.core.coalesce import coalesce
-from flatcake_ray.core.extents import align_up
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.errors import MediumFullError

@@ -56,7 +56,7 @@ def test_probe_tells_the_slowest_medium(local_store_options):
     assert probe_prefix(store, [b"a", b"b", b"c"], "ns") == Probe(2, False)
     agentic = PutHints(context_tokens=1 << 20)  # placed on SSD
     result = store.put([b"c"], pages(1, 1), namespace="ns", parent=b"b", hints=agentic)
-    assert result.medium == "SSD"
+    assert result.medium.name == "SSD"
     assert probe_prefix(store, [b"a", b"b", b"c"], "ns") == Probe(3, True)
     assert probe_prefix(store, [b"x"], "ns") == Probe(0, False)
 

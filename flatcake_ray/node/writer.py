@@ -1,0 +1,165 @@
+"""The write half of a node's store: a planned segment's bytes onto its medium, then publish.
+
+The store plans a put (``Catalog.plan_put``: placement, allocation, the scope pinned) and hands
+the plan to a :class:`PutHandle` (``put.py``), which calls this writer:
+
+- ``write_pages(state, layer, first, pages)``: pages of keys ``[first, first + n)`` of one
+  layer, in key order; the writer keeps those the plan writes (keys not stored yet). A DRAM
+  page goes straight into the arena; an SSD layer is assembled in an aligned staging buffer
+  and written with one O_DIRECT command once all its pages are in. A finished layer gets its
+  per-block checksums.
+- ``commit(state)``: data on the drive (fdatasync when ``fsync``), the manifest record written,
+  then the keys published: a reader never sees a key whose bytes or record are not there.
+- ``abort(state)``: the space goes back; nothing was published.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.core.catalog import Catalog, PutPlan
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.integrity import layer_checksums
+from flatcake_ray.media.arena import DramArena
+from flatcake_ray.media.buffers import AlignedBuffer
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.node.manifest import Manifest
+
+
+@dataclass
+class WriteState:
+    """One planned segment being written."""
+
+    plan: PutPlan
+    keys: int  # keys of the put (pages written are the plan's new positions among them)
+    received: np.ndarray  # per layer: new pages written so far
+    staging: dict[int, AlignedBuffer] = field(default_factory=dict)  # SSD layers in progress
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def pages_new(self) -> int:
+        return len(self.plan.new_positions)
+
+    def layers_missing(self) -> list[int]:
+        return np.flatnonzero(self.received < self.pages_new).tolist()
+
+
+class SegmentWriter:
+    def __init__(
+        self,
+        catalog: Catalog,
+        lock: threading.RLock,
+        arena: DramArena,
+        pool: SsdPool,
+        manifest: Manifest,
+        counters: dict[str, int],
+        *,
+        fsync: bool,
+        check_open: Callable[[], None],
+    ) -> None:
+        self.catalog = catalog
+        self._lock = lock  # the store's: the catalog and counters change under it
+        self.arena = arena
+        self.pool = pool
+        self.manifest = manifest
+        self.counters = counters
+        self.fsync = fsync
+        self._check_open = check_open
+
+    def start(self, plan: PutPlan, keys: int) -> WriteState:
+        layers = plan.segment.layout.layers
+        plan.segment.checksums = np.zeros((layers, plan.segment.layout.blocks), dtype=np.uint64)
+        return WriteState(plan, keys, np.zeros(layers, dtype=np.int64))
+
+    def write_pages(self, state: WriteState, layer: int, first: int, pages: np.ndarray) -> None:
+        """``pages``: uint8 [n, page_bytes] of keys ``[first, first + n)`` of ``layer``."""
+        positions = state.plan.new_positions
+        lo, hi = np.searchsorted(positions, [first, first + len(pages)])
+        if lo == hi:
+            return
+        chosen = pages[positions[lo:hi] - first]
+        with state.lock:
+            self._place(state, layer, int(lo), chosen)
+            state.received[layer] += hi - lo
+            done = state.received[layer] == state.pages_new
+        if done:
+            self._finish_layer(state, layer)
+
+    def _place(self, state: WriteState, layer: int, first_new: int, pages: np.ndarray) -> None:
+        """Put new pages ``[first_new, first_new + n)`` of ``layer`` where they belong."""
+        segment = state.plan.segment
+        layout = segment.layout
+        if segment.medium is Medium.DRAM:
+            start = segment.offset + layout.layer_offset(layer) + first_new * layout.page_bytes
+            self.arena.write(start, pages)
+            return
+        if layer not in state.staging:
+            state.staging[layer] = AlignedBuffer(layout.layer_stride)
+        at = first_new * layout.page_bytes
+        state.staging[layer].array[at : at + pages.nbytes] = pages.reshape(-1)
+
+    def _finish_layer(self, state: WriteState, layer: int) -> None:
+        segment = state.plan.segment
+        layout = segment.layout
+        start = segment.offset + layout.layer_offset(layer)
+        if segment.medium is Medium.DRAM:
+            extent = self.arena.view[start : start + layout.layer_bytes]
+            segment.checksums[layer] = layer_checksums(extent, layout)
+            self._count(dram_bytes_written=layout.layer_bytes)
+            return
+        staging = state.staging.pop(layer)
+        try:
+            staging.array[layout.layer_bytes : layout.layer_stride] = 0
+            segment.checksums[layer] = layer_checksums(staging.array, layout)
+            self.pool.write(start, staging.array[: layout.layer_stride])
+        finally:
+            staging.close()
+        self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
+
+    def commit(self, state: WriteState) -> np.ndarray:
+        """Make the segment durable and its keys visible; returns the mask published."""
+        plan = state.plan
+        segment = plan.segment
+        if segment.medium is Medium.SSD and self.fsync:
+            self.pool.sync(segment.offset)
+        with self._lock:
+            self._check_open()
+            if segment.medium is Medium.SSD:
+                self.manifest.append(self._record(plan))
+            published = self.catalog.publish(plan)
+            self.counters["puts"] += 1
+        return published
+
+    def _record(self, plan: PutPlan) -> dict[str, Any]:
+        segment = plan.segment
+        scope = self.catalog.scopes[segment.scope_id]
+        return {
+            "t": "seg",
+            "scope": scope.scope_id,
+            "session": scope.session_id,
+            "segment": segment.segment_id,
+            "offset": segment.offset,
+            "pages": segment.layout.pages,
+            "digests": segment.digests.tobytes(),
+            "checksums": segment.checksums.tobytes(),
+            "runs": [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs],
+        }
+
+    def abort(self, state: WriteState) -> None:
+        with state.lock:
+            for staging in state.staging.values():
+                staging.close()
+            state.staging.clear()
+        with self._lock:
+            self.catalog.abort(state.plan)
+            self.counters["write_failures"] += 1
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self.counters[name] += delta
