@@ -1,9 +1,8 @@
 """A storage node's leases: what readers hold, and how a lease travels to them.
 
 A lease pins the scopes of a request's hits in the node's store; it is released by its reader
-or, after ``lease_ttl_s``, by the node (the reader is presumed gone). :func:`wire_parts` turns
-a lease into the per-segment description a reader on any node needs: medium, offset, layout,
-per-layer checksums, and which pages go where (no keys, no bytes).
+or, after ``lease_ttl_s``, by the node (the reader is presumed gone). Readers get the lease's
+pages as :class:`~flatcake_ray.core.parts.LeasePart` s (no keys, no bytes).
 """
 
 from __future__ import annotations
@@ -12,11 +11,7 @@ import threading
 import time
 from collections import OrderedDict
 
-import numpy as np
-
-from flatcake_ray.actors.protocol import SegmentPart
 from flatcake_ray.core.catalog import Lease
-from flatcake_ray.node.store import FlatCakeStore
 
 
 class LeaseTable:
@@ -51,23 +46,3 @@ class LeaseTable:
 
     def __len__(self) -> int:
         return len(self._held)
-
-
-def wire_parts(store: FlatCakeStore, lease: Lease) -> tuple[SegmentPart, ...]:
-    parts = []
-    for part in store.reader.parts(lease):
-        segment = part.segment
-        parts.append(
-            SegmentPart(
-                segment.scope_id,
-                segment.medium,
-                segment.offset,
-                segment.layout.pages,
-                segment.layout.page_bytes,
-                segment.layout.layer_stride,
-                np.array(segment.checksums, dtype=np.uint64),
-                np.asarray(part.src_pages, dtype=np.int64),
-                np.asarray(part.dst_positions, dtype=np.int64),
-            )
-        )
-    return tuple(parts)

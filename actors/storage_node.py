@@ -7,9 +7,12 @@ usage every ``report_interval_s``. It answers:
 - ``lookup`` (with lease) / ``exists`` / ``release``: index lookups, one call per request per
   node, whatever the page count. A lease pins the scopes of the hits until released or until
   ``lease_ttl_s`` (its reader died); a reader whose lease ran out drops what it read.
-- ``put_staged``: the bytes are in a client's shared-memory staging buffer (same node), in a
-  client's NIXL-registered staging buffer (pulled with one NIXL READ), or, as the labelled
-  object-store fallback, inline in the call.
+- ``begin_put`` / ``write_pages`` / ``commit_put`` / ``abort_put``: a layer-wise put (the
+  store's one put path, ``PutHandle``), a piece at a time; ``put_staged`` is the same put in
+  one call when all its layers fit one staging region. The bytes of a piece are in a client's
+  shared-memory staging buffer (same node), in a client's NIXL-registered staging buffer
+  (pulled with one NIXL READ), or, as the labelled object-store fallback, inline in the call.
+  Puts left open past ``lease_ttl_s`` are aborted.
 - ``ship``/``unship``: SSD ranges into the NIXL ship buffer for readers on other nodes.
 - ``read_ranges``: the object-store fallback for reads (labelled, last resort).
 
@@ -31,22 +34,26 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.actors.leases import LeaseTable, wire_parts
+from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.protocol import (
     COORDINATOR_NAME,
     LeaseReply,
     NodeDescription,
     NodeUsage,
+    PutTicket,
     StagedPages,
+    StagingKind,
     node_actor_name,
 )
+from flatcake_ray.actors.puts import PutTable
 from flatcake_ray.actors.shipping import PullArea, ShipBuffer, ShipReply
 from flatcake_ray.config import ServiceConfig
-from flatcake_ray.core.catalog import Lease, PutHints
+from flatcake_ray.core.api import Probe, PutResult
+from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.errors import ServiceError, ShapeError
 from flatcake_ray.media.arena import DramArena
-from flatcake_ray.node.put import PutResult
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.transports.local_dram import LocalDramTransport
 
@@ -70,14 +77,8 @@ class StorageNode:
         (self._root / "node_id").write_text(f"{self.node_id}\n")
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
         self.leases = LeaseTable(config.lease_ttl_s)
-        store_config = self.store.config
-        self.ship_buffer = ShipBuffer(
-            config.ship_bytes,
-            self.store.pool,
-            gap_bytes=store_config.gap_bytes,
-            max_read_bytes=store_config.max_read_bytes,
-            ttl_s=config.lease_ttl_s,
-        )
+        self.puts = PutTable(config.lease_ttl_s)
+        self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self._arena_exporter: Any = None
         self._export_agent: Any = None
         self._pull: PullArea | None = None
@@ -90,6 +91,9 @@ class StorageNode:
         )
         self.counters.update(
             dict.fromkeys(("puts_inline", "fallback_reads", "lease_misses", "leased_pages"), 0)
+        )
+        self.counters.update(
+            dict.fromkeys(("puts_layerwise", "put_pieces", "puts_aborted", "puts_expired"), 0)
         )
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
@@ -122,6 +126,7 @@ class StorageNode:
         from ray.exceptions import RayError
 
         while not self._stop.wait(self.config.report_interval_s):
+            self.counters["puts_expired"] += self.puts.expire(time.monotonic())
             try:
                 self.report_now()
             except (RayError, ValueError, ServiceError) as exc:
@@ -199,6 +204,8 @@ class StorageNode:
             ship_nixl=self._ship_peer,
             nixl_reason=self.nixl_reason,
             rdma=self._rdma is not None,
+            verify_dram=store.config.verify_dram,
+            gap_bytes=store.config.gap_bytes,
         )
 
     def coordinator_view(self) -> dict[str, Any]:
@@ -219,6 +226,7 @@ class StorageNode:
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
             "leases_held": len(self.leases),
+            "puts_open": len(self.puts),
             "leases_expired": self.leases.expired,
             "ship_regions_held": self.ship_buffer.regions.held,
             "nixl": self.nixl_reason or "ok",
@@ -241,11 +249,15 @@ class StorageNode:
             return LeaseReply(self.node_id, 0, 0)
         self.leases.add(lease)
         self.counters["leased_pages"] += lease.hits
-        return LeaseReply(self.node_id, lease.lease_id, lease.hits, wire_parts(self.store, lease))
+        return LeaseReply(self.node_id, lease.lease_id, lease.hits, lease_parts(lease))
 
     def exists(self, keys: Sequence[Any], namespace: str | None = None) -> int:
         self.counters["exists_calls"] += 1
         return self.store.exists(keys, namespace=namespace)
+
+    def probe(self, keys: Sequence[Any], namespace: str | None = None) -> Probe:
+        self.counters["exists_calls"] += 1
+        return self.store.probe(keys, namespace=namespace)
 
     def gvas(self, keys: Sequence[Any], namespace: str | None = None) -> np.ndarray:
         return self.store.gvas(keys, namespace=namespace)
@@ -257,37 +269,53 @@ class StorageNode:
         if lease is None:
             self.counters["lease_misses"] += 1
             return False
-        try:
-            if bad_scopes:
-                self._recheck(lease, set(bad_scopes))
-        finally:
+        if bad_scopes:
+            # A reader saw a bad checksum: read those scopes here, so the store's own check
+            # quarantines them if the medium really is bad (a torn remote read does not).
+            self.store.recheck(lease, set(bad_scopes))
+        else:
             self.store.release(lease)
         return True
-
-    def _recheck(self, lease: Lease, scopes: set[int]) -> None:
-        """A reader saw a bad checksum: read those scopes here, so the store's own check
-        quarantines them if the media really is bad (a torn remote read does not)."""
-        keep = np.array(
-            [lease.segments[int(s)].scope_id in scopes for s in lease.segment_ids], dtype=bool
-        )
-        if not keep.any():
-            return
-        sub = Lease(
-            lease.lease_id,
-            lease.segment_ids[keep],
-            lease.pages[keep],
-            lease.scope_ids,
-            lease.segments,
-        )
-        config = self.store.config
-        scratch = np.empty((config.layers, int(keep.sum()), config.page_bytes), dtype=np.uint8)
-        self.store.read_leased(sub, scratch, range(config.layers))
 
     def _expire_leases(self) -> None:
         for lease in self.leases.expire(time.monotonic()):
             self.store.release(lease)
 
     # ---- puts ------------------------------------------------------------------------------
+    def begin_put(
+        self,
+        keys: Sequence[Any],
+        namespace: str | None = None,
+        session_id: str | None = None,
+        parent: Any = None,
+        hints: PutHints | None = None,
+    ) -> PutTicket:
+        """Plan a layer-wise put and hold it open for ``write_pages`` pieces."""
+        options = {"namespace": namespace, "session_id": session_id, "parent": parent}
+        handle = self.store.begin_put(keys, hints=hints, **options)
+        self.counters["puts_layerwise"] += 1
+        return PutTicket(self.puts.add(handle), handle.pages_new)
+
+    def write_pages(self, put_id: int, staged: StagedPages) -> None:
+        """Write the staged pieces of an open put; a failure aborts the whole put."""
+        handle = self.puts.get(put_id)
+        try:
+            self._write_staged(handle, staged)
+        except BaseException:
+            self.puts.pop(put_id)
+            handle.abort()
+            self.counters["puts_aborted"] += 1
+            raise
+
+    def commit_put(self, put_id: int) -> PutResult:
+        result = self.puts.pop(put_id).commit()
+        self.counters["puts"] += 1
+        return result
+
+    def abort_put(self, put_id: int) -> None:
+        self.puts.pop(put_id).abort()
+        self.counters["puts_aborted"] += 1
+
     def put_staged(
         self,
         keys: Sequence[Any],
@@ -297,33 +325,45 @@ class StorageNode:
         parent: Any = None,
         hints: PutHints | None = None,
     ) -> PutResult:
-        config = self.store.config
-        if (staged.layers, staged.page_bytes) != (config.layers, config.page_bytes):
+        """A whole put whose every layer is staged at once: plan, write, commit, one call."""
+        options = {"namespace": namespace, "session_id": session_id, "parent": parent}
+        with self.store.begin_put(keys, hints=hints, **options) as handle:
+            self._write_staged(handle, staged)
+            result = handle.commit()
+        self.counters["puts"] += 1
+        return result
+
+    def _write_staged(self, handle: Any, staged: StagedPages) -> None:
+        page_bytes = self.store.config.page_bytes
+        if staged.page_bytes != page_bytes:
             raise ShapeError(
-                f"staged pages are {staged.layers} layers x {staged.page_bytes} bytes, this "
-                f"store's are {config.layers} x {config.page_bytes}"
+                f"staged pages are {staged.page_bytes} bytes, this store's {page_bytes}"
             )
-        slot = None
-        if staged.kind == "inline":
-            flat = np.asarray(staged.inline, dtype=np.uint8).reshape(-1)
-        elif staged.kind == "shm":
-            flat = self._shm_view(staged)
-        elif staged.kind == "nixl":
-            if self._pull is None:
-                raise ServiceError(f"this node cannot pull over NIXL: {self.nixl_reason}")
-            slot, flat = self._pull.pull(staged.peer, staged.offset, staged.nbytes)
-        else:
-            raise ShapeError(f"unknown staging kind {staged.kind!r}")
+        flat, slot = self._staged_bytes(staged)
         try:
-            pages = flat[: staged.nbytes].reshape(staged.layers, staged.pages, staged.page_bytes)
-            options = {"namespace": namespace, "session_id": session_id, "parent": parent}
-            result = self.store.put(keys, pages, hints=hints, **options)
+            for piece in staged.pieces:
+                at = piece.offset - staged.offset
+                if at < 0 or at + piece.count * page_bytes > len(flat):
+                    raise ShapeError(f"a staged piece lies outside its {staged.nbytes} bytes")
+                pages = flat[at : at + piece.count * page_bytes].reshape(piece.count, page_bytes)
+                handle.write_pages(piece.layer, piece.first, pages)
         finally:
             if slot is not None:
+                assert self._pull is not None
                 self._pull.done(slot)
-        self.counters["puts"] += 1
-        self.counters[f"puts_{staged.kind}"] += 1
-        return result
+        self.counters["put_pieces"] += len(staged.pieces)
+        self.counters[f"puts_{staged.kind.value}"] += 1
+
+    def _staged_bytes(self, staged: StagedPages) -> tuple[np.ndarray, Any]:
+        """The staged bytes as a flat uint8 view (and the pull slot to give back, if any)."""
+        if staged.kind is StagingKind.INLINE:
+            return np.asarray(staged.inline, dtype=np.uint8).reshape(-1), None
+        if staged.kind is StagingKind.SHM:
+            return self._shm_view(staged), None
+        if self._pull is None:
+            raise ServiceError(f"this node cannot pull over NIXL: {self.nixl_reason}")
+        slot, flat = self._pull.pull(staged.peer, staged.offset, staged.nbytes)
+        return flat, slot
 
     def _shm_view(self, staged: StagedPages) -> np.ndarray:
         with self._shm_lock:
@@ -374,4 +414,5 @@ class StorageNode:
             self._export_agent = None
         with self._shm_lock:
             self._shm.clear()
+        self.puts.abort_all()
         self.store.close()

@@ -239,3 +239,30 @@ class ServiceConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A Ray client's own knobs; its process's ``FLATCAKE_*`` variables override them."""
+
+    restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
+    restore_slot_bytes: int = 16 << 20  # one staging slot of the restore pipeline
+    put_region_bytes: int = 32 << 20  # a put whose layers all fit is sent whole, in one call
+    staging_segment_bytes: int = 64 << 20  # the put staging arena grows by this much
+    gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
+
+    def __post_init__(self) -> None:
+        _require(self.restore_windows >= 1, "restore_windows must be >= 1")
+        _require(
+            self.restore_slot_bytes % ALIGN == 0 and self.restore_slot_bytes >= 2 * ALIGN,
+            f"restore_slot_bytes must be a multiple of {ALIGN}",
+        )
+        _require(self.put_region_bytes >= ALIGN, f"put_region_bytes must be >= {ALIGN}")
+        _require(self.staging_segment_bytes >= ALIGN, f"staging_segment_bytes must be >= {ALIGN}")
+        _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> ClientConfig:
+        """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
+        sizes = {k: parse_size(v) for k, v in given.items() if k.endswith("bytes")}
+        return cls(**{**given, **sizes, **env_overrides(cls, environ)})

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.plan import RestorePlan
 from flatcake_ray.core.scheduler import Scheduler
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import (
@@ -23,10 +24,9 @@ from flatcake_ray.errors import (
     StoreClosedError,
 )
 from flatcake_ray.media import buffers as media
+from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.store import FlatCakeStore, PutHints
 from flatcake_ray.restore import LayerTensors, PagedPool, RestorePipeline
-from flatcake_ray.core.plan import RestorePlan
-from flatcake_ray.node.source import NodeSource
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 DRAM = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: short-turn chat goes to DRAM

@@ -82,7 +82,7 @@ class ClientOnNode:
     def restore(self, name: str, pages: int, seed: int | None = None, allow=None):
         client = self.client if allow is None else FlatCakeClient(NAMESPACE, allow=allow)
         out = np.zeros((LAYERS, pages, PAGE_BYTES), dtype=np.uint8)
-        report = client.restore(keys_for(name, pages), out)
+        report = client.restore_report(keys_for(name, pages), out)
         exact = None if seed is None else bool(np.array_equal(out, kv_for(pages, seed)))
         if client is not self.client:
             client.close()
@@ -223,7 +223,7 @@ def test_written_on_one_node_restored_on_the_other(
     writer = next(iter(deployment["by_node_id"].values()))
     name, pages, seed = f"cross-{medium}", 40, hash(medium) % 1000
     result = ray.get(writer.put.remote(name, pages, seed, hints))
-    assert (result.pages_written, result.medium) == (pages, medium)
+    assert (result.pages_written, result.medium.name) == (pages, medium)
     owner = owner_of(deployment, name, pages)
     local, exact_local, _ = ray.get(
         deployment["by_node_id"][owner].restore.remote(name, pages, seed)

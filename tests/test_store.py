@@ -20,8 +20,8 @@ from flatcake_ray.errors import (
     StoreWriteError,
 )
 from flatcake_ray.media.pool import SsdPool
-from flatcake_ray.restore import PagedPool
 from flatcake_ray.node.store import FlatCakeStore, PutHints
+from flatcake_ray.restore import PagedPool
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 SHORT_CHAT = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: DRAM

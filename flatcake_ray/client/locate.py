@@ -20,14 +20,15 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.actors.protocol import LeaseReply
-from flatcake_ray.client.io import RestoreReport
 from flatcake_ray.client.nodes import NodeLink, NodeTable
+from flatcake_ray.client.report import RestoreReport
+from flatcake_ray.core.api import Probe
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 
 
-def hits(answer: Any) -> int:
-    """Pages found, from a lookup (LeaseReply) or exists (int) answer, or None."""
+def hits(answer: LeaseReply | Probe | int | None) -> int:
+    """Pages found, from a lookup (LeaseReply), probe (Probe) or exists (int) answer."""
     if answer is None:
         return 0
     return int(answer) if isinstance(answer, int | np.integer) else int(answer.hits)

@@ -25,8 +25,9 @@ from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ServiceError
 from flatcake_ray.transports import base
 from flatcake_ray.transports.local_dram import LocalDramTransport
-from flatcake_ray.transports.local_ssd import LocalSsdTransport
+from flatcake_ray.transports.local_ssd import GdsSsdTransport, LocalSsdTransport
 from flatcake_ray.transports.object_store import ObjectStoreTransport
+from flatcake_ray.transports.registry import transport_class
 from flatcake_ray.transports.remote_ssd import NvmeofSsdTransport, ShippedSsdTransport, visible_pool
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,9 @@ REFRESH_EVERY_S = 2.0
 @functools.cache
 def process_paths() -> frozenset[str]:
     """The remote paths this process can drive at all (probed once)."""
-    from flatcake_ray.transports.nixl_dram import NixlDramTransport
-    from flatcake_ray.transports.rdma_verbs import RdmaVerbsTransport
-
     found = set()
-    for name, transport in (
-        (base.REMOTE_DRAM_NIXL, NixlDramTransport),
-        (base.REMOTE_DRAM_RDMA, RdmaVerbsTransport),
-        (base.REMOTE_SSD_NVMEOF, NvmeofSsdTransport),
-    ):
-        reason = transport.probe()
+    for name in (base.REMOTE_DRAM_NIXL, base.REMOTE_DRAM_RDMA, base.REMOTE_SSD_NVMEOF):
+        reason = transport_class(name).probe()
         if reason is None:
             found.add(name)
         else:
@@ -94,7 +88,7 @@ class NodeLink:
         key = (path, medium)
         with self._lock:
             known = self._transports.get(key)
-            if known is not None and getattr(known[0], "broken", False):
+            if known is not None and known[0].broken:
                 # A NIXL transport is dead after any transfer error (its peer was removed):
                 # reusing it would turn this node's pages into misses for good.
                 with known[1]:
@@ -113,6 +107,8 @@ class NodeLink:
             return LocalDramTransport.attach(d.arena_path, d.arena_bytes)
         if path == base.LOCAL_SSD:
             return LocalSsdTransport.open(d.pool_paths, d.pool_file_bytes)
+        if path == base.LOCAL_SSD_GDS:
+            return GdsSsdTransport(d.pool_paths, d.pool_file_bytes)
         if path == base.REMOTE_SSD_NVMEOF:
             return NvmeofSsdTransport.open(self._nvmeof_paths, d.pool_file_bytes)
         if path == base.OBJECT_STORE_FALLBACK:

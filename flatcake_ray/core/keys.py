@@ -52,6 +52,12 @@ def _key_bytes(key: KeyLike) -> bytes:
     return tag + raw
 
 
+def check_keys(keys: Iterable[KeyLike]) -> None:
+    """The rules of :func:`digest_keys` without hashing: raises for any key it would refuse."""
+    for key in keys:
+        _key_bytes(key)
+
+
 def split_namespace(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> tuple[str, list]:
     """One namespace for the whole call and the bare keys; mixed namespaces are an error."""
     seen: set[str] = set()

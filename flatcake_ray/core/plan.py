@@ -162,7 +162,8 @@ class RestorePlan:
     def reads(self, first: int, end: int, medium: Medium) -> CoalescedReads:
         """The coalesced reads of layers ``[first, end)`` on a filled ``medium``."""
         parts = [p for p in self.parts if p.medium is medium]
-        return self._coalesce(self._ranges(parts, first, end, medium), self.access[medium])
+        ranges = self._ranges(parts, first, end, medium, checks=False)
+        return self._coalesce(ranges, self.access[medium])
 
     # ---- mapped media: page runs in place ----------------------------------------------
     def _mapped_chunks(
@@ -201,7 +202,7 @@ class RestorePlan:
     def _filled_chunks(
         self, parts: list[LeasePart], first: int, end: int, medium: Medium, access: MediumAccess
     ) -> list[LayerChunk]:
-        ranges = self._ranges(parts, first, end, medium)
+        ranges = self._ranges(parts, first, end, medium, checks=True)
         reads = self._coalesce(ranges, access)
         members: list[list[_Range]] = [[] for _ in range(reads.count)]
         for i, item in enumerate(ranges):
@@ -218,24 +219,32 @@ class RestorePlan:
         return [c for c in chunks if c.reads]
 
     def _ranges(
-        self, parts: list[LeasePart], first_layer: int, end_layer: int, medium: Medium
+        self,
+        parts: list[LeasePart],
+        first_layer: int,
+        end_layer: int,
+        medium: Medium,
+        *,
+        checks: bool,
     ) -> list[_Range]:
+        """Wanted byte ranges (whole blocks when verifying); ``checks``: with their streaming
+        checksums (reads only need the ranges: the replay model's segments hold no sums)."""
         verify = self.access[medium].verify
         ranges: list[_Range] = []
         for part in parts:
             spans = _block_ranges(part) if verify else _page_ranges(part)
             for layer in range(first_layer, end_layer):
                 for first, end in spans:
-                    ranges.append(self._range(part, layer, first, end, verify))
+                    ranges.append(self._range(part, layer, first, end, verify and checks))
         return ranges
 
     @staticmethod
-    def _range(part: LeasePart, layer: int, first: int, end: int, verify: bool) -> _Range:
+    def _range(part: LeasePart, layer: int, first: int, end: int, checked: bool) -> _Range:
         layout = part.layout
         inside = (part.src_pages >= first) & (part.src_pages < end)
         lo, hi = first * layout.page_bytes, end * layout.page_bytes
         checks = []
-        if verify:
+        if checked:
             for block in range(first // layout.check_pages, -(-end // layout.check_pages)):
                 b_first, b_end = layout.block_pages(block)
                 check = StreamingCheck(int(part.checksums[layer, block]), part.scope_id)

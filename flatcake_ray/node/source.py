@@ -13,14 +13,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.plan import MediumAccess, SlotRead
-from flatcake_ray.restore.source import FillStats, Leased, ReadOutcome, Slot, Source
+from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
 from flatcake_ray.transports.base import LOCAL_DRAM, LOCAL_SSD, ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport, gds_reader
 
@@ -49,8 +47,8 @@ class NodeSource(Source):
     def access(self, leased: Leased, medium: Medium) -> MediumAccess:
         return self._access[medium]
 
-    def view(self, leased: Leased, medium: Medium) -> np.ndarray:
-        return self._store.arena.view
+    def view(self, leased: Leased, medium: Medium) -> MappedView:
+        return MappedView(self._store.arena.view, LOCAL_DRAM)
 
     def fill(
         self, leased: Leased, medium: Medium, reads: Sequence[SlotRead], slot: Slot
@@ -66,9 +64,6 @@ class NodeSource(Source):
         return FillStats(LOCAL_SSD, stats.bytes, stats.commands, time.perf_counter() - started)
 
     def release(self, leased: Leased, outcome: ReadOutcome) -> int:
-        dram = outcome.bytes_wanted.get(Medium.DRAM, 0)
-        if dram:
-            outcome.tally(LOCAL_DRAM).bytes += dram
         self._store.account_read(outcome)
         self._store.release(leased.token)
         return outcome.pages

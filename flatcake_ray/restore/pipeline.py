@@ -216,12 +216,12 @@ class RestorePipeline:
     def _job(self, leased: Leased, dest: Destination) -> Job:
         media = {part.medium for part in leased.parts}
         access = {medium: self.source.access(leased, medium) for medium in media}
-        views = {m: self.source.view(leased, m) for m in media if access[m].mapped}
+        mapped = {m: self.source.view(leased, m) for m in media if access[m].mapped}
         plan = RestorePlan(leased.parts, self.slot_bytes, access)
         medium = Medium.SSD if Medium.SSD in media else Medium.DRAM
         handle = RestoreHandle(next(self._ids), self.source.layers, leased, medium, self._clock())
         outcome = ReadOutcome(leased.hits)
-        return Job(handle, leased, plan, dest, self.source, views, outcome)
+        return Job(handle, leased, plan, dest, self.source, mapped, outcome)
 
     def _finish_empty(self, job: Job) -> None:
         job.outcome.pages = 0
@@ -276,31 +276,38 @@ class RestorePipeline:
         if id(chunk) in job.failed_chunks:
             pass  # its pages are misses already; the layers still count as done below
         elif slot is None or slot.device is None:
-            source = job.views[chunk.medium] if chunk.mapped else self._host_bytes(slot, stats)
+            source = self._source_bytes(job, chunk, slot, stats)
             # Layer by layer, so a group's first layers are waited on before its last lands.
             for layer in sorted(
                 {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
             ):
                 self._check(job, [s for s in chunk.hashes if s.layer == layer], source)
                 runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
-                self._scatter_host(job, chunk, runs, source)
+                self._count(job, chunk, runs, stats)
+                self._scatter_host(job, runs, source)
                 if chunk.done_layer is not None:
                     job.handle._layer_done(layer)
         else:
-            source = job.views[chunk.medium] if chunk.mapped else self._host_bytes(slot, stats)
+            source = self._source_bytes(job, chunk, slot, stats)
             self._check(job, chunk.hashes, source)
-            self._scatter_device(job, chunk, self._kept(job, chunk.runs), source, slot, stats)
+            runs = self._kept(job, chunk.runs)
+            self._count(job, chunk, runs, stats)
+            self._scatter_device(job, chunk, runs, source, slot, stats)
         if chunk.done_layer is not None:
             job.handle._layer_done(chunk.done_layer)
 
     def _kept(self, job: Job, runs: list[PageRun]) -> list[PageRun]:
-        """The runs whose scopes are still good, counted as delivered."""
+        """The runs whose scopes have not failed a checksum or a transfer."""
         dropped = job.outcome.bad_scopes | job.outcome.lost_scopes
         kept = [run for run in runs if run.scope_id not in dropped]
         return kept
 
-    @staticmethod
-    def _host_bytes(slot: Slot | None, stats: FillStats | None) -> np.ndarray:
+    def _source_bytes(
+        self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
+    ) -> np.ndarray:
+        """Where a chunk's bytes are: the mapped medium, or its slot's host bytes."""
+        if chunk.mapped:
+            return job.mapped[chunk.medium].view
         assert slot is not None and slot.host is not None
         if stats is not None and stats.on_device:  # GDS: checksums are taken on the host
             with torch.cuda.stream(slot.stream):
@@ -315,9 +322,8 @@ class RestorePipeline:
                 job.outcome.bad_scopes.add(span.check.scope_id)
                 job.handle._shrink(job.plan.scope_first[span.check.scope_id])
 
-    def _scatter_host(self, job: Job, chunk: LayerChunk, runs: list[PageRun], source) -> None:
+    def _scatter_host(self, job: Job, runs: list[PageRun], source) -> None:
         page_bytes = self.source.page_bytes
-        self._count_wanted(job, chunk, runs)
         for run in runs:
             staged = source[run.offset : run.offset + len(run.positions) * page_bytes]
             job.dest.scatter(torch.from_numpy(staged), run.positions, run.layer, self._scatter)
@@ -332,7 +338,6 @@ class RestorePipeline:
         stats: FillStats | None,
     ) -> None:
         page_bytes = self.source.page_bytes
-        self._count_wanted(job, chunk, runs)
         staged: list[tuple[torch.Tensor, PageRun]] = []
         with torch.cuda.stream(slot.stream):
             if not chunk.mapped:  # one host-to-device copy of the whole chunk (none for GDS)
@@ -356,10 +361,20 @@ class RestorePipeline:
                 job.dest.scatter(twin, run.positions, run.layer, self._scatter, slot.stream)
         slot.stream.synchronize()  # the slot is reused, and the layer counts, only after this
 
-    def _count_wanted(self, job: Job, chunk: LayerChunk, runs: list[PageRun]) -> None:
+    def _count(
+        self, job: Job, chunk: LayerChunk, runs: list[PageRun], stats: FillStats | None
+    ) -> None:
+        """Pages delivered, per medium and per path (a mapped path's bytes too: no fill)."""
         pages = sum(len(run.positions) for run in runs)
+        nbytes = pages * self.source.page_bytes
         wanted = job.outcome.bytes_wanted
-        wanted[chunk.medium] = wanted.get(chunk.medium, 0) + pages * self.source.page_bytes
+        wanted[chunk.medium] = wanted.get(chunk.medium, 0) + nbytes
+        path = job.mapped[chunk.medium].path if chunk.mapped else stats.path if stats else ""
+        tally = job.outcome.tally(path)
+        tally.pages += pages
+        if chunk.mapped:
+            tally.reads += len(runs)
+            tally.bytes += nbytes
 
     def _finish(self, lane: Lane, job: Job) -> None:
         """The lane is done with ``job``; never raises (a lane thread must survive it)."""

@@ -11,7 +11,8 @@ Who calls what, in which order (the pipeline is the only caller):
    ``release``. Returns a :class:`Leased` (hits, parts, the source's own token).
 2. ``access(leased, medium)`` once per medium the parts touch: how that medium is reached
    (mapped in place, or filled into staging slots; verify; alignment; coalescing gap).
-3. ``view(leased, medium)`` for a mapped medium: the host bytes its offsets index.
+3. ``view(leased, medium)`` for a mapped medium: the host bytes its offsets index, and the
+   name of that path (for the outcome's per-path tallies).
 4. ``fill(leased, medium, reads, slot)`` for a filled medium, from a window's reader thread,
    one chunk at a time, any number of times: read each :class:`SlotRead` into the slot's host
    bytes, or, for a path that reads straight into GPU memory (GDS), into its device twin
@@ -48,6 +49,14 @@ class Leased:
     hits: int
     parts: tuple[LeasePart, ...]
     token: Any  # the source's own lease: opaque to the pipeline
+
+
+@dataclass(frozen=True)
+class MappedView:
+    """A medium this process addresses in place: its bytes, and the path's name."""
+
+    view: np.ndarray
+    path: str
 
 
 @dataclass
@@ -123,7 +132,7 @@ class Source(abc.ABC):
     def access(self, leased: Leased, medium: Medium) -> MediumAccess: ...
 
     @abc.abstractmethod
-    def view(self, leased: Leased, medium: Medium) -> np.ndarray: ...
+    def view(self, leased: Leased, medium: Medium) -> MappedView: ...
 
     @abc.abstractmethod
     def fill(

@@ -19,11 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.plan import LayerChunk, RestorePlan
 from flatcake_ray.errors import TransferError
 from flatcake_ray.restore.dest import Destination
 from flatcake_ray.restore.handle import RestoreHandle
-from flatcake_ray.restore.source import FillStats, Leased, ReadOutcome, Slot, Source
+from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
 
 __all__ = ["Gauge", "Job", "Lane"]
 
@@ -37,7 +38,7 @@ class Job:
     plan: RestorePlan
     dest: Destination
     source: Source
-    views: dict[Any, Any]  # medium -> host view of a mapped medium
+    mapped: dict[Medium, MappedView]  # the media read in place, and their paths
     outcome: ReadOutcome
     dispatched: bool = False  # handed to a lane, which finishes it; under the pipeline's lock
     error: BaseException | None = None
