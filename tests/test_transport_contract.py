@@ -60,7 +60,13 @@ def remove_leftover_arenas(root) -> None:
 def source(tmp_path_factory):
     """A storage node with a DRAM and an SSD segment of known bytes, and their images."""
     root = tmp_path_factory.mktemp("contract")
-    ray.init(num_cpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
     config = ServiceConfig(
         namespace=NAMESPACE,
         root=str(root / "{node}"),

@@ -8,9 +8,10 @@
     }
 
 (:func:`kv_transfer_config` builds that dict.) ``store: local`` with ``store_root`` opens an
-in-process store instead; ``store_<field>`` sets any StoreConfig field of it. With an
-in-process store, loads stream layer by layer through a restore pipeline straight into vLLM's
-KV tensors (``restore_pipeline: off`` turns that off; see ``_vllm_restore.RestoreSettings``).
+in-process store instead; ``store_<field>`` sets any StoreConfig field of it (``ray_<field>``
+any ClientConfig field of the Ray client). With either store, loads stream layer by layer
+through the store's restore pipeline straight into vLLM's KV tensors, and saves go layer by
+layer as the forward pass produces them.
 
 Keys are vLLM's block hashes. Their seed is derived from PYTHONHASHSEED when it is set, and
 for the non-cryptographic hash algorithms (xxhash) it is random per process otherwise: then
@@ -37,7 +38,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from flatcake_ray.errors import ConfigError, ShapeError
-from flatcake_ray.integrations._common import Geometry, make_namespace, open_store
+from flatcake_ray.integrations._common import Geometry, make_namespace, open_store, release_store
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
 from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
 from flatcake_ray.integrations._vllm_worker import WorkerSide
@@ -113,6 +114,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
         self.is_mla = isinstance(spec, MLAAttentionSpec)
         geometry = Geometry(len(layer_names), spec.real_page_size_bytes)
         store = open_store(options, geometry)
+        self._store, self._released = store, False
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         base = make_namespace(
             "vllm",
@@ -196,8 +198,13 @@ class FlatCakeConnector(KVConnectorBase_V1):
         return self.worker_side.take_failed_blocks()
 
     def shutdown(self) -> None:
+        """Loads in flight finish, then this connector lets go of its store (an in-process
+        store closes with its last connector, a Ray client with its own)."""
         if self._worker is not None:
             self._worker.shutdown()
+        if not self._released:
+            self._released = True
+            release_store(self._store)
 
     # ---- scheduler side --------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
