@@ -53,7 +53,7 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.errors import ServiceError, ShapeError
-from flatcake_ray.media.arena import DramArena
+from flatcake_ray.media.arena import map_shared_readonly
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.transports.local_dram import LocalDramTransport
 
@@ -369,7 +369,7 @@ class StorageNode:
         with self._shm_lock:
             known = self._shm.get(staged.token)
             if known is None:
-                known = DramArena.attach(staged.path, staged.buffer_bytes)
+                known = map_shared_readonly(staged.path, staged.buffer_bytes)
                 self._shm[staged.token] = known
             self._shm.move_to_end(staged.token)
             while len(self._shm) > MAX_SHM_MAPPINGS:
