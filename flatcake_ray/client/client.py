@@ -305,6 +305,7 @@ class FlatCakeClient:
         report: RestoreReport,
     ) -> NodeLink:
         now = time.monotonic()
+        self.nodes.refresh()  # a drained node stops taking this client's sessions too
         known = self._sessions.get(session_id) if session_id is not None else None
         if known is None and session_id is None:
             if parent is not None:  # continue the chain where its parent is
@@ -316,7 +317,10 @@ class FlatCakeClient:
             else:
                 known = self._locator.where(first)
         link = self.nodes.get(known) if known is not None else None
-        if link is not None and link.is_up(now):
+        # A drained node takes no new chain; a chain's tail stays beside its head (the tail
+        # alone is never a prefix hit) until the node is removed.
+        placeable = parent is not None or known not in self.nodes.drained
+        if link is not None and link.is_up(now) and placeable:
             return link
         return self._placed(session_id, report)
 
@@ -339,9 +343,9 @@ class FlatCakeClient:
                 return link
         except (RayError, ValueError, ServiceError) as exc:
             log.warning("coordinator unavailable for placement (%s); placing locally", exc)
-        up = self.nodes.up()
+        up = [link for link in self.nodes.up() if link.node_id not in self.nodes.drained]
         if not up:
-            raise ServiceError("no storage node is up")
+            raise ServiceError("no undrained storage node is up")
         up.sort(key=lambda link: link.node_id)
         if session_id is not None:
             # The same choice in every client (a stable hash), so concurrent writers of one
