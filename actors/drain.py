@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from flatcake_ray.core.gva import MAX_NODE_ID
 from flatcake_ray.errors import ServiceError
@@ -42,7 +43,7 @@ def decode(raw: bytes | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _kv() -> object:
+def _kv() -> Any:
     from ray.experimental import internal_kv
 
     if not internal_kv._internal_kv_initialized():
