@@ -426,6 +426,10 @@ def test_drain_moves_new_chains_off_a_node_and_survives_a_coordinator_restart(de
         assert f"NodeID {drained}" in capsys.readouterr().out
         rows = {r["node_id"]: r["drained"] for r in _status_json(capsys, common)["nodes"]}
         assert rows == {drained: True, kept: False}
+        assert _cli("status", *common) == 0
+        assert f"drained (no new scopes; undo with `flatcake-ray undrain`): {drained}" in (
+            capsys.readouterr().out
+        )
         time.sleep(REFRESH_EVERY_S)  # the writer's next node refresh sees the drain
         for i in range(4):  # new sessions; then a tail and a new chain of a session there
             ray.get(writer.put.remote(f"dr-new-{i}", 4, 60 + i, DRAM))
