@@ -10,7 +10,9 @@ export RAY_USAGE_STATS_ENABLED := 0
 ENGINES := .venv-engines
 ENGINES_STAMP := $(ENGINES)/.installed
 
-.PHONY: demo test test-unit test-integrations lint format bench clean
+DIST ?= dist
+
+.PHONY: demo test test-unit test-integrations lint format bench wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -45,6 +47,11 @@ $(ENGINES_STAMP): pyproject.toml constraints.txt requirements-engines.txt
 test-integrations: $(ENGINES_STAMP)
 	VLLM_TARGET_DEVICE=cpu PYTHONHASHSEED=0 $(ENGINES)/bin/python -m pytest -q -rs tests/integrations
 
+# The wheel examples/cluster.yaml ships to every node (file_mounts): exactly one in $(DIST).
+wheel: $(STAMP)
+	rm -rf $(DIST) build
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -57,4 +64,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ssd_layout.py --write-md BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) $(ENGINES) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) build dist *.egg-info

@@ -5,14 +5,19 @@ the nodes' periodic reports, and places each new session scope on a node. It is 
 read path: clients find pages by asking storage nodes (see ``flatcake_ray/client.py``), so a
 dead or restarting coordinator delays only the first put of new sessions.
 
-Placement is smooth weighted round-robin over the live nodes, weight = free bytes (DRAM + SSD)
-x ramp, where ramp grows linearly from ``ramp_floor`` to 1 over ``ramp_seconds`` after a node
-joins. Proportional shares (not "pick the emptiest") keep one empty node from taking every new
-scope between two reports, and the ramp keeps a node that just joined from being flooded.
+Placement is smooth weighted round-robin over the live, undrained nodes, weight = free bytes
+(DRAM + SSD) x ramp, where ramp grows linearly from ``ramp_floor`` to 1 over ``ramp_seconds``
+after a node joins. Proportional shares (not "pick the emptiest") keep one empty node from
+taking every new scope between two reports, and the ramp keeps a node that just joined from
+being flooded.
+
+An operator drains a node before removing it (``drain``): it gets no new scopes, a session
+placed there is placed anew, and its pages stay readable until it goes. The drained set is
+kept in Ray's GCS (``actors/drain.py``), so a restarted coordinator finds it again.
 
 State is soft: on (re)start the coordinator asks every storage node it finds by name for its
 NodeID, start time, usage and sessions, and carries on from that. Nodes keep their NodeIDs.
-This is a plain class; ``flatcake_ray/service.py`` wraps it with ``ray.remote``.
+This is a plain class; ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake_ray.actors.drain import read_drained, write_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import MAX_NODE_ID
-from flatcake_ray.errors import ServiceError
+from flatcake_ray.errors import ServiceError, UnknownNodeError
 
 log = logging.getLogger(__name__)
 MAX_SESSIONS = 1 << 20  # session -> node entries kept (oldest forgotten first)
@@ -71,12 +77,17 @@ def ramp(record: NodeRecord, now: float, config: ServiceConfig) -> float:
 
 class CapacityCoordinator:
     def __init__(self, config: ServiceConfig, *, rebuild: bool = True) -> None:
+        """``rebuild``: take the cluster's state (storage nodes, drained set) from Ray and keep
+        the drained set there; False for a coordinator used as a plain object, without Ray."""
         self.config = config
         self.nodes: dict[int, NodeRecord] = {}
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.started_at = time.time()
         self.counters = {"registrations": 0, "placements": 0, "rebuilt_nodes": 0, "reports": 0}
+        self._in_gcs = rebuild
+        self.drained: frozenset[int] = frozenset()
         if rebuild:
+            self.drained = read_drained(config.namespace)
             self._rebuild()
 
     # ---- membership ------------------------------------------------------------------------
@@ -102,7 +113,8 @@ class CapacityCoordinator:
                 self.nodes.pop(wanted, None)
                 return wanted
         for node_id in range(NO_LOCAL_NODE + 1, MAX_NODE_ID + 1):
-            if node_id not in self.nodes:
+            # A drained NodeID stays reserved for the node that has it (it may come back).
+            if node_id not in self.nodes and node_id not in self.drained:
                 return node_id
         raise ServiceError(f"all {MAX_NODE_ID} NodeIDs are in use")
 
@@ -122,13 +134,43 @@ class CapacityCoordinator:
     def _alive(self, record: NodeRecord, now: float) -> bool:
         return now - record.last_seen < self.config.node_timeout_s
 
+    # ---- draining --------------------------------------------------------------------------
+    def drain(self, node_id: int) -> dict[str, Any]:
+        """Place no new scope on this node (its pages stay readable); returns its row."""
+        if node_id not in self.nodes:
+            known = ", ".join(str(n) for n in sorted(self.nodes)) or "none"
+            raise UnknownNodeError(f"no storage node has NodeID {node_id} (known: {known})")
+        self._set_drained(self.drained | {node_id})
+        log.info("NodeID %d drained: no new scopes are placed there", node_id)
+        return self.nodes_table_row(node_id)
+
+    def undrain(self, node_id: int) -> bool:
+        """Place scopes on this node again; False if it was not drained."""
+        if node_id not in self.drained:
+            return False
+        self._set_drained(self.drained - {node_id})
+        log.info("NodeID %d undrained", node_id)
+        return True
+
+    def _set_drained(self, node_ids: frozenset[int]) -> None:
+        if self._in_gcs:  # stored first: a failed write changes nothing here either
+            write_drained(self.config.namespace, node_ids)
+        self.drained = node_ids
+
+    def _placeable(self, record: NodeRecord, now: float) -> bool:
+        return record.node_id not in self.drained and self._alive(record, now)
+
     # ---- placement -------------------------------------------------------------------------
     def place_scope(self, session_id: str | None = None) -> int:
         """The NodeID that holds (or will hold) this session's scopes."""
         now = time.time()
         if session_id is not None:
             known = self.sessions.get(session_id)
-            if known is not None and known in self.nodes and self._alive(self.nodes[known], now):
+            if (
+                known is not None
+                and known in self.nodes
+                and self._placeable(self.nodes[known], now)
+            ):
                 self.sessions.move_to_end(session_id)
                 return known
         node_id = self._choose(now)
@@ -140,9 +182,11 @@ class CapacityCoordinator:
         return node_id
 
     def _choose(self, now: float) -> int:
-        live = [r for r in self.nodes.values() if self._alive(r, now)]
+        live = [r for r in self.nodes.values() if self._placeable(r, now)]
         if not live:
-            raise ServiceError("no live storage node to place a scope on")
+            raise ServiceError(
+                f"no live storage node to place a scope on ({len(self.drained)} drained)"
+            )
         weights = {r.node_id: self._weight(r, now) for r in live}
         total = sum(weights.values())
         for record in live:
@@ -160,14 +204,18 @@ class CapacityCoordinator:
 
     # ---- views -----------------------------------------------------------------------------
     def nodes_table(self) -> list[dict[str, Any]]:
-        now = time.time()
-        return [self.nodes[n].row(now, self.config) for n in sorted(self.nodes)]
+        return [self.nodes_table_row(n) for n in sorted(self.nodes)]
+
+    def nodes_table_row(self, node_id: int) -> dict[str, Any]:
+        row = self.nodes[node_id].row(time.time(), self.config)
+        return {**row, "drained": node_id in self.drained}
 
     def info(self) -> dict[str, Any]:
         return {
             "started_at": self.started_at,
             "nodes": len(self.nodes),
             "sessions": len(self.sessions),
+            "drained": sorted(self.drained),  # those gone too, until undrained
             **self.counters,
         }
 

@@ -55,6 +55,10 @@ class ServiceError(FlatCakeError):
     """The Ray service is not running, or a storage node cannot be reached."""
 
 
+class UnknownNodeError(FlatCakeError, LookupError):
+    """A NodeID names no storage node the coordinator knows (e.g. ``flatcake-ray drain 9``)."""
+
+
 class TransportUnavailableError(FlatCakeError):
     """A transport needs hardware or a library this machine lacks."""
 

@@ -76,8 +76,8 @@ class ClientOnNode:
         keys = keys_for(name, pages)
         return self.client.put(keys, kv_for(pages, seed), session_id=session or name, hints=hints)
 
-    def put_keys(self, keys: list[str], kv: np.ndarray, session: str, hints: PutHints):
-        return self.client.put(keys, kv, session_id=session, hints=hints)
+    def put_keys(self, keys: list[str], kv: np.ndarray, session: str, hints: PutHints, parent=None):
+        return self.client.put(keys, kv, session_id=session, hints=hints, parent=parent)
 
     def restore(self, name: str, pages: int, seed: int | None = None, allow=None):
         client = self.client if allow is None else FlatCakeClient(NAMESPACE, allow=allow)
@@ -393,6 +393,73 @@ def test_coordinator_killed_and_restarted_recovers(deployment):
     _wait_ping()
     assert ray.get(_coordinator().place_scope.remote("before-kill")) == owner
     assert ray.get(_coordinator().info.remote())["rebuilt_nodes"] == 2
+
+
+def _cli(*argv: str) -> int:
+    import argparse
+
+    from flatcake_ray.cli.service import add_service_commands
+
+    parser = argparse.ArgumentParser(prog="flatcake-ray")
+    add_service_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.handler(args)
+
+
+def _status_json(capsys, common: list[str]) -> dict:
+    import json
+
+    capsys.readouterr()
+    assert _cli("status", *common, "--json") == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_drain_moves_new_chains_off_a_node_and_survives_a_coordinator_restart(deployment, capsys):
+    from flatcake_ray.client.nodes import REFRESH_EVERY_S
+
+    common = ["--address", deployment["cluster"].address, "--namespace", NAMESPACE]
+    drained, kept = sorted(deployment["by_node_id"])
+    writer, reader = deployment["by_node_id"][drained], deployment["by_node_id"][kept]
+    old = next(f"dr-old-{i}" for i in range(20) if _put_owner(deployment, writer, i) == drained)
+    try:
+        assert _cli("drain", str(drained), *common) == 0
+        assert f"NodeID {drained}" in capsys.readouterr().out
+        rows = {r["node_id"]: r["drained"] for r in _status_json(capsys, common)["nodes"]}
+        assert rows == {drained: True, kept: False}
+        assert _cli("status", *common) == 0
+        assert f"drained (no new scopes; undo with `flatcake-ray undrain`): {drained}" in (
+            capsys.readouterr().out
+        )
+        time.sleep(REFRESH_EVERY_S)  # the writer's next node refresh sees the drain
+        for i in range(4):  # new sessions; then a tail and a new chain of a session there
+            ray.get(writer.put.remote(f"dr-new-{i}", 4, 60 + i, DRAM))
+            assert owner_of(deployment, f"dr-new-{i}", 4) == kept
+        tail = [f"{old}/tail/{i}" for i in range(3)]  # a chain's tail stays beside its head
+        ray.get(writer.put_keys.remote(tail, kv_for(3, 71), old, DRAM, f"{old}/3"))
+        assert decode(int(deployment["driver"].gvas(tail)[0])).node_id == drained
+        ray.get(writer.put.remote("dr-new-chain", 4, 70, DRAM, old))
+        assert owner_of(deployment, "dr-new-chain", 4) == kept
+        _, exact, _ = ray.get(reader.restore.remote(old, 4, 50 + int(old.rsplit("-", 1)[1])))
+        assert exact  # its pages stay readable
+        ray.kill(_coordinator(), no_restart=False)  # a crash: the restarted one rebuilds
+        time.sleep(1.0)
+        _wait_ping()
+        assert _status_json(capsys, common)["coordinator"]["drained"] == [drained]
+        placed = {ray.get(_coordinator().place_scope.remote()) for _ in range(20)}
+        assert placed == {kept}
+    finally:
+        assert _cli("undrain", str(drained), *common) == 0
+    assert "undrained" in capsys.readouterr().out
+    assert not any(r["drained"] for r in _status_json(capsys, common)["nodes"])
+    assert drained in {ray.get(_coordinator().place_scope.remote()) for _ in range(20)}
+    assert _cli("drain", "4000", *common) == 1
+    error = capsys.readouterr().err.strip()
+    assert "no storage node has NodeID 4000" in error and "\n" not in error
+
+
+def _put_owner(deployment, writer, i: int) -> int:
+    ray.get(writer.put.remote(f"dr-old-{i}", 4, 50 + i, DRAM))
+    return owner_of(deployment, f"dr-old-{i}", 4)
 
 
 def test_removed_node_turns_its_pages_into_misses(deployment):

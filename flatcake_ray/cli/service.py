@@ -1,10 +1,12 @@
-"""``flatcake-ray start | status | stop | bench restore``: the service's commands.
+"""``flatcake-ray start | status | stop | drain | undrain | bench restore``: the service's
+commands.
 
 ``start`` deploys on a running Ray cluster (``--address``, or ``RAY_ADDRESS``); with neither
 and no cluster running it first starts a local single-node one (``ray start --head``). Sizes
 and SSD folders come from a JSON or TOML config file (``--config``), then flags, then each
 node's ``FLATCAKE_*`` variables. ``stop`` shuts the storage nodes (SSD scopes stay on disk)
-and the coordinator down; ``--ray`` also stops the local Ray it runs on.
+and the coordinator down; ``--ray`` also stops the local Ray it runs on. ``drain NODE``
+stops placing new scopes on a storage node before it is removed (``undrain`` reverses it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flatcake_ray.config import ServiceConfig
-from flatcake_ray.errors import ConfigError, ServiceError
+from flatcake_ray.errors import ConfigError, ServiceError, UnknownNodeError
 
 _SIZE_FLAGS = {
     "dram_bytes": "DRAM arena per node (e.g. 8GiB)",
@@ -88,6 +90,17 @@ def _add_status_stop(subparsers: Any) -> None:
     stop.set_defaults(handler=cmd_stop)
 
 
+def _add_drain(subparsers: Any) -> None:
+    drain = subparsers.add_parser(
+        "drain", help="place no new scopes on a storage node (before removing it)"
+    )
+    undrain = subparsers.add_parser("undrain", help="place scopes on a drained node again")
+    for parser, handler in ((drain, cmd_drain), (undrain, cmd_undrain)):
+        parser.add_argument("node", type=int, help="the NodeID (`flatcake-ray status`)")
+        _add_connection_flags(parser)
+        parser.set_defaults(handler=handler)
+
+
 def _bench_subparsers(subparsers: Any) -> Any:
     """The ``bench`` group's subparsers: the one already registered, or a new one."""
     bench = subparsers.choices.get("bench")
@@ -111,9 +124,10 @@ def _add_bench(subparsers: Any) -> None:
 
 
 def add_service_commands(subparsers: Any) -> None:
-    """Register ``start``, ``status``, ``stop`` and ``bench restore``."""
+    """Register ``start``, ``status``, ``stop``, ``drain``, ``undrain`` and ``bench restore``."""
     _add_start(subparsers)
     _add_status_stop(subparsers)
+    _add_drain(subparsers)
     _add_bench(subparsers)
 
 
@@ -189,6 +203,32 @@ def cmd_stop(args: argparse.Namespace) -> int:
     ray.shutdown()
     if args.ray:
         subprocess.run([_ray_binary(), "stop"], check=False, timeout=120)
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from flatcake_ray.client.drain import drain
+
+    _connect(args)
+    try:
+        row = drain(args.node, args.namespace)
+    except UnknownNodeError as exc:
+        # Raised in the coordinator: Ray's wrapper carries the actor's traceback; print the cause.
+        print(f"flatcake-ray drain: {getattr(exc, 'cause', exc)}", file=sys.stderr)
+        return 1
+    print(
+        f"NodeID {row['node_id']} (ray node {row['ray_node_id'][:12]}) drained: no new scopes "
+        f"go there, its pages stay readable. Undo with `flatcake-ray undrain {args.node}`."
+    )
+    return 0
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    from flatcake_ray.client.drain import undrain
+
+    _connect(args)
+    changed = undrain(args.node, args.namespace)
+    print(f"NodeID {args.node} {'undrained' if changed else 'was not drained'}")
     return 0
 
 

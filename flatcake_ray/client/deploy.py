@@ -178,6 +178,7 @@ def _row(stats: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
         "lookups": stats["lookups"],
         "puts": stats["puts"],
         "placed": placed.get("placed", 0),
+        "drained": placed.get("drained", False),
         "nixl": stats["nixl"],
     }
 
@@ -209,6 +210,9 @@ def format_status(info: dict[str, Any]) -> str:
             f"coordinator: {coordinator['nodes']} nodes, {coordinator['sessions']} sessions, "
             f"{coordinator['placements']} placements"
         )
+        if coordinator.get("drained"):
+            drained = ", ".join(str(n) for n in coordinator["drained"])
+            lines.append(f"drained (no new scopes; undo with `flatcake-ray undrain`): {drained}")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from flatcake_ray.actors.drain import read_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeDescription
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import Medium
@@ -156,6 +157,7 @@ class NodeTable:
         self.config: ServiceConfig | None = None
         self.links: dict[int, NodeLink] = {}
         self._names: dict[str, int] = {}
+        self.drained: frozenset[int] = frozenset()  # NodeIDs that take no new scopes
         self._refreshed = 0.0
         self._lock = threading.Lock()
 
@@ -167,6 +169,7 @@ class NodeTable:
             return
         with self._lock:
             self._refreshed = now
+            self.drained = read_drained(self.namespace)
             listed = {
                 e["name"]
                 for e in ray.util.list_named_actors(all_namespaces=True)

@@ -251,6 +251,7 @@ class OwnerChooser:
         parent: Any,
         report: RestoreReport,
     ) -> NodeLink:
+        self.nodes.refresh()  # a drained node stops taking this client's sessions too
         known = self.sessions.get(session_id) if session_id is not None else None
         if known is None and session_id is None:
             if parent is not None:  # continue the chain where its parent is
@@ -262,7 +263,10 @@ class OwnerChooser:
             else:
                 known = self.locator.where(first)
         link = self.nodes.get(known) if known is not None else None
-        if link is not None and link.is_up(time.monotonic()):
+        # A drained node takes no new chain; a chain's tail stays beside its head (the tail
+        # alone is never a prefix hit) until the node is removed.
+        placeable = parent is not None or known not in self.nodes.drained
+        if link is not None and link.is_up(time.monotonic()) and placeable:
             return link
         return self._placed(session_id, report)
 
@@ -289,9 +293,13 @@ class OwnerChooser:
                 return link
         except (RayError, ValueError, ServiceError) as exc:
             log.warning("coordinator unavailable for placement (%s); placing locally", exc)
-        up = sorted(self.nodes.up(), key=lambda link: link.node_id)
+        drained = self.nodes.drained
+        up = sorted(
+            (link for link in self.nodes.up() if link.node_id not in drained),
+            key=lambda link: link.node_id,
+        )
         if not up:
-            raise ServiceError("no storage node is up")
+            raise ServiceError("no undrained storage node is up")
         if session_id is not None:
             # The same choice in every client (a stable hash), so concurrent writers of one
             # session still meet on one node while the coordinator is away.
