@@ -12,8 +12,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,8 +42,15 @@ def main() -> int:
             [str(bin_dir / "lint-imports"), str(ROOT / "pyproject.toml")], cwd=temp, env=env
         )
         types = subprocess.run(
-            [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-             "-p", "flatcake_ray"],
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--config-file",
+                str(ROOT / "pyproject.toml"),
+                "-p",
+                "flatcake_ray",
+            ],
             cwd=temp,
             env=env,
         )
