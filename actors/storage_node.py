@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,23 +41,21 @@ from flatcake_ray.actors.protocol import (
     NodeUsage,
     PutTicket,
     StagedPages,
-    StagingKind,
     node_actor_name,
 )
 from flatcake_ray.actors.puts import PutTable
 from flatcake_ray.actors.shipping import PullArea, ShipBuffer, ShipReply
+from flatcake_ray.actors.staged import StagedReader
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
-from flatcake_ray.errors import ServiceError, ShapeError
-from flatcake_ray.media.arena import map_shared_readonly
+from flatcake_ray.errors import ServiceError
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.transports.local_dram import LocalDramTransport
 
 log = logging.getLogger(__name__)
-MAX_SHM_MAPPINGS = 16
 
 
 class StorageNode:
@@ -84,8 +81,7 @@ class StorageNode:
         self._pull: PullArea | None = None
         self._arena_peer, self._ship_peer, self.nixl_reason = self._export()
         self._rdma = self._export_rdma()
-        self._shm: OrderedDict[str, tuple[Any, np.ndarray]] = OrderedDict()
-        self._shm_lock = threading.Lock()
+        self._staged = StagedReader(self._pull, self.nixl_reason)
         self.counters = dict.fromkeys(
             ("lookups", "exists_calls", "releases", "puts", "puts_shm", "puts_nixl"), 0
         )
@@ -300,7 +296,7 @@ class StorageNode:
         """Write the staged pieces of an open put; a failure aborts the whole put."""
         handle = self.puts.get(put_id)
         try:
-            self._write_staged(handle, staged)
+            self._staged.write(handle, staged, self.counters)
         except BaseException:
             self.puts.pop(put_id)
             handle.abort()
@@ -328,53 +324,10 @@ class StorageNode:
         """A whole put whose every layer is staged at once: plan, write, commit, one call."""
         options = {"namespace": namespace, "session_id": session_id, "parent": parent}
         with self.store.begin_put(keys, hints=hints, **options) as handle:
-            self._write_staged(handle, staged)
+            self._staged.write(handle, staged, self.counters)
             result = handle.commit()
         self.counters["puts"] += 1
         return result
-
-    def _write_staged(self, handle: Any, staged: StagedPages) -> None:
-        page_bytes = self.store.config.page_bytes
-        if staged.page_bytes != page_bytes:
-            raise ShapeError(
-                f"staged pages are {staged.page_bytes} bytes, this store's {page_bytes}"
-            )
-        flat, slot = self._staged_bytes(staged)
-        try:
-            for piece in staged.pieces:
-                at = piece.offset - staged.offset
-                if at < 0 or at + piece.count * page_bytes > len(flat):
-                    raise ShapeError(f"a staged piece lies outside its {staged.nbytes} bytes")
-                pages = flat[at : at + piece.count * page_bytes].reshape(piece.count, page_bytes)
-                handle.write_pages(piece.layer, piece.first, pages)
-        finally:
-            if slot is not None:
-                assert self._pull is not None
-                self._pull.done(slot)
-        self.counters["put_pieces"] += len(staged.pieces)
-        self.counters[f"puts_{staged.kind.value}"] += 1
-
-    def _staged_bytes(self, staged: StagedPages) -> tuple[np.ndarray, Any]:
-        """The staged bytes as a flat uint8 view (and the pull slot to give back, if any)."""
-        if staged.kind is StagingKind.INLINE:
-            return np.asarray(staged.inline, dtype=np.uint8).reshape(-1), None
-        if staged.kind is StagingKind.SHM:
-            return self._shm_view(staged), None
-        if self._pull is None:
-            raise ServiceError(f"this node cannot pull over NIXL: {self.nixl_reason}")
-        slot, flat = self._pull.pull(staged.peer, staged.offset, staged.nbytes)
-        return flat, slot
-
-    def _shm_view(self, staged: StagedPages) -> np.ndarray:
-        with self._shm_lock:
-            known = self._shm.get(staged.token)
-            if known is None:
-                known = map_shared_readonly(staged.path, staged.buffer_bytes)
-                self._shm[staged.token] = known
-            self._shm.move_to_end(staged.token)
-            while len(self._shm) > MAX_SHM_MAPPINGS:
-                self._shm.popitem(last=False)  # unmapped once the last view goes
-        return known[1][staged.offset : staged.offset + staged.nbytes]
 
     # ---- shipped SSD reads and the object-store fallback -----------------------------------
     def ship(self, src_offsets: np.ndarray, lengths: np.ndarray) -> ShipReply:
@@ -405,14 +358,10 @@ class StorageNode:
         if self._arena_exporter is not None:
             self._arena_exporter.close()
             self._arena_exporter = None
-        if self._pull is not None:
-            self._pull.close()
-            self._pull = None
+        self._staged.close()
         self.ship_buffer.close()
         if self._export_agent is not None:
             self._export_agent.close()
             self._export_agent = None
-        with self._shm_lock:
-            self._shm.clear()
         self.puts.abort_all()
         self.store.close()

@@ -15,6 +15,7 @@ from flatcake_ray.errors import ConfigError  # noqa: E402
 from flatcake_ray.integrations import _common  # noqa: E402
 from flatcake_ray.integrations.vllm import kv_transfer_config  # noqa: E402
 from flatcake_ray.restore import RestoreHandle, RestorePipeline  # noqa: E402
+from flatcake_ray.restore.deliver import ChunkDelivery  # noqa: E402
 from tests.integrations.vllm_harness import (  # noqa: E402
     BLOCK,
     LAYER_NAMES,
@@ -173,14 +174,14 @@ def test_synchronous_load_waits_for_each_layer_in_the_pipeline(
 def test_a_failed_pipelined_restore_is_recomputed(base_model, local_store_options, monkeypatch):
     options = {**local_store_options, "load_async": "never"}
     reply = first_turn(base_model, options)
-    real_deliver = RestorePipeline._deliver
+    real_deliver = ChunkDelivery.deliver
 
     def deliver(self, job, chunk, slot, stats):
         if chunk.done_layer is not None:
             raise RuntimeError("scatter lost")
         real_deliver(self, job, chunk, slot, stats)
 
-    monkeypatch.setattr(RestorePipeline, "_deliver", deliver)  # before the lanes bind it
+    monkeypatch.setattr(ChunkDelivery, "deliver", deliver)  # before the lanes bind it
     engine = build_engine(base_model, options, kv_load_failure_policy="recompute")
     tokens = PROMPT + reply + USER
     engine.run(engine.add_request("turn-2", tokens, max_tokens=1))
