@@ -43,7 +43,6 @@ from flatcake_ray.actors.protocol import (
     StagedPages,
     node_actor_name,
 )
-from flatcake_ray.actors.puts import PutTable
 from flatcake_ray.actors.shipping import PullArea, ShipBuffer, ShipReply
 from flatcake_ray.actors.staged import StagedReader
 from flatcake_ray.config import ServiceConfig
@@ -74,7 +73,6 @@ class StorageNode:
         (self._root / "node_id").write_text(f"{self.node_id}\n")
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
         self.leases = LeaseTable(config.lease_ttl_s)
-        self.puts = PutTable(config.lease_ttl_s)
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self._arena_exporter: Any = None
         self._export_agent: Any = None
@@ -88,9 +86,7 @@ class StorageNode:
         self.counters.update(
             dict.fromkeys(("puts_inline", "fallback_reads", "lease_misses", "leased_pages"), 0)
         )
-        self.counters.update(
-            dict.fromkeys(("puts_layerwise", "put_pieces", "puts_aborted", "puts_expired"), 0)
-        )
+        self.counters.update(dict.fromkeys(("puts_layerwise", "put_pieces", "puts_aborted"), 0))
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
@@ -122,7 +118,7 @@ class StorageNode:
         from ray.exceptions import RayError
 
         while not self._stop.wait(self.config.report_interval_s):
-            self.counters["puts_expired"] += self.puts.expire(time.monotonic())
+            self.store.puts.expire(time.monotonic())
             try:
                 self.report_now()
             except (RayError, ValueError, ServiceError) as exc:
@@ -222,7 +218,6 @@ class StorageNode:
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
             "leases_held": len(self.leases),
-            "puts_open": len(self.puts),
             "leases_expired": self.leases.expired,
             "ship_regions_held": self.ship_buffer.regions.held,
             "nixl": self.nixl_reason or "ok",
@@ -290,26 +285,25 @@ class StorageNode:
         options = {"namespace": namespace, "session_id": session_id, "parent": parent}
         handle = self.store.begin_put(keys, hints=hints, **options)
         self.counters["puts_layerwise"] += 1
-        return PutTicket(self.puts.add(handle), handle.pages_new)
+        return PutTicket(handle.put_id, handle.pages_new)
 
     def write_pages(self, put_id: int, staged: StagedPages) -> None:
         """Write the staged pieces of an open put; a failure aborts the whole put."""
-        handle = self.puts.get(put_id)
+        handle = self.store.puts.get(put_id)
         try:
             self._staged.write(handle, staged, self.counters)
         except BaseException:
-            self.puts.pop(put_id)
             handle.abort()
             self.counters["puts_aborted"] += 1
             raise
 
     def commit_put(self, put_id: int) -> PutResult:
-        result = self.puts.pop(put_id).commit()
+        result = self.store.puts.get(put_id).commit()
         self.counters["puts"] += 1
         return result
 
     def abort_put(self, put_id: int) -> None:
-        self.puts.pop(put_id).abort()
+        self.store.puts.get(put_id).abort()
         self.counters["puts_aborted"] += 1
 
     def put_staged(
@@ -363,5 +357,4 @@ class StorageNode:
         if self._export_agent is not None:
             self._export_agent.close()
             self._export_agent = None
-        self.puts.abort_all()
         self.store.close()

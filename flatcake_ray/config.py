@@ -115,6 +115,7 @@ class StoreConfig:
     restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
     restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two
     gds: str = "auto"  # GPUDirect Storage for SSD reads into GPU memory: auto | on | off
+    put_ttl_s: float = 60.0  # a put not written to for this long is aborted (writer gone)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
@@ -159,6 +160,7 @@ class StoreConfig:
             f"restore_slot_bytes must be a multiple of {ALIGN} holding a page plus {ALIGN} bytes",
         )
         _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off")
+        _require(self.put_ttl_s > 0, "put_ttl_s must be positive")
 
     @property
     def ssd_folders(self) -> tuple[str, ...]:
@@ -235,6 +237,7 @@ class ServiceConfig:
             ssd_file_bytes=self.ssd_file_bytes,
             hugepages=self.hugepages,
             fsync=self.fsync,
+            put_ttl_s=self.lease_ttl_s,
         )
 
     def to_dict(self) -> dict[str, Any]:

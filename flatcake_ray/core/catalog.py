@@ -299,7 +299,8 @@ class Catalog:
         last = scope.runs.runs[-1] if scope.runs.runs else None
         if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
             last.used -= segment.layout.nbytes
-        if not scope.segments:
+        if not scope.segments and scope.refs == 0:  # nothing published, nothing in flight
+            self.space[scope.medium].release(scope.runs)
             self._drop_scope(scope)
 
     # ---- reclamation ---------------------------------------------------------------------

@@ -9,7 +9,7 @@ owner (a storage node expires the handles of clients that went away).
 
 from __future__ import annotations
 
-import time
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.catalog import PutPlan
 from flatcake_ray.errors import ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
+from flatcake_ray.node.puts import PutTable
 from flatcake_ray.node.writer import SegmentWriter, WriteState
 
 
@@ -32,12 +33,17 @@ class PutHandle:
         keys: int,
         layers: int,
         page_bytes: int,
+        table: PutTable,
     ) -> None:
         self._writer = writer
         self._state: WriteState | None = writer.start(plan, keys) if plan is not None else None
         self._keys, self._layers, self._page_bytes = keys, layers, page_bytes
         self._done = False
-        self.started_at = time.monotonic()
+        # One writer at a time, and never alongside an abort (an expiry from another thread):
+        # a write into space already given back would land in someone else's segment.
+        self._lock = threading.Lock()
+        self._table = table
+        self.put_id = table.add(self)
 
     @property
     def pages_new(self) -> int:
@@ -53,6 +59,11 @@ class PutHandle:
 
     def write_pages(self, layer: int, first: int, pages: np.ndarray) -> None:
         """uint8 ``[n, page_bytes]`` pages of keys ``[first, first + n)`` of ``layer``."""
+        with self._lock:
+            self._write_pages(layer, first, pages)
+        self._table.touch(self.put_id)
+
+    def _write_pages(self, layer: int, first: int, pages: np.ndarray) -> None:
         self._check_live()
         if not isinstance(layer, int) or not 0 <= layer < self._layers:
             raise ShapeError(f"layer {layer!r} outside 0..{self._layers - 1}")
@@ -67,22 +78,28 @@ class PutHandle:
         try:
             self._writer.write_pages(self._state, layer, first, pages)
         except OSError as exc:
-            self.abort()
+            self._abort()
             raise StoreWriteError(f"writing layer {layer} failed: {exc}") from exc
 
     def commit(self) -> PutResult:
+        with self._lock:
+            result = self._commit()
+        self._table.forget(self.put_id)
+        return result
+
+    def _commit(self) -> PutResult:
         self._check_live()
         if self._state is None:
             self._done = True
             return PutResult(0, self._keys, None, None, None)
         missing = self._state.layers_missing()
         if missing:
-            self.abort()
+            self._abort()
             raise StoreWriteError(f"commit before layers {missing[:8]} were written")
         try:
             published = self._writer.commit(self._state)
         except OSError as exc:
-            self.abort()
+            self._abort()
             raise StoreWriteError(f"completing the write failed: {exc}") from exc
         self._done = True
         plan = self._state.plan
@@ -92,6 +109,11 @@ class PutHandle:
         )
 
     def abort(self) -> None:
+        with self._lock:
+            self._abort()
+        self._table.forget(self.put_id)
+
+    def _abort(self) -> None:
         if self._done:
             return
         self._done = True
@@ -100,7 +122,7 @@ class PutHandle:
 
     def _check_live(self) -> None:
         if self._done:
-            raise StoreWriteError("this put was already committed or aborted")
+            raise StoreWriteError("this put was already committed, aborted or expired")
 
     def __enter__(self) -> PutHandle:
         return self

@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -45,6 +46,7 @@ from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.put import PutHandle
+from flatcake_ray.node.puts import PutTable
 from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.writer import SegmentWriter
 from flatcake_ray.restore.dest import PagedPool, as_destination
@@ -80,6 +82,7 @@ class FlatCakeStore:
         self._lock = threading.RLock()
         self._closed = False
         self._pipelines: dict[torch.device, RestorePipeline] = {}
+        self.puts = PutTable(config.put_ttl_s)
         with ExitStack() as undo:  # a failed open leaves no fd, arena or lock behind
             self._lock_fd = _lock_root(Path(config.root))
             undo.callback(os.close, self._lock_fd)
@@ -163,6 +166,7 @@ class FlatCakeStore:
             pipelines = list(self._pipelines.values())
         for pipeline in pipelines:
             pipeline.close()
+        self.puts.abort_all()
         self.source.close()
         self.manifest.close()
         self.pool.close()
@@ -200,12 +204,14 @@ class FlatCakeStore:
         resolved, bare = split_namespace([*keys, *extra], namespace)
         digests = digest_keys(resolved, bare)
         parent_digest = digests[len(keys) :] if parent is not None else None
+        self.puts.expire(time.monotonic())
         with self._lock:
             self._check_open()
             plan = self.catalog.plan_put(
                 digests[: len(keys)], session_id=session_id, parent=parent_digest, hints=hints
             )
-        return PutHandle(self.writer, plan, len(keys), self.config.layers, self.config.page_bytes)
+        config = self.config
+        return PutHandle(self.writer, plan, len(keys), config.layers, config.page_bytes, self.puts)
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
         pages, _ = as_page_bytes(
@@ -232,6 +238,7 @@ class FlatCakeStore:
     def lease(self, keys: Keys, *, namespace: str | None = None) -> Lease:
         """Locate the consecutive hits and pin their scopes; pair with :meth:`release`."""
         self._check_open()
+        self.puts.expire(time.monotonic())
         digests = self._digests(keys, namespace)
         with self._lock:
             return self.catalog.lease(digests)
@@ -360,6 +367,8 @@ class FlatCakeStore:
                 "ssd_pool_utilisation": used / reserved if reserved else 1.0,
                 "placement_rules": dict(catalog.rule_counts),
                 "leases_open": len(catalog.leases),
+                "puts_open": len(self.puts),
+                "puts_expired": self.puts.expired,
                 "arena_path": self.arena.path,
                 "arena_hugepages": self.arena.huge,
                 "ssd_o_direct": self.pool.direct,

@@ -1,9 +1,11 @@
-"""A storage node's open layer-wise puts: what clients are writing, and their deadlines.
+"""A store's open puts: what writers are writing, and their deadlines.
 
-A client that starts a layer-wise put (``StorageNode.begin_put``) gets an unguessable put id;
-its pieces (``write_pages``) and its ``commit_put``/``abort_put`` name it. A put not finished
-within ``ttl_s`` of its last piece is aborted by the node (its client is presumed gone), so
-abandoned puts never pin their space.
+Every ``begin_put`` of a :class:`~flatcake_ray.node.store.FlatCakeStore` is registered here
+under an unguessable id (a storage node hands that id to the Ray client, whose pieces and
+``commit_put``/``abort_put`` name it). A put not finished within ``ttl_s`` of its last write
+is aborted (its writer is presumed gone: a crashed client, a handle dropped without
+``commit`` or ``abort``), so abandoned puts never pin their space. Expiry runs on every
+``begin_put`` and lease of the store and on a storage node's report loop.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from flatcake_ray.errors import StoreWriteError
-from flatcake_ray.node.put import PutHandle
+
+if TYPE_CHECKING:
+    from flatcake_ray.node.put import PutHandle
 
 
 class PutTable:
@@ -30,6 +35,18 @@ class PutTable:
             self._open[put_id] = (handle, time.monotonic() + self.ttl_s)
         return put_id
 
+    def touch(self, put_id: int) -> None:
+        """The writer is alive: push the put's deadline back."""
+        with self._lock:
+            held = self._open.pop(put_id, None)
+            if held is not None:
+                self._open[put_id] = (held[0], time.monotonic() + self.ttl_s)
+
+    def forget(self, put_id: int) -> None:
+        """The put finished (committed or aborted): nothing left to expire."""
+        with self._lock:
+            self._open.pop(put_id, None)
+
     def get(self, put_id: int) -> PutHandle:
         """The open put ``put_id`` (its deadline pushed back); a typed error if unknown."""
         with self._lock:
@@ -37,13 +54,6 @@ class PutTable:
             if held is None:
                 raise StoreWriteError(f"no open put {put_id}: unknown, finished or expired")
             self._open[put_id] = (held[0], time.monotonic() + self.ttl_s)
-        return held[0]
-
-    def pop(self, put_id: int) -> PutHandle:
-        with self._lock:
-            held = self._open.pop(put_id, None)
-        if held is None:
-            raise StoreWriteError(f"no open put {put_id}: unknown, finished or expired")
         return held[0]
 
     def expire(self, now: float) -> int:
@@ -57,7 +67,7 @@ class PutTable:
                 del self._open[put_id]
                 gone.append(handle)
         for handle in gone:
-            handle.abort()
+            handle.abort()  # from the writer's side it is now done: later writes are refused
         self.expired += len(gone)
         return len(gone)
 
