@@ -41,6 +41,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="a running Ray cluster (default: start a local one)")
     parser.add_argument("--root", default="/tmp/flatcake-bench", help="per-node store folders")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also time pipelined (per-layer waits) against whole-prefix restores per path",
+    )
 
 
 class RestoreBench:
@@ -88,6 +93,61 @@ class RestoreBench:
             "io_commands": tally.io_commands,
             "actor_calls": best.actor_calls,
         }
+
+    def overlap(self, keys: list[str], repeats: int) -> dict[str, Any]:
+        """The pipelined restore against the whole-prefix one, same bytes, same pipeline: a
+        stand-in "attention" of fixed cost per layer (a sleep, sized so compute and I/O take
+        about as long) runs after ``wait_for_layer(l)`` (pipelined, as vLLM's
+        ``wait_for_layer_load``) or after ``wait()`` (whole prefix, then every layer)."""
+        import torch
+
+        from flatcake_ray.restore.dest import PagedPool
+
+        client, layers = self.client, self.client.layers
+        out = torch.zeros((layers, len(keys), client.page_bytes), dtype=torch.uint8)
+        pool = PagedPool(out, np.arange(len(keys)))
+        pipeline = client.pipeline()
+
+        def run(compute_s: float, pipelined: bool) -> float:
+            start = time.perf_counter()
+            handle = pipeline.submit(keys, pool)
+            if not pipelined:
+                handle.wait()
+            for layer in range(layers):
+                if pipelined:
+                    handle.wait_for_layer(layer)
+                time.sleep(compute_s)
+            assert handle.wait() == len(keys)
+            return time.perf_counter() - start
+
+        io = statistics.median(run(0.0, True) for _ in range(3))
+        compute_s = io / layers
+        rows = []
+        for _ in range(repeats):  # each of the four back to back, so noise hits all of them
+            sample = {"io": run(0.0, True), "serial": run(compute_s, False)}
+            sample["pipelined"] = run(compute_s, True)
+            sample["compute"] = compute_s * layers
+            hidden = sample["io"] + sample["compute"] - sample["pipelined"]
+            sample["overlap"] = hidden / min(sample["io"], sample["compute"])
+            rows.append(sample)
+        median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        return {
+            "serial_s": round(median["serial"], 4),
+            "pipelined_s": round(median["pipelined"], 4),
+            "speedup": round(median["serial"] / median["pipelined"], 3),
+            "overlap": round(median["overlap"], 3),
+            "window_bytes": pipeline.window_bytes,
+            "high_water_bytes": pipeline.high_water_bytes,
+        }
+
+    def high_water(self, keys: list[str], slot_bytes: int) -> int:
+        """The most staging memory a fresh pipeline held restoring ``keys`` once."""
+        from flatcake_ray.restore.pipeline import RestorePipeline
+
+        out = np.zeros((self.client.layers, len(keys), self.client.page_bytes), dtype=np.uint8)
+        with RestorePipeline(self.client.source, slot_bytes=slot_bytes) as pipeline:
+            assert pipeline.submit(keys, out, np.arange(len(keys))).wait() == len(keys)
+            return pipeline.high_water_bytes
 
     def control(self, keys: list[str], repeats: int) -> dict[str, Any]:
         """Lookup + lease + release of a request, no data: cold and warm location cache."""
@@ -228,6 +288,9 @@ def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespa
         other = next(b for node_id, b in by_node.items() if node_id != session["owner"])
         local = ray.get(owner.restore.remote(session["keys"], seed, args.repeats))
         remote = ray.get(other.restore.remote(session["keys"], seed, args.repeats))
+        if args.overlap:
+            local["pipelined"] = ray.get(owner.overlap.remote(session["keys"], args.repeats))
+            remote["pipelined"] = ray.get(other.overlap.remote(session["keys"], args.repeats))
         if medium == "DRAM":
             memcpy = ray.get(owner.memcpy_limit.remote(nbytes, args.repeats))
             nixl = ray.get(other.nixl_limit.remote(session["owner"], nbytes, args.repeats))
@@ -240,6 +303,11 @@ def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespa
             results["remote_ssd"]["serial_limit_gbps"] = round(1 / (1 / odirect + 1 / nixl), 3)
         results.setdefault("_placed", {})[medium] = session["medium"]
     results["control_plane"] = ray.get(benches[-1].control.remote(sessions["DRAM"]["keys"], 5))
+    if args.overlap:  # staging held by a short and by the long context: the same bound
+        keys, slot = sessions["SSD"]["keys"], 1 << 20
+        short = ray.get(benches[-1].high_water.remote(keys[: max(1, len(keys) // 16)], slot))
+        full = ray.get(benches[-1].high_water.remote(keys, slot))
+        results["window"] = {"slot_bytes": slot, "short_high_water": short, "long_high_water": full}
     return results
 
 
@@ -289,8 +357,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "units": "gbps = 1e9 bytes/s; seconds = best of repeats, lookup to last byte",
             "wall_seconds": round(time.perf_counter() - started, 1),
         },
-        "paths": {k: v for k, v in results.items() if k != "control_plane"},
+        "paths": {k: v for k, v in results.items() if k not in ("control_plane", "window")},
         "control_plane": results["control_plane"],
+        "window": results.get("window"),
     }
 
 
@@ -304,6 +373,21 @@ def format_results(results: dict[str, Any]) -> str:
             f"{name:<12} {row['transport']:<20} {row['gbps']:>7.3f} {row['limit_gbps']:>7.3f} "
             f"{row['ratio_to_limit']:>6.2f} {row['io_commands']:>8} {row['actor_calls']:>5}  "
             f"{row['byte_exact']}"
+        )
+    for name, row in results["paths"].items():
+        if "pipelined" in row:
+            pipe = row["pipelined"]
+            lines.append(
+                f"{name:<12} pipelined {pipe['pipelined_s']:.3f} s vs whole-prefix "
+                f"{pipe['serial_s']:.3f} s: speedup {pipe['speedup']:.2f}, "
+                f"overlap {pipe['overlap']:.2f}"
+            )
+    if results.get("window"):
+        window = results["window"]
+        lines.append(
+            f"staging high-water with {window['slot_bytes'] >> 20} MiB slots: "
+            f"{window['short_high_water'] >> 20} MiB (1/16 of the context), "
+            f"{window['long_high_water'] >> 20} MiB (all of it)"
         )
     control = results["control_plane"]
     lines.append(
