@@ -233,7 +233,7 @@ class CapacityCoordinator:
             if entry["namespace"] == self.config.namespace
             and entry["name"].startswith(NODE_NAME_PREFIX)
         ]
-        refs = {}
+        refs: dict[str, Any] = {}
         for name in names:
             try:
                 handle = ray.get_actor(name, namespace=self.config.namespace)

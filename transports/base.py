@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flatcake_ray.errors import ReadRangeError, ShapeError
 
@@ -70,7 +71,7 @@ OBJECT_STORE_FALLBACK = "object-store-fallback"
 _MAX_FIELD = 1 << 48
 
 
-def _as_offsets(values: object, field: str) -> np.ndarray:
+def _as_offsets(values: ArrayLike, field: str) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise ReadRangeError(f"{field} must be 1-D, got shape {array.shape}")
@@ -83,18 +84,20 @@ def _as_offsets(values: object, field: str) -> np.ndarray:
     return frozen
 
 
-@dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise, then fail on bool()
 class ReadBatch:
     """Ranges to copy: ``lengths[i]`` bytes from source ``src_offsets[i]`` to
-    ``dst[dst_offsets[i]:]``. Fields are read-only int64 arrays of one length."""
+    ``dst[dst_offsets[i]:]``. Fields are read-only int64 arrays of one length (the batch is
+    immutable; no ``==``: it would compare arrays elementwise)."""
 
+    __slots__ = ("dst_offsets", "lengths", "src_offsets")
     src_offsets: np.ndarray
     lengths: np.ndarray
     dst_offsets: np.ndarray
 
-    def __post_init__(self) -> None:
-        for field in ("src_offsets", "lengths", "dst_offsets"):
-            object.__setattr__(self, field, _as_offsets(getattr(self, field), field))
+    def __init__(self, src_offsets: ArrayLike, lengths: ArrayLike, dst_offsets: ArrayLike):
+        object.__setattr__(self, "src_offsets", _as_offsets(src_offsets, "src_offsets"))
+        object.__setattr__(self, "lengths", _as_offsets(lengths, "lengths"))
+        object.__setattr__(self, "dst_offsets", _as_offsets(dst_offsets, "dst_offsets"))
         sizes = {self.src_offsets.size, self.lengths.size, self.dst_offsets.size}
         if len(sizes) != 1:
             raise ReadRangeError(
@@ -102,8 +105,11 @@ class ReadBatch:
                 f"{self.src_offsets.size}, {self.lengths.size}, {self.dst_offsets.size}"
             )
 
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a ReadBatch is immutable")
+
     @classmethod
-    def packed(cls, src_offsets: object, lengths: object, dst_start: int = 0) -> ReadBatch:
+    def packed(cls, src_offsets: ArrayLike, lengths: ArrayLike, dst_start: int = 0) -> ReadBatch:
         """Ranges laid back to back in the destination, in the order given."""
         lengths_array = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(lengths_array)

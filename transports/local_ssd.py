@@ -158,7 +158,7 @@ class GdsSsdTransport(Transport):
             return "cuFile unavailable (kvikio would run in POSIX compat mode)"
         return None
 
-    def read(self, reads: ReadBatch, dst: Any) -> TransferStats:  # type: ignore[override]
+    def read(self, reads: ReadBatch, dst: Any) -> TransferStats:
         if not self._files:
             raise TransportClosedError(f"{self.name} transport is closed")
         if len(reads) and int((reads.dst_offsets + reads.lengths).max()) > dst.numel():

@@ -125,6 +125,7 @@ class ShippedSsdTransport(Transport):
         pending = self._ship(windows[0]) if windows else None
         try:
             for i, window in enumerate(windows):
+                assert pending is not None  # one ship per window, requested one ahead
                 reply = self._wait(pending)
                 # The owner reads the next window from its SSD while this one crosses NIXL.
                 pending = self._ship(windows[i + 1]) if i + 1 < len(windows) else None

@@ -68,6 +68,7 @@ class RestoreBench:
         kv = _kv(self.client, pages, seed)
         result = self.client.put(keys, kv, session_id=name, hints=hints)
         owner = self.client.locate(keys).node_id
+        assert result.medium is not None, "the bench's keys were stored already"
         return {"keys": keys, "medium": result.medium.name, "owner": owner}
 
     def restore(self, keys: list[str], seed: int, repeats: int) -> dict[str, Any]:
@@ -173,7 +174,7 @@ class RestoreBench:
         """Sequential O_DIRECT reads of this node's pool files, 32 MiB a command."""
         from flatcake_ray.media.buffers import AlignedBuffer
 
-        link = self.client.nodes.get(self.client.nodes.local_node_id)
+        link = self.client.nodes.require(self.client.nodes.local_node_id)
         paths, file_bytes = link.description.pool_paths, link.description.pool_file_bytes
         chunk = 32 << 20
         buffer = AlignedBuffer(chunk)
@@ -198,7 +199,7 @@ class RestoreBench:
         from flatcake_ray.core.gva import Medium
         from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch
 
-        link = self.client.nodes.get(owner)
+        link = self.client.nodes.require(owner)
         transport, lock = link.transport(REMOTE_DRAM_NIXL, Medium.DRAM, self.client._nixl_agent)
         dst = np.empty(nbytes, dtype=np.uint8)
         batch = ReadBatch([0], [nbytes], [0])
@@ -328,7 +329,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
     config = _service_config(args, session_bytes)
     cluster = None if args.address else _start_cluster(args.nodes)
-    ray.init(address=args.address or cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    address = args.address if cluster is None else cluster.address
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     started = time.perf_counter()
     try:
         targets = service.service_nodes(None if args.address else "fcbench")[: args.nodes]

@@ -301,8 +301,8 @@ class FlatCakeClient:
             self.client_config.put_region_bytes,
             self.config.rpc_timeout_s,
         )
-        options = {"namespace": namespace, "session_id": session_id, "parent": parent}
-        options["hints"] = hints
+        options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
+        options.update(parent=parent, hints=hints)
         self._owners.remember(first, session_id, link.node_id)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(

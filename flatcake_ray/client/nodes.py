@@ -111,6 +111,10 @@ class NodeLink:
         if path == base.LOCAL_SSD_GDS:
             return GdsSsdTransport(d.pool_paths, d.pool_file_bytes)
         if path == base.REMOTE_SSD_NVMEOF:
+            if self._nvmeof_paths is None:
+                raise ServiceError(
+                    f"node {self.node_id}'s pool is not visible: {self.nvmeof_reason}"
+                )
             return NvmeofSsdTransport.open(self._nvmeof_paths, d.pool_file_bytes)
         if path == base.OBJECT_STORE_FALLBACK:
             size = d.arena_bytes if medium is Medium.DRAM else pool_bytes
@@ -185,7 +189,8 @@ class NodeTable:
         import ray
         from ray.exceptions import RayError
 
-        handles, refs = {}, {}
+        handles: dict[str, Any] = {}
+        refs: dict[str, Any] = {}
         for name in names:
             try:
                 handles[name] = ray.get_actor(name, namespace=self.namespace)
@@ -215,6 +220,7 @@ class NodeTable:
         if name in self._names:
             self._drop(name)
         local = description.ray_node_id == self.my_ray_node_id
+        assert self.config is not None  # fetched with the first description
         link = NodeLink(handle, description, local, self.config)
         self.links[description.node_id] = link
         self._names[name] = description.node_id
@@ -236,6 +242,13 @@ class NodeTable:
 
     def get(self, node_id: int) -> NodeLink | None:
         return self.links.get(node_id)
+
+    def require(self, node_id: int) -> NodeLink:
+        """The link of a node that must be known (a typed error otherwise)."""
+        link = self.links.get(node_id)
+        if link is None:
+            raise ServiceError(f"no storage node with NodeID {node_id} is known here")
+        return link
 
     @property
     def local_node_id(self) -> int:

@@ -13,6 +13,7 @@ after its TTL. :class:`OwnerChooser` picks the node a put goes to.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import zlib
@@ -126,17 +127,15 @@ class RemotePut:
             self._in_flight.append((ref, region))
 
     def _staged(self, region: Region, pieces: tuple[StagedPiece, ...]) -> StagedPages:
-        kind = self._route.kind
-        common = {"kind": kind, "page_bytes": self._page_bytes, "pieces": pieces}
-        common.update(offset=region.offset, nbytes=region.nbytes)
+        kind, segment = self._route.kind, region.segment
+        staged = StagedPages(kind, self._page_bytes, pieces, region.offset, region.nbytes)
         if kind is StagingKind.INLINE:
-            return StagedPages(**common, inline=region.view.copy())
-        segment = region.segment
+            return dataclasses.replace(staged, inline=region.view.copy())
         if kind is StagingKind.SHM:
-            return StagedPages(
-                **common, path=segment.path, token=segment.token, buffer_bytes=segment.nbytes
+            return dataclasses.replace(
+                staged, path=segment.path, token=segment.token, buffer_bytes=segment.nbytes
             )
-        return StagedPages(**common, peer=segment.peer())
+        return dataclasses.replace(staged, peer=segment.peer())
 
     # ---- completion ------------------------------------------------------------------------
     def commit(self) -> PutResult:
@@ -285,7 +284,8 @@ class OwnerChooser:
         try:
             coordinator = ray.get_actor(COORDINATOR_NAME, namespace=self.namespace)
             report.actor_calls += 1
-            node_id = ray.get(coordinator.place_scope.remote(session_id), timeout=self.timeout_s)
+            ref: Any = coordinator.place_scope.remote(session_id)
+            node_id: int = ray.get(ref, timeout=self.timeout_s)
             if self.nodes.get(node_id) is None:  # a node that joined since the last refresh
                 self.nodes.refresh(force=True)
             link = self.nodes.get(node_id)

@@ -88,7 +88,7 @@ class KVStore(Protocol):
         keys: Keys,
         dest: Any,
         slot_ids: Any = None,
-        layout: str = "layer_first",
+        layout: Any = "layer_first",
         *,
         namespace: str | None = None,
     ) -> RestoreWaiter: ...

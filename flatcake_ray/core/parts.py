@@ -24,7 +24,7 @@ class LeasePart:
     medium: Medium
     offset: int  # medium-local offset of the segment's layer 0, page 0
     layout: SegmentLayout
-    checksums: np.ndarray  # uint64 [layers, blocks]
+    checksums: np.ndarray | None  # uint64 [layers, blocks]; None in the replay model
     src_pages: np.ndarray  # int64, ascending: pages of the segment the lease wants
     dst_positions: np.ndarray  # int64: the request position of each of those pages
 

@@ -190,6 +190,7 @@ class RestorePlan:
     def _block_spans(self, part: LeasePart, layer: int, base: int) -> list[HashSpan]:
         layout = part.layout
         blocks = np.unique(part.src_pages // layout.check_pages)
+        assert part.checksums is not None  # a live segment: written with its sums
         spans = []
         for block in blocks.tolist():
             first, end = layout.block_pages(block)
@@ -245,6 +246,7 @@ class RestorePlan:
         lo, hi = first * layout.page_bytes, end * layout.page_bytes
         checks = []
         if checked:
+            assert part.checksums is not None  # a live segment: written with its sums
             for block in range(first // layout.check_pages, -(-end // layout.check_pages)):
                 b_first, b_end = layout.block_pages(block)
                 check = StreamingCheck(int(part.checksums[layer, block]), part.scope_id)

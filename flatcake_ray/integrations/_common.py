@@ -95,18 +95,17 @@ def _open_local(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
         raise ConfigError("store 'local' needs store_root (a folder for the store's files)")
     resolved = str(Path(str(root)).resolve())
     with _local_lock:
-        store = _local_stores.get(resolved)
-        if store is None:
+        known = _local_stores.get(resolved)
+        if known is None:
             config = StoreConfig.from_env(
                 root=resolved,
                 layers=geometry.layers,
                 page_bytes=geometry.page_bytes,
                 **_store_fields(options),
             )
-            store = FlatCakeStore(config)
-            _local_stores[resolved] = store
-    _check_geometry(store, geometry)
-    return store
+            known = _local_stores[resolved] = FlatCakeStore(config)
+    _check_geometry(known, geometry)
+    return known
 
 
 def _check_geometry(store: KVStore, geometry: Geometry) -> None:

@@ -76,18 +76,19 @@ class WorkerSide:
 
     # ---- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> Geometry:
-        views: list[torch.Tensor | None] = [None] * len(self.layer_index)
+        found: dict[int, torch.Tensor] = {}
         for name, tensor in kv_caches.items():
             index = self.layer_index.get(name)
             if index is not None:  # layers that reuse another layer's KV are not listed
-                views[index] = byte_view(tensor)
-        missing = [name for name, i in self.layer_index.items() if views[i] is None]
+                found[index] = byte_view(tensor)
+        missing = [name for name, i in self.layer_index.items() if i not in found]
         if missing:
             raise ShapeError(f"vLLM registered no KV tensor for layers {missing[:4]}")
+        views = [found[i] for i in range(len(self.layer_index))]
         shapes = {tuple(view.shape[1:]) for view in views}
         if len(shapes) != 1:
             raise ShapeError(f"attention layers differ in page shape: {sorted(shapes)}")
-        self._views = views  # type: ignore[assignment]
+        self._views = views
         page_bytes = int(torch.Size(shapes.pop()).numel())
         self.geometry = Geometry(len(views), page_bytes)
         return self.geometry
@@ -212,7 +213,7 @@ class WorkerSide:
             parent=spec.parent,
             hints=spec.hints,
         )
-        entry = (spec, handle, set())
+        entry: tuple[SaveSpec, PutWriter, set[int]] = (spec, handle, set())
         self._open_saves[index] = entry
         return entry
 

@@ -60,6 +60,7 @@ class NodeSource(Source):
             stats = self._gds.read(batch, slot.device)
             return FillStats(stats.path, stats.bytes, stats.commands, stats.seconds, on_device=True)
         started = time.perf_counter()
+        assert slot.host is not None  # a window's slots always have host bytes
         stats = self._ssd.read(batch, slot.host)
         return FillStats(LOCAL_SSD, stats.bytes, stats.commands, time.perf_counter() - started)
 

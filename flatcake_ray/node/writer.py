@@ -38,6 +38,7 @@ class WriteState:
     plan: PutPlan
     keys: int  # keys of the put (pages written are the plan's new positions among them)
     received: np.ndarray  # per layer: new pages written so far
+    checksums: np.ndarray  # uint64 [layers, blocks], the segment's, filled as layers finish
     staging: dict[int, AlignedBuffer] = field(default_factory=dict)  # SSD layers in progress
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -73,8 +74,9 @@ class SegmentWriter:
 
     def start(self, plan: PutPlan, keys: int) -> WriteState:
         layers = plan.segment.layout.layers
-        plan.segment.checksums = np.zeros((layers, plan.segment.layout.blocks), dtype=np.uint64)
-        return WriteState(plan, keys, np.zeros(layers, dtype=np.int64))
+        checksums = np.zeros((layers, plan.segment.layout.blocks), dtype=np.uint64)
+        plan.segment.checksums = checksums
+        return WriteState(plan, keys, np.zeros(layers, dtype=np.int64), checksums)
 
     def write_pages(self, state: WriteState, layer: int, first: int, pages: np.ndarray) -> None:
         """``pages``: uint8 [n, page_bytes] of keys ``[first, first + n)`` of ``layer``."""
@@ -109,13 +111,13 @@ class SegmentWriter:
         start = segment.offset + layout.layer_offset(layer)
         if segment.medium is Medium.DRAM:
             extent = self.arena.view[start : start + layout.layer_bytes]
-            segment.checksums[layer] = layer_checksums(extent, layout)
+            state.checksums[layer] = layer_checksums(extent, layout)
             self._count(dram_bytes_written=layout.layer_bytes)
             return
         staging = state.staging.pop(layer)
         try:
             staging.array[layout.layer_bytes : layout.layer_stride] = 0
-            segment.checksums[layer] = layer_checksums(staging.array, layout)
+            state.checksums[layer] = layer_checksums(staging.array, layout)
             self.pool.write(start, staging.array[: layout.layer_stride])
         finally:
             staging.close()
@@ -130,13 +132,13 @@ class SegmentWriter:
         with self._lock:
             self._check_open()
             if segment.medium is Medium.SSD:
-                self.manifest.append(self._record(plan))
+                self.manifest.append(self._record(state))
             published = self.catalog.publish(plan)
             self.counters["puts"] += 1
         return published
 
-    def _record(self, plan: PutPlan) -> dict[str, Any]:
-        segment = plan.segment
+    def _record(self, state: WriteState) -> dict[str, Any]:
+        segment = state.plan.segment
         scope = self.catalog.scopes[segment.scope_id]
         return {
             "t": "seg",
@@ -146,7 +148,7 @@ class SegmentWriter:
             "offset": segment.offset,
             "pages": segment.layout.pages,
             "digests": segment.digests.tobytes(),
-            "checksums": segment.checksums.tobytes(),
+            "checksums": state.checksums.tobytes(),
             "runs": [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs],
         }
 

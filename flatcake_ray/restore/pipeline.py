@@ -48,7 +48,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -133,7 +133,7 @@ class RestorePipeline:
         ]
         self._dram_lane = self._lane("flatcake-dram", slot_layers, source.fills_dram)
         self._idle = list(self._windows)
-        self._jobs: dict[int, Job] = {}  # submitted, not yet dispatched by the scheduler
+        self._jobs: dict[Hashable, Job] = {}  # submitted, not yet dispatched by the scheduler
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._live = 0  # submitted, not yet finished

@@ -178,8 +178,11 @@ class Lane:
             self._consume(*item)
 
     def _consume(self, job: Job, chunk: Any, slot: Slot | None, stats: FillStats | None) -> None:
-        if chunk is _END or isinstance(chunk, BaseException):
-            job.error = job.error or (None if chunk is _END else chunk)
+        if chunk is _END:
+            self._finish(self, job)
+            return
+        if isinstance(chunk, BaseException):  # the reader side failed
+            job.error = job.error or chunk
             self._finish(self, job)
             return
         try:
