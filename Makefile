@@ -29,9 +29,7 @@ demo: $(STAMP)
 
 test: test-unit test-integrations
 
-test-unit: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+test-unit: lint
 	$(BIN)/python -m flatcake_ray.cuda_ext.build --check
 	$(BIN)/python -m pytest -q -rs
 
@@ -52,9 +50,11 @@ wheel: $(STAMP)
 	rm -rf $(DIST) build
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
 
+# ruff, then the floors' import contracts (import-linter) and the type check (mypy).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/check_types_and_floors.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .
