@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,9 +52,22 @@ _POLL_SLEEP_MAX_S = 0.001
 _names = itertools.count()
 
 
+def _skip_ucx_ib_without_devices() -> None:
+    """Keep UCX from loading its InfiniBand module where there is no RDMA device.
+
+    The module brings a bundled libnl-route whose destructor crashes at process exit
+    (SIGSEGV in ``rtnl_tc_unregister``; every nixl wheel from 0.10 to 1.5 here), so any
+    process that made a NIXL agent exited with 139. Without a device the module has nothing to
+    drive. An operator's own ``UCX_MODULES`` wins."""
+    devices = Path("/sys/class/infiniband")
+    if "UCX_MODULES" not in os.environ and not (devices.is_dir() and any(devices.iterdir())):
+        os.environ["UCX_MODULES"] = "^ib"
+
+
 @functools.cache
 def _nixl_api() -> Any:
     """Import nixl on first use, keeping its import-time side effects off the process."""
+    _skip_ucx_ib_without_devices()
     raise_exceptions = logging.raiseExceptions
     try:
         import nixl._api as api
