@@ -226,8 +226,8 @@ class Source:
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON or TOML (``.toml``) file's table of fields; a ``flatcake`` sub-table if present."""
-    failpoint("config.load_file", path=path)
     try:
+        failpoint("config.load_file", path=path)
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
