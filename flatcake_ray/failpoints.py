@@ -81,6 +81,7 @@ def failpoint(name: str, **context: Any) -> None:
 
 def _raiser(exc: BaseException | type[BaseException]) -> Callable[..., None]:
     def action(**_context: Any) -> None:
+        # A class is raised fresh each time; an instance as given (its traceback grows).
         raise exc() if isinstance(exc, type) else exc
 
     return action
@@ -128,11 +129,18 @@ def _crash(**_context: Any) -> None:
     os._exit(137)
 
 
+def _os_error(code: int) -> Callable[..., None]:
+    def action(**_context: Any) -> None:
+        raise OSError(code, f"failpoint: {os.strerror(code)}")
+
+    return action
+
+
 def _env_action(text: str) -> Callable[..., Any]:
     if text == "oserror":
-        return _raiser(OSError(errno.EIO, "failpoint: I/O error"))
+        return _os_error(errno.EIO)
     if text == "enospc":
-        return _raiser(OSError(errno.ENOSPC, "failpoint: no space left on device"))
+        return _os_error(errno.ENOSPC)
     if text == "crash":
         return _crash
     if text.startswith("sleep:"):

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.cli.service import add_service_commands, config_from_args
-from flatcake_ray.config import PlacementConfig, ServiceConfig, Source, StoreConfig, build_config
-from flatcake_ray.config_sources import field_kinds, parse_size
+from flatcake_ray.config import PlacementConfig, ServiceConfig, StoreConfig
+from flatcake_ray.config_sources import Source, build_config, field_kinds, parse_size
 from flatcake_ray.errors import ConfigError
 
 STORE_BASE = {"root": "/r", "layers": 2, "page_bytes": 4096}

@@ -163,12 +163,12 @@ class Catalog:
         """Place and allocate the absent pages of ``digests``; None when all are stored."""
         if session_id is not None:
             session_id = check_session_id(session_id)
+        check_segment_pages(len(digests))  # before the lookup: a bound on the work it does
         hints = hints or PutHints()
         found, values = self.index.lookup(digests)
         new_positions = np.flatnonzero(~found)
         if not new_positions.size:
             return None
-        check_segment_pages(len(new_positions))
         matched = int(new_positions[0])
         anchor = values[matched - 1 : matched] if matched else self._parent_value(parent)
         session, refcount, parent_segment = self._resolve_session(session_id, anchor)

@@ -54,10 +54,11 @@ def check_session_id(session_id: object) -> SessionId:
 
 def check_segment_pages(pages: int) -> None:
     """A segment numbers its pages in 24 bits: page 2**24 would alias the next segment's
-    page 0 (and pass its checksums), so a put with more new pages is refused."""
+    page 0 (and pass its checksums), so a put of more pages than that is refused, whether
+    or not some of them are stored already."""
     if pages > MAX_SEGMENT_PAGES:
         raise SegmentTooLargeError(
-            f"one put may write at most {MAX_SEGMENT_PAGES} new pages, got {pages}; "
+            f"one put may name at most {MAX_SEGMENT_PAGES} pages, got {pages}; "
             "split it into several puts"
         )
 

@@ -15,8 +15,9 @@ scope of the damaged record, never more and never an untyped error:
 - a header too damaged to name its record's scope drops that record alone (with the
   doubled header this takes damage to both copies); reading resumes at the next intact one;
 - a torn tail (a crash mid-append) drops the last record alone;
-- scopes whose runs overlap another scope's, or leave the pool, or that share a segment id,
-  are dropped (what a lost ``free`` record could otherwise bring back).
+- where two scopes' runs overlap, the one written last wins: space is reused only after a
+  ``free``, so the older one is a scope whose ``free`` record was lost; scopes whose runs
+  leave the pool, or that share a segment id, are dropped.
 
 :attr:`Manifest.report` counts the records and scopes dropped, by reason. Format 1
 manifests (bare msgpack, written before key digests were length-framed, see
@@ -53,6 +54,7 @@ class RecoveredScope:
     runs: list[list[int]] = field(default_factory=list)  # [allocator, start, length, used]
     segments: list[dict[str, Any]] = field(default_factory=list)
     quarantined: bool = False
+    last_record: int = 0  # sequence number of its latest record (newer wins an overlap)
 
 
 @dataclass
@@ -138,11 +140,13 @@ class Manifest:
                 return
             scope.runs = record["runs"]
             scope.segments.append(record)
+            scope.last_record = self.report.records
         elif kind == "free":
             scopes.pop(record["scope"], None)
         elif kind == "quarantine":
             scope = scopes.setdefault(record["scope"], RecoveredScope(record["scope"], ""))
             scope.runs, scope.segments, scope.quarantined = record["runs"], [], True
+            scope.last_record = self.report.records
 
     def _check_header(self, record: dict[str, Any]) -> None:
         for key in ("layers", "page_bytes", "file_bytes", "files"):

@@ -100,15 +100,17 @@ def check_record(record: Any, scope: int, header: dict[str, Any]) -> dict[str, A
 
 
 def check_live_scopes(scopes: Iterable[RecoveredScope], header: dict[str, Any]) -> dict[int, str]:
-    """Scopes that cannot all be right, with why: runs overlapping another run (of any scope),
-    segments overlapping each other or outside their scope's final runs, or a segment id
-    recorded twice. Each side of a conflict is dropped: which one is stale cannot be told."""
+    """Scopes that cannot all be right, with why: runs overlapping another scope's (the one
+    whose last record is older goes), segments overlapping each other or outside their
+    scope's final runs, or a segment id recorded twice (every holder goes)."""
     scopes = list(scopes)
     bad: dict[int, str] = {}
+    by_id = {scope.scope_id: scope for scope in scopes}
     runs = [(start, start + length, s.scope_id) for s in scopes for _, start, length, _ in s.runs]
     for left, right in _overlapping(runs):
-        bad.setdefault(left, "overlap")
-        bad.setdefault(right, "overlap")
+        # Space is reused only after a free: the scope written earlier lost its free record.
+        stale = min((left, right), key=lambda scope_id: by_id[scope_id].last_record)
+        bad.setdefault(stale, "overlap")
     seen: Counter[int] = Counter()
     owners: dict[int, set[int]] = defaultdict(set)
     for scope in scopes:
