@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ManifestError
 from flatcake_ray.node.manifest_frames import FRAME_OVERHEAD, HEADER_BYTES, encode_record, frames
 from flatcake_ray.node.store import FlatCakeStore
@@ -29,7 +30,11 @@ class Pool:
     manifest: bytes  # as the store left it
     live: dict[str, tuple[list[str], np.ndarray]]  # session -> keys, kv (all on SSD, readable)
     scope_of: dict[str, int]  # live session -> its scope id
-    frames: list  # the intact manifest's records
+
+    @property
+    def frames(self) -> list:
+        """The intact manifest's records."""
+        return list(frames(self.manifest))
 
 
 def session_keys(session: str, turn: int) -> list[str]:
@@ -53,22 +58,13 @@ def pool(tmp_path_factory) -> Pool:
                 result = store.put(turn_keys, kv, session_id=session, hints=SSD)
                 assert result.medium == "SSD"
                 keys += turn_keys
-                written[session] = (
-                    keys,
-                    np.concatenate([written[session][1], kv], axis=1) if turn else kv,
-                )
+                kv = np.concatenate([written[session][1], kv], axis=1) if turn else kv
+                written[session] = (keys, kv)
         live = {s: kw for s, kw in written.items() if store.exists(kw[0]) == len(kw[0])}
+        scope_of = {s: store.catalog.sessions[s].scopes[Medium.SSD] for s in live}
+        assert store.stats()["reclaimed_scopes"] > 0 and 2 <= len(live) < SESSIONS
         path = store.manifest.path
-    data = path.read_bytes()
-    records = list(frames(data))
-    scope_of = {}
-    for frame in records:
-        record = msgpack.unpackb(frame.payload, raw=False)
-        if record["t"] == "seg" and record["session"] in live:
-            scope_of[record["session"]] = record["scope"]
-    kinds = {msgpack.unpackb(f.payload, raw=False)["t"] for f in records}
-    assert kinds == {"hdr", "seg", "free"} and 2 <= len(live) < SESSIONS
-    yield Pool(config, data, live, scope_of, records)
+    yield Pool(config, path.read_bytes(), live, scope_of)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -87,8 +83,8 @@ def readable(store: FlatCakeStore, keys: list[str], kv: np.ndarray) -> int:
     return got
 
 
-def frame_at(pool: Pool, offset: int):
-    return next(f for f in pool.frames if f.offset <= offset < f.offset + f.nbytes)
+def frame_at(records: list, offset: int):
+    return next(f for f in records if f.offset <= offset < f.offset + f.nbytes)
 
 
 def dropped_scopes(store: FlatCakeStore) -> int:
@@ -110,7 +106,7 @@ def test_a_damaged_byte_costs_only_its_records_scope(pool, position, mask):
     offset = int(position * len(pool.manifest))
     data = bytearray(pool.manifest)
     data[offset] ^= mask
-    frame = frame_at(pool, offset)
+    frame = frame_at(pool.frames, offset)
     in_payload = offset >= frame.offset + FRAME_OVERHEAD
     lost = {frame.scope} if in_payload and frame.scope else set()
     with reopen_with(pool, bytes(data)) as store:
@@ -133,11 +129,12 @@ def test_a_damaged_byte_costs_only_its_records_scope(pool, position, mask):
 )
 def test_several_damaged_bytes_cost_only_the_scopes_they_touch(pool, damage):
     data = bytearray(pool.manifest)
+    records = pool.frames
     touched: set[int] = set()
     for position, mask in damage:
         offset = int(position * len(data))
         data[offset] ^= mask
-        touched.add(frame_at(pool, offset).scope)
+        touched.add(frame_at(records, offset).scope)
     with reopen_with(pool, bytes(data)) as store:
         for session, (keys, kv) in pool.live.items():
             got = readable(store, keys, kv)  # whatever comes back is the right bytes
