@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 VERSION = 2
 RECORD_REASONS = ("checksum", "malformed", "header", "torn")
 SCOPE_REASONS = ("checksum", "malformed", "overlap", "duplicate_segment")
+MAX_EXAMPLES = 5
 
 
 @dataclass
@@ -66,6 +67,7 @@ class ReplayReport:
     scopes_dropped: Counter[str] = field(default_factory=Counter)
     bytes_skipped: int = 0  # bytes of records dropped
     dropped_scope_ids: dict[int, str] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)  # why the first malformed records were
 
     def drop_scope(self, scope_id: int, reason: str) -> None:
         if scope_id not in self.dropped_scope_ids:
@@ -102,7 +104,8 @@ class Manifest:
                     msgpack.unpackb(frame.payload, raw=False), frame.scope, self.header
                 )
             except (RecordError, ValueError, TypeError, msgpack.UnpackException) as exc:
-                log.warning("manifest %s: record at byte %d: %s", self.path, frame.offset, exc)
+                if len(self.report.examples) < MAX_EXAMPLES:
+                    self.report.examples.append(f"record at byte {frame.offset}: {exc}")
                 self._drop_record("malformed", frame.nbytes, frame.scope)
                 continue
             self.report.records += 1
@@ -114,10 +117,11 @@ class Manifest:
             scopes.pop(scope_id)
         if self.report.records_dropped or self.report.scopes_dropped:
             log.warning(
-                "manifest %s: dropped records %s and scopes %s",
+                "manifest %s: dropped records %s and scopes %s %s",
                 self.path,
                 dict(self.report.records_dropped),
                 dict(self.report.scopes_dropped),
+                "; ".join(self.report.examples),
             )
         return scopes
 
