@@ -153,6 +153,11 @@ class Manifest:
             scope.last_record = self.report.records
 
     def _check_header(self, record: dict[str, Any]) -> None:
+        if record.get("version") != VERSION:
+            raise ManifestError(
+                f"the SSD pool in {self.path.parent} has manifest format "
+                f"{record.get('version')!r}; this FlatCake-Ray reads format {VERSION}"
+            )
         for key in ("layers", "page_bytes", "file_bytes", "files"):
             if record.get(key) != self.header[key]:
                 raise ConfigError(
@@ -187,15 +192,23 @@ class Manifest:
                 f"cannot encode manifest record {record.get('t')!r}: {exc}"
             ) from exc
         failpoint("manifest.append", record=record)
-        view = memoryview(frame)
-        while view:
-            written = self._file.write(view)
-            if not written:
-                raise OSError(f"short write to {self.path}")
-            view = view[written:]
-        failpoint("manifest.fsync", record=record)
-        if self.fsync:
-            os.fsync(self._file.fileno())
+        fd = self._file.fileno()
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(frame)
+            while view:
+                written = self._file.write(view)
+                if not written:
+                    raise OSError(f"short write to {self.path}")
+                view = view[written:]
+            failpoint("manifest.fsync", record=record)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            # A failed append leaves nothing behind: a partial frame mid-file would make
+            # the reader trust its length and step over the records appended after it.
+            os.ftruncate(fd, size)
+            raise
 
     def close(self) -> None:
         self._file.close()
