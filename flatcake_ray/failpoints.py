@@ -72,9 +72,11 @@ def failpoint(name: str, **context: Any) -> None:
     """Run the action armed at ``name``, if any; a no-op otherwise."""
     if not _armed:
         return
+    point = _armed.get(name)  # one dict read is atomic; the lock guards only the counts
+    if point is None:
+        return
     with _lock:
-        point = _armed.get(name)
-        fire = point is not None and point._take()
+        fire = point._take()
     if fire:
         point.action(**context)
 
