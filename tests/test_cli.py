@@ -28,6 +28,12 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
+def nowhere() -> list[str]:
+    """Where ``start`` would deploy if its config were accepted: no cluster, so a regression
+    fails fast here instead of starting a local Ray and a service."""
+    return ["--address", f"127.0.0.1:{closed_port()}", "--connect-timeout", "2"]
+
+
 def assert_one_line(code: int, lines: list[str], *needles: str) -> None:
     assert code != 0
     assert len(lines) == 1 and lines[0].startswith(ERROR), lines
@@ -43,11 +49,11 @@ def bad_config(tmp_path):
 
 
 def test_config_errors_are_one_line(capsys, bad_config):
-    code, lines = run(capsys, "start", "--config", bad_config)
+    code, lines = run(capsys, "start", *nowhere(), "--config", bad_config)
     assert_one_line(code, lines, '"ssd_dirs"', bad_config)
-    code, lines = run(capsys, "start", "--page-bytes", "2.5")
+    code, lines = run(capsys, "start", *nowhere(), "--page-bytes", "2.5")
     assert_one_line(code, lines, "--page-bytes")
-    code, lines = run(capsys, "start", "--config", bad_config + ".absent")
+    code, lines = run(capsys, "start", *nowhere(), "--config", bad_config + ".absent")
     assert_one_line(code, lines, "cannot read config file")
 
 
@@ -75,7 +81,7 @@ def test_other_user_errors_are_one_line(capsys, tmp_path):
 
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_debug_prints_the_traceback(capsys, bad_config, where):
-    argv = ["start", "--config", bad_config]
+    argv = ["start", *nowhere(), "--config", bad_config]
     argv = ["--debug", *argv] if where == "before" else [*argv, "--debug"]
     code = main(argv)
     err = capsys.readouterr().err

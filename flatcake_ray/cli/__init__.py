@@ -59,10 +59,10 @@ def print_error(message: str) -> None:
 def describe(exc: BaseException) -> str:
     """One line saying what went wrong."""
     if isinstance(exc, FlatCakeError | OSError):
-        text = str(exc)
-    else:
-        text = f"{type(exc).__name__}: {exc} (--debug shows where)"
-    return " ".join(text.split()) or type(exc).__name__
+        return " ".join(str(exc).split()) or type(exc).__name__
+    # Others (Ray's errors carry whole remote tracebacks): their first line, and where to look.
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}{': ' + first if first else ''} (--debug shows where)"
 
 
 def main(argv: list[str] | None = None) -> int:
