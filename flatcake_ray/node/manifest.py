@@ -14,7 +14,10 @@ scope of the damaged record, never more and never an untyped error:
   scope (all its records, before and after); the records after it are still read;
 - a header too damaged to name its record's scope drops that record alone (with the
   doubled header this takes damage to both copies); reading resumes at the next intact one;
-- a torn tail (a crash mid-append) drops the last record alone;
+- a torn tail (a crash mid-append) drops the last record alone; a failed append is cut
+  off at once, so a partial record never sits between whole ones;
+- a damaged header record (no scope) is skipped: the pool's geometry is then checked only
+  through every record's sizes (digests per page, checksums per layer, runs per file);
 - where two scopes' runs overlap, the one written last wins: space is reused only after a
   ``free``, so the older one is a scope whose ``free`` record was lost; scopes whose runs
   leave the pool, or that share a segment id, are dropped.
@@ -38,7 +41,7 @@ import msgpack
 
 from flatcake_ray.errors import ConfigError, ManifestError
 from flatcake_ray.failpoints import failpoint
-from flatcake_ray.node.manifest_frames import MAGIC, encode_record, frames
+from flatcake_ray.node.manifest_frames import MAGIC, encode_frame, encode_record, frames
 from flatcake_ray.node.manifest_records import RecordError, check_live_scopes, check_record
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ class RecoveredScope:
     session_id: str | int | bytes
     runs: list[list[int]] = field(default_factory=list)  # [allocator, start, length, used]
     segments: list[dict[str, Any]] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)  # each segment's record, as read
     quarantined: bool = False
     last_record: int = 0  # sequence number of its latest record (newer wins an overlap)
 
@@ -109,7 +113,7 @@ class Manifest:
                 self._drop_record("malformed", frame.nbytes, frame.scope)
                 continue
             self.report.records += 1
-            self._apply(scopes, record)
+            self._apply(scopes, record, frame.payload)
         for scope_id in self.report.dropped_scope_ids:
             scopes.pop(scope_id, None)
         for scope_id, reason in check_live_scopes(scopes.values(), self.header).items():
@@ -131,7 +135,9 @@ class Manifest:
         if scope and reason in ("checksum", "malformed"):  # scope 0: the header record
             self.report.drop_scope(scope, reason)
 
-    def _apply(self, scopes: dict[int, RecoveredScope], record: dict[str, Any]) -> None:
+    def _apply(
+        self, scopes: dict[int, RecoveredScope], record: dict[str, Any], payload: bytes
+    ) -> None:
         kind = record["t"]
         if kind == "hdr":
             self._check_header(record)
@@ -144,12 +150,14 @@ class Manifest:
                 return
             scope.runs = record["runs"]
             scope.segments.append(record)
+            scope.payloads.append(payload)
             scope.last_record = self.report.records
         elif kind == "free":
             scopes.pop(record["scope"], None)
         elif kind == "quarantine":
             scope = scopes.setdefault(record["scope"], RecoveredScope(record["scope"], ""))
             scope.runs, scope.segments, scope.quarantined = record["runs"], [], True
+            scope.payloads = []
             scope.last_record = self.report.records
 
     def _check_header(self, record: dict[str, Any]) -> None:
@@ -172,7 +180,7 @@ class Manifest:
             if scope.quarantined:
                 record = {"t": "quarantine", "scope": scope.scope_id, "runs": scope.runs}
                 frames_out.append(encode_record(scope.scope_id, record))
-            frames_out.extend(encode_record(scope.scope_id, r) for r in scope.segments)
+            frames_out.extend(encode_frame(scope.scope_id, p) for p in scope.payloads)
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "wb") as out:
             out.write(b"".join(frames_out))

@@ -12,11 +12,9 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from flatcake_ray.config import ALIGN
 from flatcake_ray.core.index import MAX_SEGMENT_PAGES, PAGE_BITS
-from flatcake_ray.core.keys import DIGEST_DTYPE, HI_MARK
-from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.keys import DIGEST_DTYPE
 from flatcake_ray.core.put_checks import check_session_id
 from flatcake_ray.errors import FlatCakeError
 
@@ -24,6 +22,7 @@ if TYPE_CHECKING:
     from flatcake_ray.node.manifest import RecoveredScope
 
 MAX_ID = 1 << (64 - PAGE_BITS)  # segment ids share a 64-bit index value with page numbers
+_MARK_BYTE = DIGEST_DTYPE.fields["hi"][1] + 7  # little-endian hi: its top bit (HI_MARK)
 
 
 class RecordError(FlatCakeError, ValueError):
@@ -67,8 +66,8 @@ def _check_segment(record: dict[str, Any], header: dict[str, Any]) -> None:
     pages = _int(record, "pages", 1, MAX_SEGMENT_PAGES + 1)
     _int(record, "segment", 1, MAX_ID)
     offset = _int(record, "offset", 0, header["file_bytes"] * header["files"])
-    digests = np.frombuffer(_bytes(record, "digests", pages * DIGEST_DTYPE.itemsize), DIGEST_DTYPE)
-    if not np.all(digests["hi"] & HI_MARK):
+    digests = _bytes(record, "digests", pages * DIGEST_DTYPE.itemsize)
+    if min(digests[_MARK_BYTE :: DIGEST_DTYPE.itemsize]) < 0x80:  # hi's top bit, little endian
         raise RecordError("a digest lacks its mark bit")
     _bytes(record, "checksums", 8 * header["layers"])
     session = record.get("session")
@@ -143,8 +142,9 @@ def _overlapping(extents: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
 
 
 def _span(record: dict[str, Any], header: dict[str, Any]) -> tuple[int, int]:
-    layout = SegmentLayout(record["pages"], header["layers"], header["page_bytes"])
-    return record["offset"], record["offset"] + layout.nbytes
+    layer_bytes = record["pages"] * header["page_bytes"]
+    stride = -(-layer_bytes // ALIGN) * ALIGN  # SegmentLayout.nbytes, without the object
+    return record["offset"], record["offset"] + stride * header["layers"]
 
 
 def _inside(span: tuple[int, int], runs: list[list[int]]) -> bool:
