@@ -222,6 +222,10 @@ class CapacityCoordinator:
     def ping(self) -> str:
         return "ok"
 
+    def service_config(self) -> dict[str, Any]:
+        """The config this service was started with (``start`` checks its geometry)."""
+        return self.config.to_dict()
+
     # ---- recovery --------------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Adopt every storage node that answers by name: its NodeID, usage and sessions."""

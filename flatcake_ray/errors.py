@@ -44,7 +44,34 @@ class StoreWriteError(FlatCakeError):
 
 
 class ConfigError(FlatCakeError, ValueError):
-    """A configuration value (argument or FLATCAKE_* variable) is invalid."""
+    """A configuration value (argument, file, FLATCAKE_* variable or flag) is invalid.
+
+    ``fields`` names the fields at fault, where known (a builder adds their sources)."""
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class GeometryMismatchError(ConfigError):
+    """``start`` asked for another model geometry than the running service has."""
+
+
+class ManifestError(FlatCakeError):
+    """An SSD pool's manifest cannot be used as it is (e.g. written by an older format)."""
+
+
+class InvalidSessionError(FlatCakeError, TypeError, ValueError):
+    """A session id is not a str, int or bytes, or is too long to store."""
+
+
+class SegmentTooLargeError(FlatCakeError, ValueError):
+    """One put holds more new pages than a segment can address (2**24)."""
+
+
+class PutTooLargeError(MediumFullError):
+    """A put is larger than its medium could ever hold, even with every scope reclaimed;
+    nothing was evicted for it."""
 
 
 class LeaseError(FlatCakeError):

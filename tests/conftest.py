@@ -11,6 +11,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np
 import pytest
 
+from flatcake_ray import failpoints as failpoints_module
 from flatcake_ray.config import StoreConfig
 from flatcake_ray.node.store import FlatCakeStore
 
@@ -31,6 +32,14 @@ def small_config(root, **overrides) -> StoreConfig:
     )
     base.update(overrides)
     return StoreConfig(**base)
+
+
+@pytest.fixture
+def failpoints():
+    """The failpoint module, every point disarmed again when the test ends."""
+    failpoints_module.disarm_all()
+    yield failpoints_module
+    failpoints_module.disarm_all()
 
 
 @pytest.fixture

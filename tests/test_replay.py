@@ -328,8 +328,11 @@ def test_cli_runs_a_replay(tmp_path, capsys):
     assert args.handler(args) == 0
     assert "| flatcake |" in capsys.readouterr().out
     assert (tmp_path / "out" / "overview.png").exists()
-    bad = parser.parse_args(["replay", str(trace_path), "--set", "nonsense=1", "--no-progress"])
-    assert bad.handler(bad) == 2
+    from flatcake_ray.cli import main
+
+    assert main(["replay", str(trace_path), "--set", "nonsense=1", "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("flatcake-ray: error: unknown profile field")
 
 
 def test_configuration_errors_are_typed():

@@ -8,8 +8,10 @@ machine's /dev/shm and disk). One cluster per module; the node-removal test runs
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -325,7 +327,8 @@ def test_cli_start_is_idempotent_and_status_prints_the_table(deployment, capsys)
     add_service_commands(parser.add_subparsers(dest="command", required=True))
     address = deployment["cluster"].address
     common = ["--address", address, "--namespace", NAMESPACE]
-    args = parser.parse_args(["start", *common, "--layers", str(LAYERS), "--resource", "fc"])
+    geometry = ["--layers", str(LAYERS), "--page-bytes", str(PAGE_BYTES)]
+    args = parser.parse_args(["start", *common, *geometry, "--resource", "fc"])
     assert args.handler(args) == 0  # finds the running actors, starts nothing new
     args = parser.parse_args(["status", *common, "--json"])
     capsys.readouterr()
@@ -340,6 +343,31 @@ def test_cli_start_is_idempotent_and_status_prints_the_table(deployment, capsys)
     assert parser.parse_args(["bench", "restore", "--nodes", "2"]).handler.__name__ == (
         "cmd_bench_restore"
     )
+
+
+def test_cli_start_with_another_geometry_is_an_error_naming_both(deployment, capsys):
+    from flatcake_ray.cli import main
+
+    common = ["--address", deployment["cluster"].address, "--namespace", NAMESPACE]
+    wanted = ["--layers", str(LAYERS + 1), "--page-bytes", str(PAGE_BYTES), "--resource", "fc"]
+    capsys.readouterr()
+    assert main(["start", *common, *wanted]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flatcake-ray: error: "), lines
+    assert f"layers={LAYERS}," in lines[0] and f"layers={LAYERS + 1}," in lines[0]
+    info = service.status(NAMESPACE)  # the running service is untouched
+    assert sorted(row["node_id"] for row in info["nodes"]) == sorted(deployment["by_node_id"])
+
+
+def test_cli_status_from_a_fresh_process_connects(deployment):
+    """The bounded connect (TCP probe, Ray's health check, then ray.init) on a live cluster."""
+    argv = ["status", "--address", deployment["cluster"].address, "--namespace", NAMESPACE]
+    code = f"import sys; from flatcake_ray.cli import main; sys.exit(main({[*argv, '--json']}))"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180
+    )
+    assert child.returncode == 0, child.stderr
+    assert len(json.loads(child.stdout)["nodes"]) == len(deployment["by_node_id"])
 
 
 @pytest.mark.gpu

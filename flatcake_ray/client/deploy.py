@@ -102,6 +102,7 @@ def start(
     connect(address, config.namespace)
     coordinator = start_coordinator(config)
     ray.get(coordinator.ping.remote(), timeout=timeout_s)
+    config.check_same_geometry(ray.get(coordinator.service_config.remote(), timeout=timeout_s))
     targets = list(nodes) if nodes is not None else service_nodes(resource)
     if not targets:
         raise ServiceError("no alive Ray node to run a storage node on")

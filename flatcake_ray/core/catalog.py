@@ -25,7 +25,12 @@ from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
 from flatcake_ray.core.layout import SegmentLayout, check_pages_for
 from flatcake_ray.core.placement import PlacementInputs, PlacementPolicy
-from flatcake_ray.errors import MediumFullError
+from flatcake_ray.core.put_checks import (
+    SessionId,
+    check_segment_pages,
+    check_session_id,
+    put_refusal,
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class Segment:
 @dataclass
 class Scope:
     scope_id: int
-    session_id: str
+    session_id: SessionId
     medium: Medium
     runs: ScopeRuns = field(default_factory=ScopeRuns)
     segments: list[int] = field(default_factory=list)
@@ -63,7 +68,7 @@ class Scope:
 
 @dataclass
 class Session:
-    session_id: str
+    session_id: SessionId
     turns: int = 0
     context_pages: int = 0
     scopes: dict[Medium, int] = field(default_factory=dict)
@@ -73,7 +78,7 @@ class Session:
 class PutPlan:
     segment: Segment
     new_positions: np.ndarray  # positions in the caller's key list of the pages written
-    session_id: str
+    session_id: SessionId
     rule: str
     turn: int
     parent_segment: int | None
@@ -106,7 +111,7 @@ class Catalog:
         }
         self.segments: dict[int, Segment] = {}
         self.scopes: dict[int, Scope] = {}
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[SessionId, Session] = {}
         self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
         self._ids = itertools.count(1)
         self.leases: dict[int, Lease] = {}
@@ -151,11 +156,14 @@ class Catalog:
         self,
         digests: np.ndarray,
         *,
-        session_id: str | None = None,
+        session_id: SessionId | None = None,
         parent: np.ndarray | None = None,
         hints: PutHints | None = None,
     ) -> PutPlan | None:
         """Place and allocate the absent pages of ``digests``; None when all are stored."""
+        if session_id is not None:
+            session_id = check_session_id(session_id)
+        check_segment_pages(len(digests))  # before the lookup: a bound on the work it does
         hints = hints or PutHints()
         found, values = self.index.lookup(digests)
         new_positions = np.flatnonzero(~found)
@@ -186,12 +194,12 @@ class Catalog:
         placement = self.policy.decide(inputs)
         scope, offset = self._allocate(session, placement.medium, layout.nbytes)
         rule = placement.rule
+        tried = [placement.medium]
         if scope is None and placement.medium is Medium.DRAM:
             scope, offset, rule = (*self._allocate(session, Medium.SSD, layout.nbytes), "spill")
+            tried.append(Medium.SSD)
         if scope is None:
-            raise MediumFullError(
-                f"no room for {layout.nbytes} bytes on DRAM or SSD and nothing reclaimable"
-            )
+            raise put_refusal(layout, {m: self.space[m] for m in tried})
         scope.refs += 1  # an in-flight write pins its scope
         segment = Segment(
             next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
@@ -210,7 +218,7 @@ class Catalog:
         return values[found]
 
     def _resolve_session(
-        self, session_id: str | None, anchor: np.ndarray
+        self, session_id: SessionId | None, anchor: np.ndarray
     ) -> tuple[Session, int, int | None]:
         """The session a put belongs to, the refcount of its prefix, the segment it continues."""
         parent_segment = None
@@ -240,17 +248,21 @@ class Catalog:
         return session, refcount, parent_segment
 
     def _allocate(self, session: Session, medium: Medium, nbytes: int) -> tuple[Scope | None, int]:
+        """Room for ``nbytes`` in ``session``'s scope on ``medium``, reclaiming unreferenced
+        scopes if needed; (None, 0), with nothing evicted, when even that would not make it."""
         space = self.space[medium]
-        if space.capacity < nbytes:
-            return None, 0
+        if nbytes > space.region_bytes or not space.allocators:
+            return None, 0  # a run never crosses a region (one arena, one pool file)
         scope = self._scope_for(session, medium)
         scope.refs += 1  # keep reclamation away from the scope we are growing
         try:
-            if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:
-                self.reclaim(medium, target=self.config.low_watermark)
-            offset = space.place(scope.runs, nbytes)
-            while offset is None and self._reclaim_oldest(medium):
+            offset = None
+            if self._obtainable(medium, scope, nbytes):
+                if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:
+                    self.reclaim(medium, target=self.config.low_watermark)
                 offset = space.place(scope.runs, nbytes)
+                while offset is None and self._reclaim_oldest(medium):
+                    offset = space.place(scope.runs, nbytes)
         finally:
             scope.refs -= 1
         if offset is None:
@@ -258,6 +270,19 @@ class Catalog:
                 self._drop_scope(scope)
             return None, 0
         return scope, offset
+
+    def _obtainable(self, medium: Medium, scope: Scope, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit now, or would once every unreferenced scope were freed."""
+        space = self.space[medium]
+        last = scope.runs.runs[-1] if scope.runs.runs else None
+        if space.largest_free >= nbytes or (last is not None and last.room >= nbytes):
+            return True
+        freeable = [
+            self.scopes[scope_id].runs
+            for scope_id in self._age[medium]
+            if self.scopes[scope_id].refs == 0
+        ]
+        return space.largest_obtainable(freeable, scope.runs) >= nbytes
 
     def _scope_for(self, session: Session, medium: Medium) -> Scope:
         scope_id = session.scopes.get(medium)
@@ -360,7 +385,7 @@ class Catalog:
 
     # ---- recovery ------------------------------------------------------------------------
     def adopt_scope(
-        self, scope_id: int, session_id: str, runs: list[list[int]], segments: list[Segment]
+        self, scope_id: int, session_id: SessionId, runs: list[list[int]], segments: list[Segment]
     ) -> None:
         """Re-create an SSD scope from the manifest (a restarted node)."""
         scope = Scope(scope_id, session_id, Medium.SSD)

@@ -353,6 +353,7 @@ class FlatCakeStore:
             return {
                 **self.counters,
                 **catalog.counters,
+                **self.manifest.report.counters(),
                 "pages_indexed": pages,
                 "index_bytes": index_bytes,
                 "index_bytes_per_page": index_bytes / pages if pages else 0.0,
