@@ -57,7 +57,7 @@ def pool(tmp_path_factory) -> Pool:
                 turn_keys = session_keys(session, turn)
                 kv = random_kv(TURN_PAGES, seed=100 * number + turn)
                 result = store.put(turn_keys, kv, session_id=session, hints=SSD)
-                assert result.medium == "SSD"
+                assert result.medium.name == "SSD"
                 keys += turn_keys
                 kv = np.concatenate([written[session][1], kv], axis=1) if turn else kv
                 written[session] = (keys, kv)

@@ -69,7 +69,8 @@ def _check_segment(record: dict[str, Any], header: dict[str, Any]) -> None:
     digests = _bytes(record, "digests", pages * DIGEST_DTYPE.itemsize)
     if min(digests[_MARK_BYTE :: DIGEST_DTYPE.itemsize]) < 0x80:  # hi's top bit, little endian
         raise RecordError("a digest lacks its mark bit")
-    _bytes(record, "checksums", 8 * header["layers"])
+    blocks = -(-pages // header["check_pages"])  # one checksum per block of pages, per layer
+    _bytes(record, "checksums", 8 * header["layers"] * blocks)
     session = record.get("session")
     if type(session) not in (str, int, bytes) or check_session_id(session) != session:
         raise RecordError(f"session {session!r} is not a valid session id")
