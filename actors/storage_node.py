@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from flatcake_ray import failpoints
 from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.protocol import (
     COORDINATOR_NAME,
@@ -51,6 +53,7 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.errors import ServiceError
+from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.transports.local_dram import LocalDramTransport
 
@@ -226,6 +229,14 @@ class StorageNode:
     def ping(self) -> int:
         return self.node_id
 
+    def arm_failpoints(self, spec: str) -> int:
+        """Arm failpoints in this node's process (tests and chaos runs only: refused unless
+        the node was started with ``FLATCAKE_FAILPOINTS_REMOTE=1``); an empty spec disarms."""
+        if os.environ.get("FLATCAKE_FAILPOINTS_REMOTE") != "1":
+            raise ServiceError("remote failpoints are off on this node")
+        failpoints.disarm_all()
+        return len(failpoints.arm_from_spec(spec))
+
     def service_config(self) -> ServiceConfig:
         return self.config
 
@@ -255,6 +266,7 @@ class StorageNode:
 
     def release(self, lease_id: int, bad_scopes: Sequence[int] = ()) -> bool:
         """True when the lease was still held: what its reader read is good."""
+        failpoint("node.release", lease_id=lease_id)
         self.counters["releases"] += 1
         lease = self.leases.pop(lease_id)
         if lease is None:

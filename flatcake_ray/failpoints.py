@@ -20,12 +20,14 @@ Points placed today:
 - ``config.load_file``: before a config file is read (context: ``path``).
 - ``config.build``: before a config is built from its merged sources (context: ``cls``).
 
-Points to add in the write, read and release paths (names reserved for them):
-
-- ``store.write_layer``: before a layer's bytes go to DRAM or the SSD pool.
-- ``store.publish``: between a segment's manifest record and its keys becoming visible.
-- ``reader.read``: before a leased range is read (DRAM copy or SSD read).
-- ``node.release``: when a storage node handles a lease release.
+- ``store.write_layer``: before pages of a layer go to DRAM or to the SSD layer staging
+  (context: ``layer``, ``medium``).
+- ``store.publish``: between a segment's manifest record and its keys becoming visible
+  (context: ``segment``).
+- ``source.fill``: before a restore chunk's bytes are read, by the node's own source or the
+  Ray client's (context: ``medium``, and ``path`` on the client). An ``OSError`` there is a
+  failed read: the chunk's pages become misses.
+- ``node.release``: when a storage node handles a lease release (context: ``lease_id``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from flatcake_ray import failpoints
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import RestoreTimeoutError, StoreWriteError
@@ -48,6 +49,7 @@ def ray_client(tmp_path_factory):
     from flatcake_ray.config import ClientConfig, ServiceConfig
 
     root = tmp_path_factory.mktemp("contract-service")
+    os.environ["FLATCAKE_FAILPOINTS_REMOTE"] = "1"  # the nodes inherit it: tests arm faults
     head = {"num_cpus": 1, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(2):
@@ -77,6 +79,7 @@ def ray_client(tmp_path_factory):
     deploy.stop(NAMESPACE)
     ray.shutdown()
     cluster.shutdown()
+    os.environ.pop("FLATCAKE_FAILPOINTS_REMOTE", None)
     shutil.rmtree(root, ignore_errors=True)
     slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
     for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
@@ -102,6 +105,24 @@ def keys_for(pages: int) -> list[str]:
 def node_stats(store) -> list[dict]:
     stats = store.stats()
     return list(stats["nodes"].values()) if "nodes" in stats else [stats]
+
+
+def arm_where_it_writes(store, spec: str) -> None:
+    """Arm failpoints in the process that writes: this one, or every storage node."""
+    if isinstance(store, FlatCakeStore):
+        failpoints.disarm_all()
+        failpoints.arm_from_spec(spec)
+        return
+    import ray
+
+    handles = [link.handle for link in store.nodes.up()]
+    ray.get([handle.arm_failpoints.remote(spec) for handle in handles])
+
+
+@pytest.fixture
+def faults(store):
+    yield lambda spec: arm_where_it_writes(store, spec)
+    arm_where_it_writes(store, "")
 
 
 def used(store, medium: Medium) -> int:
@@ -151,6 +172,47 @@ def test_an_unfinished_put_publishes_nothing_and_gives_its_space_back(store):
     while used(store, Medium.DRAM) != before and time.monotonic() < deadline:
         time.sleep(0.05)  # the Ray client's abort reaches its owner asynchronously
     assert used(store, Medium.DRAM) == before
+
+
+def settle(store, medium: Medium, expected: int) -> None:
+    """Wait until ``medium`` is back to ``expected`` used bytes (a client's abort reaches its
+    owner asynchronously)."""
+    deadline = time.monotonic() + WAIT
+    while used(store, medium) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert used(store, medium) == expected
+
+
+def test_a_failed_layer_write_publishes_nothing_and_gives_its_space_back(store, faults):
+    keys, kv = keys_for(16), random_kv(16, seed=10)
+    before = used(store, Medium.SSD)
+    faults("store.write_layer=oserror*1@2")  # the third layer's write fails on the owner
+    with (
+        pytest.raises(StoreWriteError),
+        store.begin_put(keys, session_id=keys[0], hints=SSD) as put,
+    ):
+        for layer in range(LAYERS):
+            put.write_layer(layer, kv[layer])
+        put.commit()
+    assert store.exists(keys) == 0
+    settle(store, Medium.SSD, before)
+    faults("")
+    assert store.put(keys, kv, session_id=keys[0], hints=SSD).pages_written == 16  # retried
+
+
+def test_a_failed_publish_leaves_no_key_and_no_record(store, faults):
+    keys, kv = keys_for(16), random_kv(16, seed=11)
+    before = used(store, Medium.SSD)
+    faults("store.publish=oserror*1")  # after the manifest record, before the keys
+    with pytest.raises(StoreWriteError):
+        store.put(keys, kv, session_id=keys[0], hints=SSD)
+    assert store.exists(keys) == 0
+    settle(store, Medium.SSD, before)
+    if isinstance(store, FlatCakeStore):  # a restart must not bring the segment back
+        config = store.config
+        store.close()
+        with FlatCakeStore(config) as reopened:
+            assert reopened.exists(keys) == 0 and reopened.stats()["segments"] == 0
 
 
 def test_an_abandoned_put_expires_and_gives_its_space_back(store):

@@ -35,6 +35,7 @@ from flatcake_ray.errors import (
     TransferError,
     TransferTimeoutError,
 )
+from flatcake_ray.failpoints import failpoint
 from flatcake_ray.restore.source import (
     FillStats,
     Leased,
@@ -146,6 +147,7 @@ class TransportSource(Source):
             [r.src for r in reads], [r.length for r in reads], [r.slot_offset for r in reads]
         )
         try:
+            failpoint("source.fill", medium=medium, path=path)
             transport, lock = link.transport(path, medium, self._agents)
             with lock:
                 calls = transport.actor_calls

@@ -152,6 +152,8 @@ class Manifest:
             scope.segments.append(record)
             scope.payloads.append(payload)
             scope.last_record = self.report.records
+        elif kind == "unseg":  # a segment recorded, then not published: it never was
+            self._retract(scopes, record["scope"], record["segment"])
         elif kind == "free":
             scopes.pop(record["scope"], None)
         elif kind == "quarantine":
@@ -159,6 +161,17 @@ class Manifest:
             scope.runs, scope.segments, scope.quarantined = record["runs"], [], True
             scope.payloads = []
             scope.last_record = self.report.records
+
+    @staticmethod
+    def _retract(scopes: dict[int, RecoveredScope], scope_id: int, segment_id: int) -> None:
+        scope = scopes.get(scope_id)
+        if scope is None:
+            return
+        keep = [i for i, seg in enumerate(scope.segments) if seg["segment"] != segment_id]
+        scope.segments = [scope.segments[i] for i in keep]
+        scope.payloads = [scope.payloads[i] for i in keep]
+        if not scope.segments and not scope.quarantined:
+            scopes.pop(scope_id)  # its space was given back when the put was aborted
 
     def _check_header(self, record: dict[str, Any]) -> None:
         if record.get("version") != VERSION:

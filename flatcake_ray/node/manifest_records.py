@@ -88,12 +88,14 @@ def check_record(record: Any, scope: int, header: dict[str, Any]) -> dict[str, A
         if scope != 0:
             raise RecordError("a header record framed with a scope")
         return record
-    if kind not in ("seg", "free", "quarantine"):
+    if kind not in ("seg", "unseg", "free", "quarantine"):
         raise RecordError(f"unknown record kind {kind!r}")
     if _int(record, "scope", 1, MAX_ID) != scope:
         raise RecordError(f"record of scope {record['scope']} framed as scope {scope}")
     if kind == "seg":
         _check_segment(record, header)
+    elif kind == "unseg":
+        _int(record, "segment", 1, MAX_ID)
     elif kind == "quarantine":
         check_runs(record.get("runs"), header)
     return record

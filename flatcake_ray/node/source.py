@@ -18,6 +18,8 @@ from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.plan import MediumAccess, SlotRead
+from flatcake_ray.errors import TransferError
+from flatcake_ray.failpoints import failpoint
 from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
 from flatcake_ray.transports.base import LOCAL_DRAM, LOCAL_SSD, ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport, gds_reader
@@ -53,6 +55,10 @@ class NodeSource(Source):
     def fill(
         self, leased: Leased, medium: Medium, reads: Sequence[SlotRead], slot: Slot
     ) -> FillStats:
+        try:
+            failpoint("source.fill", medium=medium)
+        except OSError as exc:
+            raise TransferError(f"reading the SSD pool: {exc}") from exc
         batch = ReadBatch(
             [r.src for r in reads], [r.length for r in reads], [r.slot_offset for r in reads]
         )

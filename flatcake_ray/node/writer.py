@@ -15,6 +15,7 @@ the plan to a :class:`PutHandle` (``put.py``), which calls this writer:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +26,13 @@ import numpy as np
 from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import layer_checksums
+from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.node.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class SegmentWriter:
         if lo == hi:
             return
         chosen = pages[positions[lo:hi] - first]
+        failpoint("store.write_layer", layer=layer, medium=state.plan.segment.medium)
         with state.lock:
             self._place(state, layer, int(lo), chosen)
             state.received[layer] += hi - lo
@@ -131,11 +136,27 @@ class SegmentWriter:
             self.pool.sync(segment.offset)
         with self._lock:
             self._check_open()
-            if segment.medium is Medium.SSD:
-                self.manifest.append(self._record(state))
-            published = self.catalog.publish(plan)
+            recorded = False
+            try:
+                if segment.medium is Medium.SSD:
+                    self.manifest.append(self._record(state))
+                    recorded = True
+                failpoint("store.publish", segment=segment.segment_id)
+                published = self.catalog.publish(plan)
+            except BaseException:
+                if recorded:  # the put is aborted: a restart must not bring the segment back
+                    self._retract(segment.scope_id, segment.segment_id)
+                raise
             self.counters["puts"] += 1
         return published
+
+    def _retract(self, scope_id: int, segment_id: int) -> None:
+        try:
+            self.manifest.append({"t": "unseg", "scope": scope_id, "segment": segment_id})
+        except OSError:
+            # The record stays: at restart its checksums (and the overlap check against the
+            # scope that reuses the space) keep its stale bytes from ever being delivered.
+            log.exception("could not retract segment %d from the manifest", segment_id)
 
     def _record(self, state: WriteState) -> dict[str, Any]:
         segment = state.plan.segment
