@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.core.api import PutResult
-from flatcake_ray.core.catalog import PutPlan
+from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.errors import ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
 from flatcake_ray.node.puts import PutTable
-from flatcake_ray.node.writer import SegmentWriter, WriteState
+from flatcake_ray.node.writer import SegmentWriter
 
 
 class PutHandle:
@@ -30,14 +30,15 @@ class PutHandle:
         self,
         writer: SegmentWriter,
         plan: PutPlan | None,
+        catalog: Catalog,
         keys: int,
-        layers: int,
-        page_bytes: int,
         table: PutTable,
     ) -> None:
         self._writer = writer
-        self._state: WriteState | None = writer.start(plan, keys) if plan is not None else None
-        self._keys, self._layers, self._page_bytes = keys, layers, page_bytes
+        self._state = writer.start(plan, catalog, keys) if plan is not None else None
+        self._keys = keys
+        self._layers, self._page_bytes = catalog.config.layers, catalog.config.page_bytes
+        self.tenant = catalog.tenant
         self._done = False
         # One writer at a time, and never alongside an abort (an expiry from another thread):
         # a write into space already given back would land in someone else's segment.
