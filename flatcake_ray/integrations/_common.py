@@ -9,6 +9,7 @@ store is one :func:`register_store_opener` call away.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
 import threading
@@ -50,6 +51,7 @@ StoreOpener = Callable[[Mapping[str, Any], Geometry], KVStore]
 _openers: dict[str, StoreOpener] = {}
 _local_stores: dict[str, KVStore] = {}
 _local_locks: dict[str, int] = {}  # root -> fd holding the root's flock
+_local_users: dict[str, int] = {}  # root -> adapters holding its store (release_store)
 LOCK_NAME = ".flatcake-local.lock"
 _local_lock = threading.Lock()
 
@@ -98,6 +100,7 @@ def _open_local(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
             )
             store = FlatCakeStore(config)
             _local_stores[resolved] = store
+        _local_users[resolved] = _local_users.get(resolved, 0) + 1
     _check_geometry(store, geometry)
     return store
 
@@ -130,7 +133,9 @@ def _check_geometry(store: KVStore, geometry: Geometry) -> None:
 
 def _open_ray(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
     from flatcake_ray.client.client import FlatCakeClient  # type: ignore[import-not-found]
+    from flatcake_ray.integrations import _ray_connect
 
+    _ray_connect.connect(options)  # the engine's own cluster, never whichever "auto" finds
     client_options = {
         name[len("ray_") :]: value for name, value in options.items() if name.startswith("ray_")
     }
@@ -143,17 +148,40 @@ register_store_opener("local", _open_local)
 register_store_opener("ray", _open_ray)
 
 
+def release_store(store: KVStore) -> None:
+    """An adapter is done with a store :func:`open_store` gave it: an in-process store closes
+    (its DRAM arena leaves /dev/shm) when the last adapter of this process releases it, any
+    other store (a Ray client) closes at once."""
+    lock = None
+    with _local_lock:
+        root = next((r for r, s in _local_stores.items() if s is store), None)
+        if root is not None:
+            _local_users[root] -= 1
+            if _local_users[root] > 0:
+                return
+            del _local_stores[root], _local_users[root]
+            lock = _local_locks.pop(root, None)
+    store.close()
+    if lock is not None:
+        os.close(lock)  # after the close: another process may take the root from here on
+
+
 def close_local_stores() -> None:
-    """Close every in-process store :func:`open_store` opened (tests, shutdown)."""
+    """Close every in-process store :func:`open_store` opened (tests, shutdown, exit)."""
     with _local_lock:
         stores = list(_local_stores.values())
         locks = list(_local_locks.values())
         _local_stores.clear()
         _local_locks.clear()
+        _local_users.clear()
     for store in stores:
         store.close()
     for fd in locks:
         os.close(fd)  # closing the descriptor releases its flock
+
+
+# An engine process that exits without shutting its adapters down still removes its arena.
+atexit.register(close_local_stores)
 
 
 def make_namespace(engine: str, *parts: object) -> str:
