@@ -37,7 +37,8 @@ ENGINE_WARNINGS = (
     "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
     # vLLM's engine-core client leaves its zmq context to the garbage collector
     "ignore:Unclosed context:ResourceWarning",
-    "ignore:Exception ignored in. <function Context.__del__:pytest.PytestUnraisableExceptionWarning",
+    "ignore:Exception ignored in. <function Context.__del__"
+    ":pytest.PytestUnraisableExceptionWarning",
 )
 
 
