@@ -37,6 +37,8 @@ ENGINE_WARNINGS = (
     "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",
     # vLLM's engine-core client leaves its zmq context to the garbage collector
     "ignore:Unclosed context:ResourceWarning",
+    # Ray Serve 2.60 declares pydantic fields the v1 way
+    "ignore:Using extra keyword arguments on `Field` is deprecated:DeprecationWarning",
     "ignore:Exception ignored in. <function Context.__del__"
     ":pytest.PytestUnraisableExceptionWarning",
 )
