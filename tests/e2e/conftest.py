@@ -102,13 +102,12 @@ def two_node_cluster(root: Path, namespace: str, *, service_on_head_only: bool =
     machine would otherwise join. The folders are short (Ray's socket paths are limited).
     """
     import ray
-    from ray.cluster_utils import Cluster
 
     from flatcake_ray.client import deploy
 
     temp = Path(tempfile.mkdtemp(prefix="fce2e-", dir="/tmp"))
     head_args = {"num_cpus": 2, "include_dashboard": False, "temp_dir": str(temp / "h")}
-    cluster = Cluster(initialize_head=True, head_node_args=head_args)
+    cluster = _start_head(head_args)
     try:
         worker = cluster.add_node(num_cpus=2, temp_dir=str(temp / "w"))
         cluster.wait_for_nodes()
@@ -129,6 +128,20 @@ def two_node_cluster(root: Path, namespace: str, *, service_on_head_only: bool =
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _start_head(head_args: dict, attempts: int = 3):
+    """Ray gives a raylet 30 s (fixed) to register with the GCS; on this shared 2-core
+    machine a head started under load can miss that, so it gets another try."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(attempts):
+        try:
+            return Cluster(initialize_head=True, head_node_args=head_args)
+        except Exception as exc:  # Ray raises a bare Exception for this timeout
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def service_config(root: Path, namespace: str):
