@@ -31,7 +31,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from flatcake_ray.errors import ConfigError, FlatCakeError
-from flatcake_ray.integrations._common import KVStore, make_namespace, open_store
+from flatcake_ray.integrations._common import (
+    KVStore,
+    make_namespace,
+    open_store,
+    release_store,
+)
 from flatcake_ray.integrations._sglang_layout import HostPoolView, host_pool_view
 
 logger = logging.getLogger(__name__)
@@ -238,4 +243,8 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
         return None
 
     def close(self) -> None:
-        self.store = None  # the store is shared; open_store's owner closes it
+        # Each backend holds its own use of the store: an in-process store closes (arena
+        # removed) with its last user, a Ray client at once.
+        store, self.store = self.store, None
+        if store is not None:
+            release_store(store)

@@ -43,9 +43,34 @@ def result(tiny_model, tmp_path_factory):
         text=True,
         timeout=1500,
     )
+    reopen_and_close(store_root)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, f"SGLang run failed:\n{run.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def reopen_and_close(store_root: str) -> None:
+    """SGLang's Engine.shutdown SIGKILLs its scheduler, where the in-process store lives, so
+    that store never closes and its DRAM arena stays in /dev/shm. A store opened again on
+    the root removes the arenas of dead owners (FlatCake's own recovery); close it at once."""
+    from flatcake_ray.config import StoreConfig
+    from flatcake_ray.node.store import FlatCakeStore
+    from tests.e2e.tiny_model import HEAD_DIM, KV_HEADS, LAYERS
+
+    if not Path(store_root).exists():
+        return
+    page_bytes = 2 * 32 * KV_HEADS * HEAD_DIM * 2  # one 32-token page of one layer, K and V
+    config = StoreConfig(
+        root=str(Path(store_root).resolve()),
+        layers=LAYERS,
+        page_bytes=page_bytes,
+        dram_bytes=8 << 20,
+        ssd_file_bytes=16 << 20,
+        ssd_files_per_dir=2,
+        ssd_min_run_bytes=256 << 10,
+        fsync=False,
+    )
+    FlatCakeStore(config).close()
 
 
 def test_prefix_comes_from_the_flatcake_backend(result):
