@@ -71,11 +71,12 @@ class Prompts:
         self.prefix_tokens, self.new_tokens = prefix_tokens, new_tokens
 
     def prefix(self, kind: str, repeat: int) -> list[int]:
-        seed = {"dram": 1, "ssd": 2, "own": 3, "miss": 4, "xnode": 5, "xmiss": 6}[kind]
-        return words(self.prefix_tokens, 100_000 * seed + 997 * repeat)
+        # words() walks a cycle of 997 ids: offsets must differ modulo 997 to differ at all
+        kind_offset = {"dram": 1, "ssd": 2, "own": 3, "miss": 4, "xnode": 5, "xmiss": 6}[kind]
+        return words(self.prefix_tokens, 150 * kind_offset + 13 * repeat)
 
     def prompt(self, kind: str, repeat: int) -> list[int]:
-        return self.prefix(kind, repeat) + words(self.new_tokens, 50_000 + repeat)
+        return self.prefix(kind, repeat) + words(self.new_tokens, 7 + 11 * repeat)
 
 
 def in_process(model: str, root: Path, prompts: Prompts, repeats: int) -> dict[str, list]:
@@ -189,6 +190,9 @@ def check(summary: dict[str, dict], prompts: Prompts) -> None:
     """Every hit must have been served whole: the prefix reported as cached tokens."""
     for name in ("vllm prefix cache", "dram", "ssd", "cross-node"):
         if name in summary and summary[name]["cached"] != [prompts.prefix_tokens]:
+            raise SystemExit(f"{name}: cached tokens {summary[name]['cached']}")
+    for name in ("recompute", "cross-node recompute"):  # and a miss must be a miss
+        if name in summary and summary[name]["cached"] != [0]:
             raise SystemExit(f"{name}: cached tokens {summary[name]['cached']}")
 
 
