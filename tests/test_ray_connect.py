@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,11 @@ def fake_raylet():
         "--temp_dir=/tmp/fc-node-2",
     ]
     proc = subprocess.Popen(argv)
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while b"--gcs-address" not in cmdline.read_bytes():  # until the exec shows in /proc
+        assert time.monotonic() < deadline, "the fake raylet never started"
+        time.sleep(0.01)
     yield proc.pid
     proc.kill()
     proc.wait()
