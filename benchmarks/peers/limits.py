@@ -63,7 +63,10 @@ def answer(conn: Any, timeout_s: float = 600.0) -> Any:
     """The next message from a spawned process; raises its error, or if it died or hung."""
     if not conn.poll(timeout_s):
         raise TimeoutError(f"no answer in {timeout_s:.0f} s")
-    message = conn.recv()
+    try:
+        message = conn.recv()
+    except EOFError as exc:
+        raise RuntimeError("a spawned benchmark process died (its stderr says why)") from exc
     if isinstance(message, BaseException):
         raise message
     return message
