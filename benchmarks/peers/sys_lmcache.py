@@ -7,9 +7,10 @@ Its storage manager, backends, chunking, hashing and CPU memory allocator run on
 are (LMCache detects a CPU platform and uses its torch baseline ops). So the engine is given
 :class:`HostPagesConnector`, a connector that does on host memory exactly the copy a GPU
 connector does over PCIe: the session's pages into LMCache's memory objects (``store``) and
-back (``retrieve``). A page is 16 tokens; its bytes of one layer are the K half then the V
-half, so a 256-token chunk is one ``[2, layers, tokens, hidden]`` memory object (1 MiB for
-the default workload).
+back (``retrieve``). A page is 16 tokens; a 256-token chunk (16 pages) is one memory object
+of LMCache's ``[2, layers, tokens, hidden]`` fp16 shape (1 MiB for the default workload), whose
+bytes hold the chunk's pages layer by layer (one strided copy per chunk, as a GPU connector's
+gather is one kernel).
 
 Put rate: ``store`` until ``lookup`` finds every token (the disk backend writes in the
 background). Restore rate: ``retrieve`` of the first stored session into zeroed pages, byte
@@ -20,7 +21,6 @@ has no remote path (its remote backends need a separate server).
 from __future__ import annotations
 
 import glob
-import math
 import os
 import time
 from typing import Any
@@ -85,7 +85,7 @@ def _engine(workload: Workload, backend: str, disk_dir: str) -> Any:
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
 
-    gib = math.ceil((workload.rounds + 2) * workload.nbytes / (1 << 30)) + 1
+    gib = round((workload.rounds + 2) * workload.nbytes / (1 << 30) + 0.25, 2)  # every round
     options = {"chunk_size": CHUNK_TOKENS, "lmcache_instance_id": f"peers-{backend}"}
     if backend == "cpu":
         options.update(local_cpu=True, max_local_cpu_size=gib)
