@@ -75,7 +75,9 @@ def _merge(dram: dict[str, Any], ssd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_phase(name: str, workload: Workload, args: argparse.Namespace, clients: list[int]) -> Any:
+def run_phase(
+    name: str, workload: Workload, args: argparse.Namespace, clients: list[int], into: dict
+) -> Any:
     root = os.path.join(args.root, name)
     if name == "limits":
         from benchmarks.peers.limits import measure_limits
@@ -86,7 +88,8 @@ def run_phase(name: str, workload: Workload, args: argparse.Namespace, clients: 
 
         full = name == "flatcake"
         tls = None if full else "tcp"
-        return run_flatcake(workload, root, tls, full, args.scale_pages, clients if full else [])
+        scale = clients if full else []
+        return run_flatcake(workload, root, tls, full, args.scale_pages, scale, into)
     if name == "mooncake":
         from benchmarks.peers.sys_mooncake import run_dram, run_ssd
 
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         for phase in phases:
             print(f"[bench-peers] {phase} ...", file=sys.stderr, flush=True)
             begun = time.perf_counter()
-            results[phase] = run_phase(phase, workload, args, clients)
+            results[phase] = {}
+            results[phase] = run_phase(phase, workload, args, clients, results[phase])
             results["phase_seconds"][phase] = round(time.perf_counter() - begun, 1)
     except BaseException as exc:
         results["error"] = f"{type(exc).__name__}: {exc}"

@@ -91,7 +91,11 @@ class FlatCakeWorker:
         report = self.client.restore(keys, out)
         ended = time.time()
         if report.pages != pages:
-            raise AssertionError(f"FlatCake restored {report.pages} of {pages} pages")
+            raise AssertionError(
+                f"FlatCake restored {report.pages} of {pages} pages of {session} on node "
+                f"{self.node_id} (owner {report.node_id}, lease expired {report.lease_expired}, "
+                f"failures {report.failures})"
+            )
         check_bytes(out, self.workload.kv(seed_of(session), pages), f"FlatCake {session}")
         return {"start": started, "end": ended, "bytes": out.nbytes, "paths": sorted(report.paths)}
 
@@ -245,20 +249,20 @@ class FlatCakeBench:
         reader = self.first(self.other(put["owner"]))
         return ray.get(reader.control.remote(put["session"], self.workload.pages))
 
-    def scale(self, clients: list[int]) -> dict[int, dict[str, Any]]:
+    def scale(self, clients: list[int], out: dict[int, Any]) -> dict[int, dict[str, Any]]:
         """Aggregate restore and put rates with ``k`` concurrent clients on each node."""
         import ray
 
         pages = self.scale_pages
-        source = "scale-src"
-        owner = self.seeded(source, "DRAM")
-        ray.get(self.first(owner).put.remote(source, pages, "DRAM"))
-        out = {}
         for k in clients:
             for node_id, ray_node in list(self.ray_nodes.items()):
                 while len(self.workers[node_id]) < k:
                     self._add_worker(ray_node)
             team = [w for node_id in self.workers for w in self.workers[node_id][:k]]
+            # A fresh source each k: the puts of the previous k may have reclaimed the last.
+            source = f"scale-src-{k}"
+            owner = self.seeded(source, "DRAM")
+            ray.get(self.first(owner).put.remote(source, pages, "DRAM"))
             ray.get([w.restore_once.remote(source, pages) for w in team])  # warm-up
             restore = [
                 aggregate(ray.get([w.restore_once.remote(source, pages) for w in team]))
@@ -311,7 +315,7 @@ def run_flatcake(
             result["control"] = bench.control(warm)
         result["put"] = bench.timed_puts(local_writers=full)
         if full and clients:
-            result["scale"] = bench.scale(clients)
+            bench.scale(clients, result.setdefault("scale", {}))
     return result
 
 
