@@ -299,10 +299,16 @@ def put_label(medium: str, samples: list[dict[str, Any]]) -> str:
 
 
 def run_flatcake(
-    workload: Workload, root: str, ucx_tls: str | None, full: bool, scale_pages: int,
+    workload: Workload,
+    root: str,
+    ucx_tls: str | None,
+    full: bool,
+    scale_pages: int,
     clients: list[int],
-) -> dict[str, Any]:  # fmt: skip
-    """One pass: every path with ``full``, else only the remote ones (the TCP column)."""
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """One pass: every path with ``full``, else only the remote ones (the TCP column).
+    Fills ``result`` as it goes (a failure keeps what was measured before it)."""
     from benchmarks.peers.limits import environment
 
     with (
@@ -310,7 +316,7 @@ def run_flatcake(
         FlatCakeBench(workload, root, scale_pages) as bench,
     ):
         warm = bench.put_round("0", local_writers=full)  # warm-up; restored below
-        result: dict[str, Any] = {"restore": bench.restores(warm, local_readers=full)}
+        result["restore"] = bench.restores(warm, local_readers=full)
         if full:
             result["control"] = bench.control(warm)
         result["put"] = bench.timed_puts(local_writers=full)
