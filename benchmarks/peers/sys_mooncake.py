@@ -12,7 +12,7 @@ put lands in DRAM and the segment's owner writes it to its disk in buckets of
 DRAM; at most 500: a bucket is one vectored write, and larger ones fail here with
 ``FILE_WRITE_FAIL``). The SSD put rate is the session's bytes over the time until every key
 has a disk replica. For SSD restores the DRAM replicas
-are cleared (``batch_replica_clear`` on A's segment, after the leases lapse) and the bucket
+are cleared (``batch_replica_clear`` on A's segment, after the 10 s leases lapse) and the bucket
 files dropped from the page cache, so gets read the drive.
 """
 
@@ -32,7 +32,9 @@ import numpy as np
 from benchmarks.peers.limits import answer, environment, spawn, stop
 from benchmarks.peers.workload import Workload, check_bytes, gbps, median
 
-LEASE_TTL_MS = 5000
+# A get fails (LEASE_EXPIRED) if it outlasts its lease: DRAM leases match FlatCake's 60 s TTL;
+# SSD leases stay at Mooncake's default, since DRAM replicas clear only once leases lapse.
+LEASE_TTL_MS = {"dram": 60_000, "ssd": 10_000}
 MAX_BUCKET_KEYS = 500
 
 
@@ -168,6 +170,7 @@ class MooncakeCluster:
         self.master: subprocess.Popen | None = None
         self.clients: list[tuple[Any, Any, str]] = []  # process, conn, segment name
         self.master_port, self.meta_port = free_port(), free_port()
+        self.lease_ms = LEASE_TTL_MS["ssd" if ssd else "dram"]
 
     def env(self) -> dict[str, str]:
         lanes = str(max(1024, 4 * self.workload.pages))  # batches over 1,024 objects
@@ -191,7 +194,7 @@ class MooncakeCluster:
             "--http_metadata_server_host=127.0.0.1",
             f"--http_metadata_server_port={self.meta_port}",
             f"--metrics_port={free_port()}",
-            f"--default_kv_lease_ttl={LEASE_TTL_MS}",
+            f"--default_kv_lease_ttl={self.lease_ms}",
         ]
         if self.ssd:
             args.append("--enable_offload=true")
@@ -368,7 +371,7 @@ def run_ssd(workload: Workload, root: str) -> dict[str, Any]:
                 if r:
                     put[label].append(durable - got["start"])
         source = "mc-ssd-0-0"
-        time.sleep(LEASE_TTL_MS / 1e3 + 0.5)  # replicas clear only once their leases lapse
+        time.sleep(mc.lease_ms / 1e3 + 0.5)  # replicas clear only once their leases lapse
         mc.call(0, "clear_dram", source, workload.pages, mc.segment(0))
         left = mc.call(0, "on_disk", source, workload.pages)
         if left != {"disk": workload.pages, "dram": 0}:
