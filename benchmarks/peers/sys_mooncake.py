@@ -12,7 +12,7 @@ put lands in DRAM and the segment's owner writes it to its disk in buckets of
 DRAM; at most 500: a bucket is one vectored write, and larger ones fail here with
 ``FILE_WRITE_FAIL``). The SSD put rate is the session's bytes over the time until every key
 has a disk replica. For SSD restores the DRAM replicas
-are cleared (``batch_replica_clear`` on A's segment, after the 10 s leases lapse) and the bucket
+are cleared (``batch_replica_clear`` on A's segment, after the 5 s leases lapse) and the bucket
 files dropped from the page cache, so gets read the drive.
 """
 
@@ -33,8 +33,10 @@ from benchmarks.peers.limits import answer, environment, spawn, stop
 from benchmarks.peers.workload import Workload, check_bytes, gbps, median
 
 # A get fails (LEASE_EXPIRED) if it outlasts its lease: DRAM leases match FlatCake's 60 s TTL;
-# SSD leases stay at Mooncake's default, since DRAM replicas clear only once leases lapse.
-LEASE_TTL_MS = {"dram": 60_000, "ssd": 10_000}
+# SSD leases are short: DRAM replicas clear only once leases lapse, and a get of a disk-only
+# object that still holds a lease (even its reader's own, from the last get) fails with
+# OBJECT_HAS_LEASE, so each SSD get waits for the last lease to lapse (untimed).
+LEASE_TTL_MS = {"dram": 60_000, "ssd": 5_000}
 MAX_BUCKET_KEYS = 500
 
 
@@ -249,6 +251,10 @@ class MooncakeCluster:
 
     def segment(self, index: int) -> str:
         return self.clients[index][2]
+
+    def before_ssd_get(self) -> None:
+        time.sleep(self.lease_ms / 1e3 + 0.5)
+        self.drop_page_cache()
 
     def drop_page_cache(self) -> None:
         """Evict the offloaded bucket files from the page cache (per file, no global drop)."""
