@@ -86,7 +86,11 @@ def _engine(workload: Workload, backend: str, disk_dir: str) -> Any:
     from lmcache.v1.metadata import LMCacheMetadata
 
     gib = round((workload.rounds + 2) * workload.nbytes / (1 << 30) + 0.25, 2)  # every round
-    options = {"chunk_size": CHUNK_TOKENS, "lmcache_instance_id": f"peers-{backend}"}
+    options = {
+        "chunk_size": CHUNK_TOKENS,
+        "lmcache_instance_id": f"peers-{backend}",
+        "save_unfull_chunk": True,  # else the session's last, partial chunk is never stored
+    }
     if backend == "cpu":
         options.update(local_cpu=True, max_local_cpu_size=gib)
     else:  # the disk backend alone: the CPU backend only allocates, caches nothing
@@ -136,7 +140,10 @@ def _measure(workload: Workload, backend: str, disk_dir: str) -> dict[str, Any]:
         pages = torch.from_numpy(workload.kv(1000 + r))
         started = time.perf_counter()
         engine.store(tokens(r), kvcaches=pages)
+        deadline = time.monotonic() + 600
         while engine.lookup(tokens(r)) < tokens_n:  # the disk backend writes in the background
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"LMCache {backend}: stored tokens not found after 600 s")
             time.sleep(0.01)
         if r:
             puts.append(time.perf_counter() - started)
