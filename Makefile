@@ -13,8 +13,10 @@ E2E := .venv-e2e
 E2E_STAMP := $(E2E)/.installed
 
 DIST ?= dist
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
 
-.PHONY: demo test test-unit test-integrations test-e2e lint format bench bench-e2e wheel clean
+.PHONY: demo test test-unit test-integrations test-e2e lint format bench bench-e2e bench-peers wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -80,5 +82,20 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ssd_layout.py --write-md BENCHMARKS.md
 
+# FlatCake-Ray beside Mooncake Store and LMCache (benchmarks/peers), in their own venv (see
+# requirements-peers.txt for why LMCache goes in with --no-deps). Not part of `make test`.
+$(PEERS_STAMP): pyproject.toml constraints.txt requirements-peers.txt
+	ldconfig -p | grep -q 'libibverbs.so.1 ' || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1)
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q --upgrade pip
+	$(PEERS)/bin/pip install -q -c constraints.txt -e '.[test]'
+	$(PEERS)/bin/pip install -q -c constraints.txt -r requirements-peers.txt
+	$(PEERS)/bin/pip install -q -c constraints.txt --no-deps lmcache==0.5.6
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS)/bin/python -m benchmarks.peers --write-md BENCHMARKS.md
+
 clean:
-	rm -rf $(VENV) $(ENGINES) $(E2E) build dist *.egg-info
+	rm -rf $(VENV) $(ENGINES) $(E2E) $(PEERS) build dist *.egg-info
