@@ -88,7 +88,7 @@ class FlatCakeWorker:
         out = self._buffer(pages)
         out.fill(0)
         started = time.time()
-        report = self.client.restore(keys, out)
+        report = self.client.restore_report(keys, out)
         ended = time.time()
         if report.pages != pages:
             raise AssertionError(

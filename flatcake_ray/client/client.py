@@ -86,13 +86,18 @@ class FlatCakeClient:
         self.allowed = frozenset(ALL_PATHS if allow is None else allow)
         if self.allowed - ALL_PATHS:
             raise ValueError(f"unknown remote paths {sorted(self.allowed - ALL_PATHS)}")
-        self.nodes = NodeTable(namespace, self.ray_node_id)
+        self.nodes = NodeTable(
+            namespace, self.ray_node_id, self.client_config.tenant_secret or None
+        )
         self.nodes.refresh(force=True)
         if not self.nodes.links or self.nodes.config is None:
             raise ServiceError(
                 f"no storage node answers in namespace {namespace!r}: run `flatcake-ray start`"
             )
         self.config: ServiceConfig = self.nodes.config
+        described = next(iter(self.nodes.links.values())).description
+        self.tenant = described.tenant
+        self._geometry = (described.layers, described.page_bytes)  # the tenant's model
         self._locator = Locator(self.nodes, self.config.rpc_timeout_s)
         self._owners = OwnerChooser(self.nodes, self._locator, namespace, self.config.rpc_timeout_s)
         self._lock = threading.Lock()
@@ -102,8 +107,8 @@ class FlatCakeClient:
         self.source = TransportSource(
             self.nodes,
             self._locator,
-            layers=self.config.layers,
-            page_bytes=self.config.page_bytes,
+            layers=self.layers,
+            page_bytes=self.page_bytes,
             allowed=self.allowed,
             agents=self._nixl_agent,
             lease_ttl_s=self.config.lease_ttl_s,
@@ -116,11 +121,11 @@ class FlatCakeClient:
 
     @property
     def layers(self) -> int:
-        return self.config.layers
+        return self._geometry[0]
 
     @property
     def page_bytes(self) -> int:
-        return self.config.page_bytes
+        return self._geometry[1]
 
     def _gds_enabled(self) -> bool:
         mode = self.client_config.gds

@@ -43,6 +43,7 @@ from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import DIGEST_DTYPE, KeyLike, PageKey, digest_keys, split_namespace
 from flatcake_ray.core.parts import LeasePart, lease_parts
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ShapeError, StoreClosedError, StoreInUseError
@@ -288,10 +289,42 @@ class FlatCakeStore:
         with self._lock:
             return self.tenancy.catalog(tenant).lease(digests)
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease) -> bool:
+        """Let go of ``lease``; True when every scope it pinned is still the one it pinned
+        (scope ids are never reused), so what its reader copied meanwhile is good. False
+        means a scope went while leased (its tenant was removed, or a bug freed it): the
+        reader must drop what it read (the seqlock-style check after the copy)."""
         with self._lock:
-            if lease.tenant in self.tenancy:
-                self.tenancy.catalog(lease.tenant).release(lease)
+            if lease.tenant not in self.tenancy:
+                return False
+            catalog = self.tenancy.catalog(lease.tenant)
+            intact = all(scope_id in catalog.scopes for scope_id in lease.scope_ids)
+            catalog.release(lease)
+            return intact
+
+    def lease_runs(self, lease: Lease, medium: Medium) -> list[tuple[int, int]]:
+        """The ``[start, end)`` spans on ``medium`` of the runs of ``lease``'s scopes, each
+        to the end of its used bytes rounded up to the read alignment: what a reader of the
+        lease may ask the node to read for it."""
+        with self._lock:
+            if lease.tenant not in self.tenancy:
+                return []
+            scopes = self.tenancy.catalog(lease.tenant).scopes
+            runs = [
+                run
+                for scope_id in lease.scope_ids
+                if scope_id in scopes and scopes[scope_id].medium is medium
+                for run in scopes[scope_id].runs.runs
+            ]
+        return [(r.start, r.start + min(r.length, align_up(r.used))) for r in runs]
+
+    def remove_tenant(self, name: str) -> int:
+        """Free every page of tenant ``name`` (removed from the service); returns the bytes
+        freed. Its open puts are aborted; its leases must have been dropped."""
+        self.puts.abort_tenant(name)
+        with self._lock:
+            self._sources.pop(name, None)
+            return self.tenancy.remove(name)
 
     def pipeline(
         self, device: str | torch.device = "cpu", tenant: str = DEFAULT_TENANT

@@ -205,7 +205,9 @@ class RestorePipeline:
                 request_id = job.handle.request_id
                 gvas = [encode_gva(p.medium, 0, p.offset) for p in leased.parts]
                 kv_bytes = wanted_bytes(leased.parts, Medium.SSD)
-                self.scheduler.submit(request_id, job.handle.submitted_at, gvas, kv_bytes)
+                # The scheduler's clock never goes back: read it under the lock (a restore
+                # made on another thread a moment earlier may be queued a moment later).
+                self.scheduler.submit(request_id, self._clock(), gvas, kv_bytes)
                 self._jobs[request_id] = job
                 self._live += 1
                 handed_over = True
