@@ -302,7 +302,7 @@ class CapacityCoordinator:
         import ray
         from ray.exceptions import RayError
 
-        refs = []
+        refs: list[Any] = []
         for record in list(self.nodes.values()):
             try:
                 handle = ray.get_actor(record.actor_name, namespace=self.config.namespace)

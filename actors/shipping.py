@@ -72,7 +72,7 @@ class RegionAllocator:
     def free(self, region_id: object, owner: str = "") -> bool:
         """Give back ``owner``'s region; False (nothing changes) for anyone else's."""
         held = self._held.get(region_id) if isinstance(region_id, int) else None
-        if held is None or held[3] != owner:
+        if held is None or held[3] != owner or not isinstance(region_id, int):
             return False
         del self._held[region_id]
         self._give_back(held[0], held[1])

@@ -31,7 +31,14 @@ _SIZE_FLAGS = {
     "ssd_file_bytes": "size of each pre-allocated SSD pool file",
     "ship_bytes": "NIXL bounce buffer per node for shipped SSD reads",
 }
-_CONFIG_FLAGS = ("namespace", "root", "layers", "page_bytes", "ssd_dirs", "ssd_files_per_dir")
+_CONFIG_FLAGS: tuple[str, ...] = (
+    "namespace",
+    "root",
+    "layers",
+    "page_bytes",
+    "ssd_dirs",
+    "ssd_files_per_dir",
+)
 _CONFIG_FLAGS += ("secret_file", "open_default")
 DEFAULT_NAMESPACE = "flatcake"
 
