@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from flatcake_ray.actors.protocol import StagingKind
 from flatcake_ray.client.locate import Locator, hits
 from flatcake_ray.client.nodes import NodeTable, process_paths
-from flatcake_ray.client.put import OwnerChooser, PutRoute, RemotePut, staging_kind
+from flatcake_ray.client.owners import OwnerChooser
+from flatcake_ray.client.put import PutRoute, RemotePut
+from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.client.source import HeldLease, TransportSource, first_digest
 from flatcake_ray.client.staging import StagingArena
@@ -104,6 +105,7 @@ class FlatCakeClient:
         self._closed = False
         self._agents: dict[str, Any] = {}
         self._staging = StagingArena(self.client_config.staging_segment_bytes)
+        self._targets = PutTargets(self._staging, self.config.rpc_timeout_s)
         self.source = TransportSource(
             self.nodes,
             self._locator,
@@ -295,17 +297,10 @@ class FlatCakeClient:
         first = first_digest(keys, namespace)
         report = RestoreReport(len(keys))
         link = self._owners.owner(first, namespace, session_id, parent, report)
-        kind = staging_kind(link, self.allowed)
-        if kind is StagingKind.INLINE:
+        nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
+        if not link.local and not nixl:
             self._count(puts_object_store_fallback=1)
-        route = PutRoute(
-            link,
-            self.nodes,
-            kind,
-            self._staging,
-            self.client_config.put_region_bytes,
-            self.config.rpc_timeout_s,
-        )
+        route = PutRoute(link, self.nodes, self._targets, nixl, self.config.rpc_timeout_s)
         options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
         options.update(parent=parent, hints=hints)
         self._owners.remember(first, session_id, link.node_id)
@@ -378,6 +373,7 @@ class FlatCakeClient:
         for pipeline in pipelines:
             pipeline.close()
         self.nodes.close()
+        self._targets.close()
         self._staging.close()
         for agent in self._agents.values():
             agent.close()

@@ -75,6 +75,7 @@ _COUNTERS = (
     "ssd_bytes_written",
     "dram_bytes_written",
     "ssd_write_commands",
+    "layers_landed",
     "hit_pages",
     "miss_pages",
     "checksum_failures",
