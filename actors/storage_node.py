@@ -38,6 +38,7 @@ import numpy as np
 
 from flatcake_ray import failpoints
 from flatcake_ray.actors.auth import Gate, default_tenant
+from flatcake_ray.actors.homes import HomeDirectory, check_first
 from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.membership import Membership
@@ -58,7 +59,7 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
-from flatcake_ray.errors import ReadRangeError, ServiceError
+from flatcake_ray.errors import ReadRangeError, ServiceError, ShapeError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.transports.base import ReadBatch
@@ -98,6 +99,7 @@ class StorageNode:
         self._sync_lock = threading.Lock()
         self._sync_tenants()
         self.leases = LeaseTable(config.lease_ttl_s)
+        self.homes = HomeDirectory()
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self.counters = dict.fromkeys(_COUNTERS, 0)
         landing = LandingArea(config.landing_bytes, f"{config.namespace}-landing-{self.node_id}")
@@ -127,6 +129,7 @@ class StorageNode:
                 self.store.set_tenant(tenant)
         for name in set(self._tenants) - set(table):
             self.leases.drop_tenant(name)
+            self.homes.drop_tenant(name)
             self.store.remove_tenant(name)
             self.counters["tenants_removed"] += 1
             log.info("tenant %s removed from the service: its pages here are freed", name)
@@ -266,6 +269,17 @@ class StorageNode:
         check_request(keys, namespace)
         self.counters["exists_calls"] += 1
         return self.store.probe(keys, namespace=namespace, tenant=tenant)
+
+    def record_home(self, secret: object, first: object, owner: object) -> None:
+        """This node is home to the chain starting at ``first``, which ``owner`` holds."""
+        tenant = self._tenant(secret).name
+        if not isinstance(owner, int) or isinstance(owner, bool):
+            raise ShapeError(f"an owner is a NodeID, not {type(owner).__name__}")
+        self.homes.record(tenant, check_first(first), owner)
+
+    def home_of(self, secret: object, first: object) -> int | None:
+        """The NodeID recorded for the chain starting at ``first``, if any."""
+        return self.homes.owner(self._tenant(secret).name, check_first(first))
 
     def gvas(self, secret: object, keys: Any, namespace: Any = None) -> np.ndarray:
         tenant = self._tenant(secret).name

@@ -106,7 +106,7 @@ def config_for(root: str) -> ServiceConfig:
         ssd_files_per_dir=2,
         fsync=False,
         ship_bytes=8 << 20,
-        landing_bytes=16 << 20,  # SSD puts over 64 pages land two slots at a time
+        landing_bytes=8 << 20,  # SSD puts over 32 pages land two slots at a time
         rpc_timeout_s=8.0,
         node_down_s=2.0,
         report_interval_s=0.5,
@@ -285,12 +285,12 @@ def test_puts_write_into_memory_the_owner_hands_out(deployment, medium, hints):
 
 
 def test_a_full_landing_area_sends_the_bytes_in_the_call_and_slots_come_back(deployment):
-    """Three open SSD puts of one session hold 14.7 of the owner's 16 MiB of landing slots: a
-    fourth put rides in its calls (exact all the same); once they abort, puts land again."""
+    """Two open SSD puts of one session hold 6.6 of the owner's 8 MiB of landing slots: a third
+    put rides in its calls (exact all the same); once they abort, puts land again."""
     driver = deployment["driver"]
-    pages, session = 300, "landing-full"
+    pages, session = 200, "landing-full"
     held = []
-    for i in range(3):
+    for i in range(2):
         put = driver.begin_put(keys_for(f"held{i}", pages), session_id=session, hints=SSD)
         put.write_layer(0, kv_for(pages, 20 + i)[0])
         held.append(put)
@@ -306,6 +306,23 @@ def test_a_full_landing_area_sends_the_bytes_in_the_call_and_slots_come_back(dep
     for name, seed in (("squeezed", 13), ("roomy", 14)):
         report, exact, _ = ray.get(reader.restore.remote(name, pages, seed))
         assert exact and report.pages == pages
+
+
+def test_a_cold_lookup_asks_the_chains_home_not_every_node(deployment):
+    """A client that never saw a chain finds it through the chain's home (derived from the
+    first digest, told by the writer): no fan-out to every node, at most three calls."""
+    writer = next(iter(deployment["by_node_id"].values()))
+    for i in range(6):  # chains on both nodes, homes on both nodes
+        ray.get(writer.put.remote(f"home{i}", 8, 40 + i, DRAM))
+    reader = FlatCakeClient(NAMESPACE)
+    try:
+        for i in range(6):
+            reader.forget_locations()
+            report = reader.locate(keys_for(f"home{i}", 8))
+            assert report.pages == 8 and report.actor_calls <= 3
+        assert reader.stats(nodes=False)["client"]["fanouts"] == 0
+    finally:
+        reader.close()
 
 
 def test_routing_follows_the_gva_bits(deployment):

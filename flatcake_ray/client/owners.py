@@ -12,7 +12,7 @@ from flatcake_ray.actors.protocol import COORDINATOR_NAME
 from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
-from flatcake_ray.client.source import first_digest
+from flatcake_ray.client.source import digests_of
 from flatcake_ray.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -40,10 +40,7 @@ class OwnerChooser:
         known = self.sessions.get(session_id) if session_id is not None else None
         if known is None and session_id is None:
             if parent is not None:  # continue the chain where its parent is
-                parent_first = first_digest([parent], namespace)
-                holder, found = self.locator.ask(
-                    "exists", [parent], namespace, parent_first, report
-                )
+                holder, found = self.locator.ask("exists", digests_of([parent], namespace), report)
                 known = holder.node_id if holder is not None and found else None
             else:
                 known = self.locator.where(first)
