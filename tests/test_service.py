@@ -187,6 +187,20 @@ def test_placement_is_capacity_proportional_and_ramps_a_new_node():
     )  # sessions stick
 
 
+def test_a_writers_own_node_is_preferred_while_it_has_room():
+    config = ServiceConfig(layers=1, page_bytes=4096, ramp_seconds=0.0)
+    coordinator = CapacityCoordinator(config, SERVICE_SECRET, rebuild=False)
+    a = coordinator.register(SERVICE_SECRET, "ray-a", "a", None, time.time() - 1000)
+    b = coordinator.register(SERVICE_SECRET, "ray-b", "b", None, time.time() - 1000)
+    coordinator.report(SERVICE_SECRET, a, "ray-a", usage(a, 100))
+    coordinator.report(SERVICE_SECRET, b, "ray-b", usage(b, 100))
+    assert {coordinator.place_scope(None, None, a) for _ in range(20)} == {a}
+    assert coordinator.place_scope(None, "s", b) == b == coordinator.place_scope(None, "s", a)
+    coordinator.report(SERVICE_SECRET, a, "ray-a", usage(a, 30))  # under half the mean free
+    assert coordinator.place_scope(None, None, a) == b
+    assert coordinator.place_scope(None, None, 4000) in (a, b)  # not a node: ignored
+
+
 def test_node_ids_are_kept_on_re_registration_and_12_bit():
     coordinator = CapacityCoordinator(
         ServiceConfig(layers=1, page_bytes=4096), SERVICE_SECRET, rebuild=False

@@ -8,7 +8,7 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
-from flatcake_ray.actors.protocol import COORDINATOR_NAME
+from flatcake_ray.actors.protocol import COORDINATOR_NAME, NO_LOCAL_NODE
 from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
@@ -67,7 +67,9 @@ class OwnerChooser:
         try:
             coordinator = ray.get_actor(COORDINATOR_NAME, namespace=self.namespace)
             report.actor_calls += 1
-            ref: Any = coordinator.place_scope.remote(self.nodes.secret, session_id)
+            local = self.nodes.local_node_id  # the writer's own node first, while it has room
+            prefer = None if local == NO_LOCAL_NODE else local
+            ref: Any = coordinator.place_scope.remote(self.nodes.secret, session_id, prefer)
             node_id: int = ray.get(ref, timeout=self.timeout_s)
             if self.nodes.get(node_id) is None:  # a node that joined since the last refresh
                 self.nodes.refresh(force=True)
