@@ -47,7 +47,8 @@ def put_chain(client: Any, name: str, pages: int) -> None:
     from flatcake_ray.core.catalog import PutHints
 
     kv = np.zeros((LAYERS, pages, PAGE_BYTES), np.uint8)
-    client.put(keys(name, pages), kv, session_id=name, hints=PutHints(turn=2, prior_reply_tokens=1))
+    hints = PutHints(turn=2, prior_reply_tokens=1, context_tokens=1)  # a short chat: DRAM
+    client.put(keys(name, pages), kv, session_id=name, hints=hints)
 
 
 def locate_costs(client: Any, names: list[str], pages: int, repeats: int) -> dict[str, float]:
