@@ -95,7 +95,7 @@ def run_cluster(nodes: int, pages_list: list[int], chains: int, repeats: int) ->
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     biggest = max(pages_list) * LAYERS * PAGE_BYTES
     config = bench_service_config(
-        NAMESPACE, root, LAYERS, PAGE_BYTES, dram_bytes=2 * biggest + (64 << 20), ssd_bytes=0
+        NAMESPACE, root, LAYERS, PAGE_BYTES, dram_bytes=chains * biggest + (64 << 20), ssd_bytes=0
     )
     try:
         deploy.start(config, resource=RESOURCE)
