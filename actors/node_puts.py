@@ -55,26 +55,30 @@ class NodePuts:
             return PutTarget(PutMemory.NONE, (), 0, positions)
         if handle.medium is Medium.DRAM:
             arena = self.store.arena
+            where = {"path": arena.path, "nbytes": arena.nbytes, "peer": self.arena_peer}
             offsets = handle.arena_offsets()
-            return PutTarget(
-                PutMemory.ARENA, offsets, handle.layer_bytes, positions, arena.path, arena.nbytes,
-                self.arena_peer,
-            )  # fmt: skip
-        layers = handle.layers
-        whole = layers * handle.layer_stride * WHOLE_SHARE <= self.landing.nbytes
-        slots = layers if whole else min(SLOTS, layers)
-        taken = self.landing.take(slots * handle.layer_stride, tenant)
+            return PutTarget(PutMemory.ARENA, offsets, handle.layer_bytes, positions, **where)
+        taken = self._take_slots(handle, tenant)
         if taken is None:
             return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)
-        region_id, start = taken
+        slots, (region_id, start) = taken
         handle.on_done = lambda: self.landing.give(region_id, tenant)
         offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
         handle.slots = offsets
         landing = self.landing
-        return PutTarget(
-            PutMemory.LANDING, offsets, handle.layer_bytes, positions, landing.path, landing.nbytes,
-            landing.peer,
-        )  # fmt: skip
+        where = {"path": landing.path, "nbytes": landing.nbytes, "peer": landing.peer}
+        return PutTarget(PutMemory.LANDING, offsets, handle.layer_bytes, positions, **where)
+
+    def _take_slots(self, handle: PutHandle, tenant: str) -> tuple[int, tuple[int, int]] | None:
+        """(slots, region) of landing space: a slot per layer for a small put, else two, else
+        one (the client then waits for each layer to land before writing the next)."""
+        layers, stride = handle.layers, handle.layer_stride
+        whole = layers * stride * WHOLE_SHARE <= self.landing.nbytes
+        for slots in sorted({layers if whole else 1, min(SLOTS, layers), 1}, reverse=True):
+            taken = self.landing.take(slots * stride, tenant)
+            if taken is not None:
+                return slots, taken
+        return None
 
     def land(self, tenant: str, put_id: object, layer: object, inline: Any) -> None:
         """Layer ``layer`` is in its slot (or ``inline``): write it out. A failure aborts."""
