@@ -28,6 +28,7 @@ Points placed today:
   Ray client's (context: ``medium``, and ``path`` on the client). An ``OSError`` there is a
   failed read: the chunk's pages become misses.
 - ``node.release``: when a storage node handles a lease release (context: ``lease_id``).
+- ``pool.allocate``: before an SSD pool file is pre-allocated at open (context: ``path``).
 """
 
 from __future__ import annotations
