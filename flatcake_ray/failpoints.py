@@ -29,6 +29,10 @@ Points placed today:
   failed read: the chunk's pages become misses.
 - ``node.release``: when a storage node handles a lease release (context: ``lease_id``).
 - ``pool.allocate``: before an SSD pool file is pre-allocated at open (context: ``path``).
+- ``pool.write``: before bytes go to an SSD pool file (context: ``offset``).
+- ``plan.chunks``: when a restore plans the reads of a layer group (context: ``first``,
+  ``end``); ``scheduler.start_prefetches`` and ``scheduler.prefetch_done`` (context:
+  ``request_id``): the restore scheduler's bookkeeping.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ class SsdPool:
 
     def write(self, offset: int, buffer: np.ndarray) -> None:
         """Write an aligned buffer at an aligned pool offset (one command per call)."""
+        failpoint("pool.write", offset=offset)
         file_index, file_offset = self.locate(offset)
         view = memoryview(buffer)
         while view.nbytes:
