@@ -158,7 +158,7 @@ class Gate:
 
     def tenant(self, given: object) -> Tenant:
         """The tenant whose secret ``given`` is (None or "": the default tenant, if open)."""
-        if given is None or given == "":
+        if given is None or (isinstance(given, str) and not given):
             if self.default is None:
                 self._deny("this service has no open default tenant: present a tenant secret")
             return self.default

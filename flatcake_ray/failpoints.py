@@ -160,6 +160,8 @@ def _env_action(text: str) -> Callable[..., Any]:
 
 def arm_from_spec(spec: str) -> list[Armed]:
     """Arm the points of a ``name=action[*N][@K];...`` spec (see the module docstring)."""
+    if not isinstance(spec, str):  # a remote caller may send anything
+        raise ConfigError(f"{ENV_VAR}: a spec is a str, not {type(spec).__name__}")
     points = []
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         name, sep, rest = item.partition("=")

@@ -26,7 +26,14 @@ from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.gva import encode as encode_gva
-from flatcake_ray.core.keys import KeyLike, PageKey, check_keys, digest_keys, split_namespace
+from flatcake_ray.core.keys import (
+    KeyLike,
+    PageKey,
+    check_key_list,
+    check_keys,
+    digest_keys,
+    split_namespace,
+)
 from flatcake_ray.core.plan import MediumAccess, SlotRead
 from flatcake_ray.errors import (
     PeerDisconnectedError,
@@ -62,6 +69,7 @@ class HeldLease:
 
 def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> bytes:
     """Check every key here (before any call) and digest the first: the location key."""
+    check_key_list(keys)
     if len(keys) == 0:
         raise ShapeError("a call needs at least one key")
     resolved, bare = split_namespace(keys, namespace)
