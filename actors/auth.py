@@ -106,7 +106,10 @@ def decode_table(raw: bytes | None, service_secret: str) -> dict[str, Tenant]:
         raise TenantError(f"the tenant table is not msgpack: {exc}") from None
     if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT:
         raise TenantError("the tenant table has an unknown format")
-    tenants = [Tenant.from_record(record) for record in table.get("tenants", [])]
+    records = table.get("tenants", [])
+    if not isinstance(records, list):
+        raise TenantError(f"the tenant table's tenants are a list, not {type(records).__name__}")
+    tenants = [Tenant.from_record(record) for record in records]
     return {t.name: t for t in tenants}
 
 
