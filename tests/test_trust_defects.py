@@ -137,3 +137,16 @@ def test_an_empty_key_list_says_so(make_store):
         store.put([], np.zeros((LAYERS, 0, PAGE_BYTES), dtype=np.uint8))
     with pytest.raises(ShapeError, match="at least one key"):
         store.begin_put([])
+
+
+def test_a_put_handle_used_after_its_store_closed_is_a_typed_error(tmp_path):
+    store = FlatCakeStore(small_config(tmp_path))
+    handle = store.begin_put(["late"])
+    handle.write_layer(0, random_kv(1)[0])
+    store.close()  # aborts the puts still open
+    with pytest.raises(StoreWriteError):
+        handle.write_layer(1, random_kv(1)[1])
+    with pytest.raises(StoreWriteError):
+        handle.commit()
+    with FlatCakeStore(small_config(tmp_path)) as reopened:
+        assert reopened.exists(["late"]) == 0
