@@ -4,7 +4,7 @@ missing secrets): only typed errors from ``flatcake_ray.errors`` come back, the 
 (a later valid call works), and nothing stored changes (known pages read back identical).
 
 Also here: the signed tenant table's decoder fed garbage, the client checking the answer of
-its lease releases, and the staged put from an arbitrary file (not held yet: xfail).
+its lease releases, and puts only into memory the node hands out (no path from a caller).
 
 One closed service (no open default tenant) for the module; hypothesis examples are bounded
 (30 each; ``FLATCAKE_FUZZ_EXAMPLES`` for a longer hunt).
@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.actors.auth import decode_table, encode_table
-from flatcake_ray.actors.protocol import StagedPages, StagedPiece, StagingKind
 from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.keys import DIGEST_DTYPE
 from flatcake_ray.core.tenants import Tenant, secret_hash
 from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantError
 
@@ -77,30 +77,12 @@ BAD_SECRETS = st.one_of(
     GARBAGE,
     st.text(alphabet="0123456789abcdef", min_size=16, max_size=64),
 )
-_staged_garbage = st.builds(
-    StagedPages,
-    kind=st.sampled_from([StagingKind.INLINE, StagingKind.SHM, StagingKind.NIXL]),
-    page_bytes=st.integers(-4, 1 << 20),
-    pieces=st.lists(
-        st.builds(
-            StagedPiece,
-            layer=st.integers(-2, 8),
-            first=st.integers(-2, 8),
-            count=st.integers(-2, 8),
-            offset=st.integers(-(1 << 20), 1 << 20),
-        ),
-        max_size=3,
-    ).map(tuple),
-    offset=st.integers(-(1 << 20), 1 << 20),
-    nbytes=st.integers(-(1 << 20), 1 << 20),
-    path=st.sampled_from(["", "/nonexistent", "/proc/self/fd/0"]),
-    token=st.text(max_size=8),
-    buffer_bytes=st.integers(-4, 1 << 20),
-    inline=st.one_of(
-        st.none(), st.builds(lambda n: np.zeros(n, dtype=np.uint8), st.integers(0, 64))
-    ),
+_digest_garbage = st.builds(  # packed digests of any length, and of another dtype
+    lambda n, dtype: np.zeros(n, dtype=dtype),
+    st.integers(0, 8),
+    st.sampled_from([np.uint8, np.uint64, np.float32, DIGEST_DTYPE]),
 )
-ARG = st.one_of(GARBAGE, _staged_garbage, st.builds(PutHints, turn=st.integers(-3, 3)))
+ARG = st.one_of(GARBAGE, _digest_garbage, st.builds(PutHints, turn=st.integers(-3, 3)))
 
 # Methods and how many arguments follow the secret (Ray checks arity at .remote() already).
 NODE_TENANT_CALLS = {
@@ -113,11 +95,12 @@ NODE_TENANT_CALLS = {
     "probe": 2,
     "gvas": 2,
     "release": 2,
+    "record_home": 2,
+    "home_of": 1,
     "begin_put": 5,
-    "write_pages": 2,
-    "commit_put": 1,
+    "land": 3,
+    "commit_put": 2,
     "abort_put": 1,
-    "put_staged": 6,
     "ship": 2,
     "unship": 1,
     "read_ranges": 3,
@@ -134,7 +117,7 @@ COORDINATOR_CALLS = {
     "forget": 1,
     "drain": 1,
     "undrain": 1,
-    "place_scope": 1,
+    "place_scope": 2,
     "nodes_table": 0,
     "info": 0,
     "service_config": 0,
@@ -399,31 +382,30 @@ def test_the_client_drops_pages_whose_release_is_not_confirmed(service):
     assert client.get(names, out) == len(names) and np.array_equal(out, data)
 
 
-# ---- staged puts: only from buffers the node handed out --------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="not held yet: put_staged(kind=SHM) maps whatever path the call names "
-    "(actors/staged.py); staged puts from node-issued buffers only come with the new put path",
-)
-def test_a_staged_put_from_an_arbitrary_file_is_refused(service, tmp_path):
-    private = tmp_path / "private.bin"
-    secret_bytes = np.random.default_rng(7).integers(0, 256, LAYERS * PAGE_BYTES, dtype=np.uint8)
-    private.write_bytes(secret_bytes.tobytes())
-    private.chmod(0o600)
-    pieces = tuple(StagedPiece(layer, 0, 1, layer * PAGE_BYTES) for layer in range(LAYERS))
-    staged = StagedPages(
-        kind=StagingKind.SHM,
-        page_bytes=PAGE_BYTES,
-        pieces=pieces,
-        offset=0,
-        nbytes=secret_bytes.size,
-        path=str(private),
-        token=uuid.uuid4().hex,
-        buffer_bytes=secret_bytes.size,
-    )
-    names = keys(f"stolen-{uuid.uuid4().hex[:6]}", 1)
-    error = outcome(service["node"], "put_staged", service["alpha"], names, staged)
-    assert isinstance(error, FlatCakeError), "the node ingested a file it was merely named"
+# ---- puts: only into memory the node handed out ---------------------------------------------
+def test_a_staged_put_from_an_arbitrary_file_is_refused(service):
+    """``put_staged(kind="shm", path=...)`` made the node ingest any file it could read. Now
+    the node names the memory a put's bytes go to (its arena, its landing slots); no method
+    takes a path, and the old call does not exist."""
+    import inspect
+
+    from flatcake_ray.actors.storage_node import StorageNode
+
+    with pytest.raises(AttributeError):
+        service["node"].put_staged.remote(service["alpha"], ["k"], None)
+    for name, method in inspect.getmembers(StorageNode, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        named = [p for p in inspect.signature(method).parameters if "path" in p or "staged" in p]
+        assert not named, f"StorageNode.{name} takes {named}"
+    ticket = ray.get(service["node"].begin_put.remote(service["alpha"], keys("where", 2)))
+    try:
+        description = service["client"].nodes.links[1].description
+        assert ticket.target.memory in ("arena", "landing", "inline")
+        if ticket.target.memory == "arena":
+            assert ticket.target.path == description.arena_path  # the node's own memory
+    finally:
+        ray.get(service["node"].abort_put.remote(service["alpha"], ticket.put_id))
 
 
 # ---- the client's own public calls ---------------------------------------------------------------

@@ -30,8 +30,16 @@ _SIZE_FLAGS = {
     "dram_bytes": "DRAM arena per node (e.g. 8GiB)",
     "ssd_file_bytes": "size of each pre-allocated SSD pool file",
     "ship_bytes": "NIXL bounce buffer per node for shipped SSD reads",
+    "landing_bytes": "node memory clients write puts' SSD layers into",
 }
-_CONFIG_FLAGS = ("namespace", "root", "layers", "page_bytes", "ssd_dirs", "ssd_files_per_dir")
+_CONFIG_FLAGS: tuple[str, ...] = (
+    "namespace",
+    "root",
+    "layers",
+    "page_bytes",
+    "ssd_dirs",
+    "ssd_files_per_dir",
+)
 _CONFIG_FLAGS += ("secret_file", "open_default")
 DEFAULT_NAMESPACE = "flatcake"
 

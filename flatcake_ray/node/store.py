@@ -45,6 +45,7 @@ from flatcake_ray.core.keys import (
     DIGEST_DTYPE,
     KeyLike,
     PageKey,
+    as_digests,
     check_key_list,
     digest_keys,
     split_namespace,
@@ -54,7 +55,7 @@ from flatcake_ray.core.put_checks import check_hints
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
-from flatcake_ray.errors import ShapeError, StoreClosedError, StoreInUseError
+from flatcake_ray.errors import InvalidKeyError, ShapeError, StoreClosedError, StoreInUseError
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
@@ -83,6 +84,7 @@ _COUNTERS = (
     "ssd_bytes_written",
     "dram_bytes_written",
     "ssd_write_commands",
+    "layers_landed",
     "hit_pages",
     "miss_pages",
     "checksum_failures",
@@ -229,9 +231,15 @@ class FlatCakeStore:
         if self._closed:
             raise StoreClosedError("the store is closed")
 
-    def _digests(self, keys: Keys, namespace: str | None) -> np.ndarray:
-        resolved, bare = split_namespace(keys, namespace)
-        return digest_keys(resolved, bare)
+    def _digests(self, keys: Keys | np.ndarray, namespace: str | None) -> np.ndarray:
+        """The digests of ``keys``, or ``keys`` themselves when already packed digests."""
+        packed = as_digests(keys)
+        if packed is None:
+            resolved, bare = split_namespace(keys, namespace)  # type: ignore[arg-type]
+            return digest_keys(resolved, bare)
+        if namespace is not None:
+            raise InvalidKeyError("packed digests carry their namespace; pass none")
+        return packed
 
     # ---- writes --------------------------------------------------------------------------
     def begin_put(
