@@ -177,8 +177,9 @@ class FlatCakeClient:
     def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
         """Consecutive hits from the first key and whether any lies on SSD (one call)."""
         self._check_open()
+        digests = digests_of(keys, namespace)  # typed errors first: keys may be anything
         report = RestoreReport(len(keys))
-        _, answer = self._locator.ask("probe", digests_of(keys, namespace), report)
+        _, answer = self._locator.ask("probe", digests, report)
         self._count(exists=1, actor_calls=report.actor_calls)
         return answer if isinstance(answer, Probe) else Probe(0, False)
 
