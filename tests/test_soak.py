@@ -18,6 +18,7 @@ About 60 s of chaos here; ``FLATCAKE_SOAK_S`` sets another length.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import shutil
@@ -93,7 +94,7 @@ def soak_service(tmp_path_factory):
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=8 << 20,
-        ssd_file_bytes=32 << 20,
+        ssd_file_bytes=(32 << 20) * max(1, math.ceil(SOAK_S / 60)),  # a longer soak, more
         ssd_files_per_dir=2,
         fsync=False,  # a killed process loses nothing the kernel has; no machine crashes here
         lease_ttl_s=10.0,
