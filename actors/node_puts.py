@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.actors.landing import LandingArea
-from flatcake_ray.actors.protocol import PutTarget, PutTicket
+from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
 from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ShapeError
@@ -46,18 +46,18 @@ class NodePuts:
             handle.abort()
             raise
         self.counters["puts_layerwise"] += 1
-        self.counters[f"puts_{target.memory}"] += 1
+        self.counters[f"puts_{target.memory.value}"] += 1
         return PutTicket(handle.put_id, handle.pages_new, target)
 
     def _target(self, handle: PutHandle, tenant: str) -> PutTarget:
         positions = handle.new_positions
         if handle.medium is None:
-            return PutTarget("none", (), 0, positions)
+            return PutTarget(PutMemory.NONE, (), 0, positions)
         if handle.medium is Medium.DRAM:
             arena = self.store.arena
             offsets = handle.arena_offsets()
             return PutTarget(
-                "arena", offsets, handle.layer_bytes, positions, arena.path, arena.nbytes,
+                PutMemory.ARENA, offsets, handle.layer_bytes, positions, arena.path, arena.nbytes,
                 self.arena_peer,
             )  # fmt: skip
         layers = handle.layers
@@ -65,14 +65,14 @@ class NodePuts:
         slots = layers if whole else min(SLOTS, layers)
         taken = self.landing.take(slots * handle.layer_stride, tenant)
         if taken is None:
-            return PutTarget("inline", (), handle.layer_bytes, positions)
+            return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)
         region_id, start = taken
         handle.on_done = lambda: self.landing.give(region_id, tenant)
         offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
         handle.slots = offsets
         landing = self.landing
         return PutTarget(
-            "landing", offsets, handle.layer_bytes, positions, landing.path, landing.nbytes,
+            PutMemory.LANDING, offsets, handle.layer_bytes, positions, landing.path, landing.nbytes,
             landing.peer,
         )  # fmt: skip
 

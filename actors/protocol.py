@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -94,20 +95,30 @@ class LeaseReply:
         return {part.medium.name for part in self.parts}
 
 
+class PutMemory(Enum):
+    """The memory a put's bytes go to (see :class:`PutTarget`)."""
+
+    ARENA = "arena"
+    LANDING = "landing"
+    INLINE = "inline"  # LAST RESORT: in the ``land`` calls themselves
+    NONE = "none"  # nothing to write
+
+
 @dataclass(frozen=True)
 class PutTarget:
     """Where a client writes a put's new pages, as the owner handed it out.
 
-    ``memory``: ``"arena"`` (a DRAM put: layer ``n`` goes to ``offsets[n]`` of the owner's
-    arena, in place), ``"landing"`` (an SSD put: layer ``n`` goes to slot
-    ``offsets[n % len(offsets)]`` of the owner's landing area, then ``land``), ``"inline"``
-    (LAST RESORT, the landing area was full: each layer's bytes in its ``land`` call) or
-    ``"none"`` (every key is stored already). A client on the owner's node maps ``path``
-    (``nbytes``) shared and writable; one on another node WRITEs to ``peer`` over NIXL.
+    ``memory``: ``ARENA`` (a DRAM put: layer ``n`` goes to ``offsets[n]`` of the owner's
+    arena, in place), ``LANDING`` (an SSD put: layer ``n`` goes to slot
+    ``offsets[n % len(offsets)]`` of the owner's landing area, then ``land``; with a slot per
+    layer, landed at commit), ``INLINE`` (LAST RESORT, the landing area was full: each
+    layer's bytes in its ``land`` call) or ``NONE`` (every key is stored already). A client
+    on the owner's node maps ``path`` (``nbytes``) shared and writable; one on another node
+    WRITEs to ``peer`` over NIXL.
     Only the put's new pages are written, in key order: ``new_positions`` of the put's keys.
     """
 
-    memory: str
+    memory: PutMemory
     offsets: tuple[int, ...]
     layer_bytes: int
     new_positions: np.ndarray = field(repr=False)

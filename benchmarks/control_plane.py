@@ -47,7 +47,8 @@ def put_chain(client: Any, name: str, pages: int) -> None:
     from flatcake_ray.core.catalog import PutHints
 
     kv = np.zeros((LAYERS, pages, PAGE_BYTES), np.uint8)
-    client.put(keys(name, pages), kv, session_id=name, hints=PutHints(turn=2, prior_reply_tokens=1))
+    hints = PutHints(turn=2, prior_reply_tokens=1, context_tokens=1)  # a short chat: DRAM
+    client.put(keys(name, pages), kv, session_id=name, hints=hints)
 
 
 def locate_costs(client: Any, names: list[str], pages: int, repeats: int) -> dict[str, float]:
@@ -94,7 +95,7 @@ def run_cluster(nodes: int, pages_list: list[int], chains: int, repeats: int) ->
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     biggest = max(pages_list) * LAYERS * PAGE_BYTES
     config = bench_service_config(
-        NAMESPACE, root, LAYERS, PAGE_BYTES, dram_bytes=2 * biggest + (64 << 20), ssd_bytes=0
+        NAMESPACE, root, LAYERS, PAGE_BYTES, dram_bytes=chains * biggest + (64 << 20), ssd_bytes=0
     )
     try:
         deploy.start(config, resource=RESOURCE)

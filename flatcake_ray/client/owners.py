@@ -89,5 +89,5 @@ class OwnerChooser:
             # The same choice in every client (a stable hash), so concurrent writers of one
             # session still meet on one node while the coordinator is away.
             return up[zlib.crc32(str(session_id).encode()) % len(up)]
-        local = [link for link in up if link.local]
-        return local[0] if local else up[0]
+        here = [link for link in up if link.local]
+        return here[0] if here else up[0]

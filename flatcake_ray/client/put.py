@@ -18,11 +18,12 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
-from flatcake_ray.actors.protocol import PutTarget, PutTicket
+from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.core.api import PutResult
@@ -32,6 +33,14 @@ from flatcake_ray.media.buffers import as_layer_bytes
 
 log = logging.getLogger(__name__)
 IN_FLIGHT = 2  # inline layers of one put crossing at once
+
+
+class Reach(Enum):
+    """How this client gets a layer's bytes into the owner's memory."""
+
+    MAPPED = "mapped"  # the owner is on this node: its file, mapped here
+    NIXL = "nixl"  # one-sided WRITE
+    CALL = "call"  # LAST RESORT: in the ``land`` call
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,11 @@ class RemotePut:
         return self._ticket
 
     def _send(self, target: PutTarget, layer: int, data: np.ndarray) -> None:
-        if target.memory == "none":
+        if target.memory is PutMemory.NONE:
             return  # every key is stored already
         positions = None if len(target.new_positions) == len(data) else target.new_positions
         reach = self._reach(target)
-        if reach == "inline":
+        if reach is Reach.CALL:
             self._land(layer, data if positions is None else data[positions])
             return
         whole = len(target.offsets) >= self._layers  # DRAM, or every layer has its slot
@@ -111,17 +120,17 @@ class RemotePut:
         else:
             self._land(layer, None)
 
-    def _reach(self, target: PutTarget) -> str:
-        if target.memory == "inline":
-            return "inline"
+    def _reach(self, target: PutTarget) -> Reach:
+        if target.memory is PutMemory.INLINE:
+            return Reach.CALL
         if self._link.local:
-            return "mapped"
-        return "nixl" if self._route.nixl and target.peer is not None else "inline"
+            return Reach.MAPPED
+        return Reach.NIXL if self._route.nixl and target.peer is not None else Reach.CALL
 
     def _place(
-        self, target: PutTarget, reach: str, offset: int, data: np.ndarray, positions: Any
+        self, target: PutTarget, reach: Reach, offset: int, data: np.ndarray, positions: Any
     ) -> None:
-        if reach == "nixl":
+        if reach is Reach.NIXL:
             self._route.targets.write(target.peer, offset, data, positions)
             return
         count = len(data) if positions is None else len(positions)
