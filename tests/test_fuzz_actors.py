@@ -389,6 +389,7 @@ def test_a_staged_put_from_an_arbitrary_file_is_refused(service):
     takes a path, and the old call does not exist."""
     import inspect
 
+    from flatcake_ray.actors.protocol import PutMemory
     from flatcake_ray.actors.storage_node import StorageNode
 
     with pytest.raises(AttributeError):
@@ -401,8 +402,8 @@ def test_a_staged_put_from_an_arbitrary_file_is_refused(service):
     ticket = ray.get(service["node"].begin_put.remote(service["alpha"], keys("where", 2)))
     try:
         description = service["client"].nodes.links[1].description
-        assert ticket.target.memory in ("arena", "landing", "inline")
-        if ticket.target.memory == "arena":
+        assert ticket.target.memory is not PutMemory.NONE  # two new pages: somewhere to go
+        if ticket.target.memory is PutMemory.ARENA:
             assert ticket.target.path == description.arena_path  # the node's own memory
     finally:
         ray.get(service["node"].abort_put.remote(service["alpha"], ticket.put_id))
