@@ -106,7 +106,10 @@ def decode_table(raw: bytes | None, service_secret: str) -> dict[str, Tenant]:
         raise TenantError(f"the tenant table is not msgpack: {exc}") from None
     if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT:
         raise TenantError("the tenant table has an unknown format")
-    tenants = [Tenant.from_record(record) for record in table.get("tenants", [])]
+    records = table.get("tenants", [])
+    if not isinstance(records, list):
+        raise TenantError(f"the tenant table's tenants are a list, not {type(records).__name__}")
+    tenants = [Tenant.from_record(record) for record in records]
     return {t.name: t for t in tenants}
 
 
@@ -158,7 +161,7 @@ class Gate:
 
     def tenant(self, given: object) -> Tenant:
         """The tenant whose secret ``given`` is (None or "": the default tenant, if open)."""
-        if given is None or given == "":
+        if given is None or (isinstance(given, str) and not given):
             if self.default is None:
                 self._deny("this service has no open default tenant: present a tenant secret")
             return self.default

@@ -71,6 +71,29 @@ class NodeRecord:
         }
 
 
+def _node_id(value: object) -> int:
+    """A NodeID a caller names: an int (a list would be an untyped TypeError as a dict key)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UnknownNodeError(f"a NodeID is an int, not {type(value).__name__}")
+    return value
+
+
+def _check_registration(
+    ray_node_id: object, actor_name: object, wanted_node_id: object, started_at: object
+) -> None:
+    """A registration's fields, typed: a malformed one would poison placement for everyone."""
+    if not isinstance(ray_node_id, str) or not isinstance(actor_name, str):
+        raise ServiceError("a registration names its Ray node and its actor as str")
+    if wanted_node_id is not None and (
+        isinstance(wanted_node_id, bool) or not isinstance(wanted_node_id, int)
+    ):
+        raise ServiceError(f"a wanted NodeID is an int or None, not {wanted_node_id!r}")
+    if isinstance(started_at, bool) or not isinstance(started_at, int | float):
+        raise ServiceError(f"a start time is a number, not {type(started_at).__name__}")
+    if started_at != started_at:  # NaN would make every ramp NaN
+        raise ServiceError("a start time is a number, not NaN")
+
+
 def ramp(record: NodeRecord, now: float, config: ServiceConfig) -> float:
     if config.ramp_seconds == 0:
         return 1.0
@@ -116,6 +139,7 @@ class CapacityCoordinator:
         """The NodeID of this storage node: its old one if free, else the lowest free one.
         Only the service's own nodes (holding its secret) register."""
         self.gate.service(service_secret)
+        _check_registration(ray_node_id, actor_name, wanted_node_id, started_at)
         now = time.time()
         for record in self.nodes.values():
             if record.ray_node_id == ray_node_id:  # a repeated registration: same answer
@@ -146,7 +170,7 @@ class CapacityCoordinator:
         self.gate.service(service_secret)
         if not isinstance(usage, NodeUsage):
             raise ServiceError(f"a report carries NodeUsage, not {type(usage).__name__}")
-        record = self.nodes.get(node_id)
+        record = self.nodes.get(_node_id(node_id))
         if record is None or record.ray_node_id != ray_node_id:
             return False
         record.usage = usage
@@ -156,7 +180,7 @@ class CapacityCoordinator:
 
     def forget(self, service_secret: object, node_id: int) -> None:
         self.gate.service(service_secret)
-        self.nodes.pop(node_id, None)
+        self.nodes.pop(_node_id(node_id), None)
 
     def _alive(self, record: NodeRecord, now: float) -> bool:
         return now - record.last_seen < self.config.node_timeout_s
@@ -165,7 +189,7 @@ class CapacityCoordinator:
     def drain(self, service_secret: object, node_id: int) -> dict[str, Any]:
         """Place no new scope on this node (its pages stay readable); returns its row."""
         self.gate.service(service_secret)
-        if node_id not in self.nodes:
+        if _node_id(node_id) not in self.nodes:
             known = ", ".join(str(n) for n in sorted(self.nodes)) or "none"
             raise UnknownNodeError(f"no storage node has NodeID {node_id} (known: {known})")
         self._set_drained(self.drained | {node_id})
@@ -175,7 +199,7 @@ class CapacityCoordinator:
     def undrain(self, service_secret: object, node_id: int) -> bool:
         """Place scopes on this node again; False if it was not drained."""
         self.gate.service(service_secret)
-        if node_id not in self.drained:
+        if _node_id(node_id) not in self.drained:
             return False
         self._set_drained(self.drained - {node_id})
         log.info("NodeID %d undrained", node_id)

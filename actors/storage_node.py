@@ -364,7 +364,8 @@ class StorageNode:
     ) -> np.ndarray:
         """LAST RESORT (object-store fallback): the ranges' bytes, packed, as the reply."""
         tenant = self._tenant(secret).name
-        if medium not in (int(Medium.DRAM), int(Medium.SSD)) or isinstance(medium, bool):
+        known = (int(Medium.DRAM), int(Medium.SSD))  # an int first: an array has no truth
+        if not isinstance(medium, int) or isinstance(medium, bool) or medium not in known:
             raise ReadRangeError(f"no medium {medium!r}")
         batch = self._leased(tenant, Medium(medium), src_offsets, lengths)
         self.counters["fallback_reads"] += 1

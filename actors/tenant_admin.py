@@ -12,7 +12,13 @@ import logging
 from typing import Any
 
 from flatcake_ray.actors.auth import Gate, write_table
-from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant, new_secret, secret_hash
+from flatcake_ray.core.tenants import (
+    DEFAULT_TENANT,
+    Tenant,
+    check_tenant_name,
+    new_secret,
+    secret_hash,
+)
 from flatcake_ray.errors import TenantError
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,7 @@ class TenantAdmin:
         quota_ssd: int | None = None,
     ) -> str:
         """Create tenant ``name``; returns its secret (shown once, kept nowhere)."""
+        check_tenant_name(name)
         if name == DEFAULT_TENANT:
             raise TenantError(f"{DEFAULT_TENANT!r} is the service's own open tenant")
         table = self._table()
@@ -80,7 +87,7 @@ class TenantAdmin:
 
     @staticmethod
     def _require(table: dict[str, Tenant], name: str) -> Tenant:
-        if name not in table:
+        if check_tenant_name(name) not in table:
             known = ", ".join(sorted(table)) or "none"
             raise TenantError(f"no tenant {name!r} (known: {known})")
         return table[name]

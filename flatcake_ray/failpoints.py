@@ -28,6 +28,11 @@ Points placed today:
   Ray client's (context: ``medium``, and ``path`` on the client). An ``OSError`` there is a
   failed read: the chunk's pages become misses.
 - ``node.release``: when a storage node handles a lease release (context: ``lease_id``).
+- ``pool.allocate``: before an SSD pool file is pre-allocated at open (context: ``path``).
+- ``pool.write``: before bytes go to an SSD pool file (context: ``offset``).
+- ``plan.chunks``: when a restore plans the reads of a layer group (context: ``first``,
+  ``end``); ``scheduler.start_prefetches`` and ``scheduler.prefetch_done`` (context:
+  ``request_id``): the restore scheduler's bookkeeping.
 """
 
 from __future__ import annotations
@@ -155,6 +160,8 @@ def _env_action(text: str) -> Callable[..., Any]:
 
 def arm_from_spec(spec: str) -> list[Armed]:
     """Arm the points of a ``name=action[*N][@K];...`` spec (see the module docstring)."""
+    if not isinstance(spec, str):  # a remote caller may send anything
+        raise ConfigError(f"{ENV_VAR}: a spec is a str, not {type(spec).__name__}")
     points = []
     for item in filter(None, (part.strip() for part in spec.split(";"))):
         name, sep, rest = item.partition("=")

@@ -13,8 +13,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.plan import RestorePlan
-from flatcake_ray.core.scheduler import Scheduler
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import (
     ConfigError,
@@ -24,7 +22,6 @@ from flatcake_ray.errors import (
     StoreClosedError,
 )
 from flatcake_ray.media import buffers as media
-from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.store import FlatCakeStore, PutHints
 from flatcake_ray.restore import LayerTensors, PagedPool, RestorePipeline
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
@@ -254,18 +251,11 @@ def test_wait_for_layer_returns_when_that_layer_and_no_later_one_is_in_place(mak
     assert [layer for _, layer in recorder.calls] == list(range(LAYERS))
 
 
-def test_next_layer_is_read_while_this_one_is_scattered(make_store, pipelines, monkeypatch):
+def test_next_layer_is_read_while_this_one_is_scattered(make_store, pipelines, failpoints):
     store = make_store()
     store.put(list(range(16)), random_kv(16, seed=8))
-    filled: list[int] = []
-    real_fill = NodeSource.fill
-
-    def recording_fill(self, leased, medium, reads, slot):
-        stats = real_fill(self, leased, medium, reads, slot)
-        filled.append(len(filled))
-        return stats
-
-    monkeypatch.setattr(NodeSource, "fill", recording_fill)
+    filled: list[int] = []  # a layer's read is counted as it starts, in its slot
+    failpoints.arm("source.fill", call=lambda **_: filled.append(len(filled)), times=None)
     recorder = GatedScatter()
     slot_bytes = 16 * PAGE_BYTES  # one layer per slot
     pipeline = pipelines(store, windows=1, scatter=recorder, slot_bytes=slot_bytes)
@@ -577,7 +567,7 @@ def test_bad_destinations_are_typed_errors(make_store, pipelines):
 
 
 def test_a_failing_scheduler_fails_queued_restores_and_close_returns(
-    make_store, pipelines, monkeypatch
+    make_store, pipelines, failpoints
 ):
     store = make_store()
     kv = random_kv(8, seed=63)
@@ -589,10 +579,7 @@ def test_a_failing_scheduler_fails_queued_restores_and_close_returns(
     handles = [pipeline.submit(list(range(8)), p, np.arange(8), "layer_first") for p in pools]
     assert recorder.entered.wait(WAIT)
 
-    def broken(self, request_id, now):
-        raise RuntimeError("bookkeeping lost")
-
-    monkeypatch.setattr(Scheduler, "prefetch_done", broken)
+    failpoints.arm("scheduler.prefetch_done", raises=RuntimeError("bookkeeping lost"), times=None)
     gate.set()
     assert handles[0].wait(WAIT) == 8  # its bytes were in place before the bookkeeping failed
     for handle in handles[1:]:  # queued behind it: failed with the scheduler's error
@@ -605,15 +592,11 @@ def test_a_failing_scheduler_fails_queued_restores_and_close_returns(
     assert store.stats()["leases_open"] == 0
 
 
-def test_a_failing_dispatch_at_submit_reaches_wait(make_store, pipelines, monkeypatch):
+def test_a_failing_dispatch_at_submit_reaches_wait(make_store, pipelines, failpoints):
     store = make_store()
     store.put(list(range(4)), random_kv(4))
     pipeline = pipelines(store)
-
-    def broken(self, now):
-        raise RuntimeError("no budget today")
-
-    monkeypatch.setattr(Scheduler, "start_prefetches", broken)
+    failpoints.arm("scheduler.start_prefetches", raises=RuntimeError("no budget"), times=None)
     handle = pipeline.submit(list(range(4)), make_pool("layer_first"), np.arange(4))
     with pytest.raises(RestoreError) as caught:
         handle.wait(WAIT)
@@ -624,22 +607,20 @@ def test_a_failing_dispatch_at_submit_reaches_wait(make_store, pipelines, monkey
 
 @pytest.mark.parametrize("hint", [None, DRAM])
 def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
-    make_store, pipelines, monkeypatch, hint
+    make_store, pipelines, failpoints, hint
 ):
     store = make_store()
     kv = random_kv(6, seed=64)
     store.put(list(range(6)), kv, hints=hint)
-    real_chunks = RestorePlan.chunks
     armed = threading.Event()
     armed.set()
 
-    def chunks(self, first, end):
+    def lose_the_plan(first, end):
         if first == 1 and armed.is_set():  # once: the next restore plans normally
             armed.clear()
             raise RuntimeError("plan lost")
-        return real_chunks(self, first, end)
 
-    monkeypatch.setattr(RestorePlan, "chunks", chunks)
+    failpoints.arm("plan.chunks", call=lose_the_plan, times=None)
     pipeline = pipelines(store, windows=1, slot_bytes=6 * PAGE_BYTES)  # a layer per group
     handle = pipeline.submit(list(range(6)), make_pool("layer_first"), np.arange(6))
     with pytest.raises(RestoreError) as caught:

@@ -19,7 +19,6 @@ from flatcake_ray.errors import (
     StoreClosedError,
     StoreWriteError,
 )
-from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.node.store import FlatCakeStore, PutHints
 from flatcake_ray.restore import PagedPool
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
@@ -105,17 +104,13 @@ def test_gap_bridging_merges_a_session_into_few_reads(make_store):
     assert store.stats()["ssd_read_commands"] - before == 1  # one scope run, holes < 64 KiB
 
 
-def test_failed_write_publishes_nothing(make_store, monkeypatch):
+def test_failed_write_publishes_nothing(make_store, failpoints):
     store = make_store()
     store.put(["keep"], random_kv(1))
-
-    def broken_write(self, offset, buffer):
-        raise OSError(5, "injected I/O error")
-
-    monkeypatch.setattr(SsdPool, "write", broken_write)
+    failpoints.arm("pool.write", raises=OSError(5, "injected I/O error"), times=None)
     with pytest.raises(StoreWriteError):
         store.put(["x", "y"], random_kv(2))
-    monkeypatch.undo()
+    failpoints.disarm("pool.write")
     assert store.exists(["x"]) == 0 and store.exists(["keep"]) == 1
     assert store.stats()["write_failures"] == 1
     assert store.put(["x", "y"], random_kv(2)).pages_written == 2  # space was given back

@@ -42,7 +42,7 @@ from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.keys import KeyLike, PageKey
+from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
 from flatcake_ray.media.buffers import as_page_bytes
@@ -177,8 +177,9 @@ class FlatCakeClient:
     def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
         """Consecutive hits from the first key and whether any lies on SSD (one call)."""
         self._check_open()
+        digests = digests_of(keys, namespace)  # typed errors first: keys may be anything
         report = RestoreReport(len(keys))
-        _, answer = self._locator.ask("probe", digests_of(keys, namespace), report)
+        _, answer = self._locator.ask("probe", digests, report)
         self._count(exists=1, actor_calls=report.actor_calls)
         return answer if isinstance(answer, Probe) else Probe(0, False)
 
@@ -251,6 +252,7 @@ class FlatCakeClient:
         self, keys: Keys, out: Any, *, namespace: str | None = None
     ) -> RestoreReport:
         """``get`` with its report: pages, the path that served each part, calls, times."""
+        check_key_list(keys)
         if len(keys) == 0:
             raise ShapeError("a call needs at least one key")
         pool = PagedPool(out, np.arange(len(keys)), LAYER_FIRST)
@@ -314,6 +316,7 @@ class FlatCakeClient:
         """Store ``kv`` ([layers, len(keys), page_elems]) under ``keys`` on the session's node;
         pages already stored there are skipped (write-once). Raises ServiceError when the
         owner does not answer in time (it may still publish; a retry is safe: write-once)."""
+        first_digest(keys, options.get("namespace"))  # typed errors before the kv's checks
         pages, _ = as_page_bytes(
             kv, self.layers, self.page_bytes, min_pages=len(keys), writable=False, what="kv"
         )

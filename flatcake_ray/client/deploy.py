@@ -105,7 +105,7 @@ def start(
     secret = load_or_create_secret(config.secret_path)
     connect(address, config.namespace)
     coordinator = start_coordinator(config, secret)
-    ray.get(coordinator.ping.remote(), timeout=timeout_s)
+    _answers(coordinator, time.monotonic() + timeout_s)
     running = _unwrapped(coordinator.service_config.remote(secret), timeout_s)
     config.check_same_geometry(running)
     targets = list(nodes) if nodes is not None else service_nodes(resource)
@@ -116,6 +116,22 @@ def start(
     for handle in handles:
         ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
     return status(config.namespace, secret)
+
+
+def _answers(handle: Any, deadline: float) -> None:
+    """Wait until ``handle`` answers a ping; a restarting actor (the coordinator after a
+    crash: Ray restarts it) is waited for, not an error, until ``deadline``."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    while True:
+        try:
+            ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _unwrapped(ref: Any, timeout_s: float) -> Any:

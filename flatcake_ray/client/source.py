@@ -31,6 +31,7 @@ from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import (
     KeyLike,
     PageKey,
+    check_key_list,
     check_keys,
     digest_keys,
     request_digests,
@@ -71,6 +72,7 @@ class HeldLease:
 
 def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> bytes:
     """Check every key here (before any call) and digest the first: the location key."""
+    check_key_list(keys)
     if len(keys) == 0:
         raise ShapeError("a call needs at least one key")
     resolved, bare = split_namespace(keys, namespace)
@@ -80,6 +82,7 @@ def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> by
 
 def digests_of(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> np.ndarray:
     """A request's keys checked and hashed here, once: what every node call carries."""
+    check_key_list(keys)
     if len(keys) == 0:
         raise ShapeError("a call needs at least one key")
     return request_digests(keys, namespace)

@@ -68,8 +68,16 @@ def check_keys(keys: Iterable[KeyLike]) -> None:
         _key_bytes(key)
 
 
+def check_key_list(keys: object) -> None:
+    """A call names its keys in a list, tuple or 1-D array: a generator would be used up by
+    the first pass over it (and has no length), a str would be one key per character."""
+    if isinstance(keys, str | bytes | bytearray) or not isinstance(keys, Sequence | np.ndarray):
+        raise InvalidKeyError(f"keys are a list or tuple, not {type(keys).__name__}")
+
+
 def split_namespace(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> tuple[str, list]:
     """One namespace for the whole call and the bare keys; mixed namespaces are an error."""
+    check_key_list(keys)
     seen: set[str] = set()
     bare: list[KeyLike] = []
     for key in keys:

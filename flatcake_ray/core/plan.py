@@ -40,6 +40,7 @@ from flatcake_ray.core.integrity import StreamingCheck
 from flatcake_ray.core.parts import LeasePart, first_positions
 from flatcake_ray.core.runs import align_down, run_bounds
 from flatcake_ray.errors import ConfigError
+from flatcake_ray.failpoints import failpoint
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ class RestorePlan:
 
     def chunks(self, first: int, end: int) -> list[LayerChunk]:
         """The chunks that move layers ``[first, end)`` (a group), in order."""
+        failpoint("plan.chunks", first=first, end=end)
         chunks: list[LayerChunk] = []
         for medium in (Medium.DRAM, Medium.SSD):
             parts = [p for p in self.parts if p.medium is medium]

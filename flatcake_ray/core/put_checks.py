@@ -17,6 +17,7 @@ from flatcake_ray.errors import (
     MediumFullError,
     PutTooLargeError,
     SegmentTooLargeError,
+    ShapeError,
 )
 
 SessionId = str | int | bytes
@@ -50,6 +51,15 @@ def check_session_id(session_id: object) -> SessionId:
             f"a session id holds 1 to {MAX_SESSION_ID_BYTES} bytes, got {len(raw)}"
         )
     return plain
+
+
+def check_hints(hints: object) -> None:
+    """Hints are a :class:`~flatcake_ray.core.catalog.PutHints` or None (``hints="fast"``
+    was an untyped AttributeError deep in placement)."""
+    from flatcake_ray.core.catalog import PutHints  # the catalog imports this module
+
+    if hints is not None and not isinstance(hints, PutHints):
+        raise ShapeError(f"hints are PutHints or None, not {type(hints).__name__}")
 
 
 def check_segment_pages(pages: int) -> None:

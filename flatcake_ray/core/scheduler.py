@@ -66,6 +66,7 @@ from flatcake_ray.errors import (
     RequestStateError,
     UnknownRequestError,
 )
+from flatcake_ray.failpoints import failpoint
 
 RequestId = Hashable
 POLICIES = ("fc-mas", "fcfs")
@@ -360,6 +361,7 @@ class Scheduler:
 
     def start_prefetches(self, now: float) -> list[ScheduledRequest]:
         """Move waiting SSD requests into flight while the budget allows; the caller starts them."""
+        failpoint("scheduler.start_prefetches")
         self._clock = now = self._checked_time(now)
         started: list[ScheduledRequest] = []
         while self._inflight_count < self.config.max_inflight_prefetches:
@@ -376,6 +378,7 @@ class Scheduler:
 
     def prefetch_done(self, request_id: RequestId, now: float) -> None:
         """A started prefetch's data is in: free its budget and make the request ready."""
+        failpoint("scheduler.prefetch_done", request_id=request_id)
         now = self._checked_time(now)
         live = self._get(request_id)
         if live.phase is not Phase.PREFETCHING:

@@ -54,6 +54,8 @@ class Tenant:
 
     def __post_init__(self) -> None:
         check_tenant_name(self.name)
+        if not isinstance(self.secret_sha256, str):  # a table lookup key: hashable, a str
+            raise TenantError(f"tenant {self.name}: its secret's hash is a str")
         if not (isinstance(self.layers, int) and self.layers > 0):
             raise TenantError(f"tenant {self.name}: layers must be a positive int")
         if not (isinstance(self.page_bytes, int) and self.page_bytes > 0):

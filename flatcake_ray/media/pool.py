@@ -6,12 +6,18 @@ scopes; the catalog decides where bytes go.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import numpy as np
 
+from flatcake_ray.errors import MediumFullError
+from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.log import log_once
+
+# Allocation failures that mean "this disk cannot hold the configured pool".
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 class SsdPool:
@@ -29,13 +35,27 @@ class SsdPool:
             folder.mkdir(parents=True, exist_ok=True)
             self.paths.append(str(folder / f"pool-{i:04d}.fc"))
         self.direct = True
-        self.fds = [self._open(path) for path in self.paths]
+        self.fds: list[int] = []
+        try:
+            for path in self.paths:
+                self.fds.append(self._open(path))
+        except BaseException:
+            self.close()  # a failed open leaves no descriptor behind
+            raise
 
     def _open(self, path: str) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < self.file_bytes:
+                failpoint("pool.allocate", path=path)
                 os.posix_fallocate(fd, 0, self.file_bytes)
+        except OSError as exc:
+            if exc.errno not in _NO_SPACE:
+                raise
+            raise MediumFullError(
+                f"SSD pool file {path}: cannot allocate {self.file_bytes} bytes "
+                f"({os.strerror(exc.errno)}); lower ssd_file_bytes or ssd_files_per_dir"
+            ) from exc
         finally:
             os.close(fd)
         try:
@@ -81,6 +101,7 @@ class SsdPool:
 
     def write(self, offset: int, buffer: np.ndarray) -> None:
         """Write an aligned buffer at an aligned pool offset (one command per call)."""
+        failpoint("pool.write", offset=offset)
         file_index, file_offset = self.locate(offset)
         view = memoryview(buffer)
         while view.nbytes:

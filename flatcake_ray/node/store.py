@@ -46,10 +46,12 @@ from flatcake_ray.core.keys import (
     KeyLike,
     PageKey,
     as_digests,
+    check_key_list,
     digest_keys,
     split_namespace,
 )
 from flatcake_ray.core.parts import LeasePart, lease_parts
+from flatcake_ray.core.put_checks import check_hints
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
@@ -251,8 +253,10 @@ class FlatCakeStore:
         tenant: str = DEFAULT_TENANT,
     ) -> PutHandle:
         self._check_open()
+        check_key_list(keys)
         if len(keys) == 0:
             raise ShapeError("a put needs at least one key")
+        check_hints(hints)
         extra = [parent] if parent is not None else []
         resolved, bare = split_namespace([*keys, *extra], namespace)
         digests = digest_keys(resolved, bare)
@@ -267,6 +271,9 @@ class FlatCakeStore:
         return PutHandle(self.writer, plan, catalog, len(keys), self.puts)
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
+        check_key_list(keys)
+        if len(keys) == 0:  # before the kv's shape check, whose message would mislead
+            raise ShapeError("a put needs at least one key")
         config = self.tenancy.catalog(options.get("tenant", DEFAULT_TENANT)).config
         pages, _ = as_page_bytes(
             kv, config.layers, config.page_bytes, min_pages=len(keys), writable=False, what="kv"
