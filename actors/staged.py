@@ -21,8 +21,14 @@ from flatcake_ray.actors.shipping import PullArea
 from flatcake_ray.errors import ServiceError, ShapeError
 from flatcake_ray.media.arena import map_shared_readonly
 from flatcake_ray.node.put import PutHandle
+from flatcake_ray.transports.base import OBJECT_STORE_FALLBACK
 
 MAX_SHM_MAPPINGS = 16
+PUT_PATHS = {
+    StagingKind.SHM: "shm",
+    StagingKind.NIXL: "nixl",
+    StagingKind.INLINE: OBJECT_STORE_FALLBACK,
+}
 
 
 class StagedReader:
@@ -35,6 +41,7 @@ class StagedReader:
     def write(self, handle: PutHandle, staged: StagedPages, counters: dict[str, int]) -> None:
         """Write every staged piece into ``handle`` (counted in ``counters``)."""
         page_bytes = staged.page_bytes
+        handle.route = PUT_PATHS[staged.kind]  # the put's metrics say how its bytes came
         flat, slot = self._bytes(staged)
         try:
             for piece in staged.pieces:

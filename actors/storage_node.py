@@ -75,6 +75,7 @@ class StorageNode:
         self.node_id = self._register(self._persisted_node_id())
         (self._root / "node_id").write_text(f"{self.node_id}\n")
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
+        self.store.metrics.count_requests = False  # its clients count the requests they make
         self.leases = LeaseTable(config.lease_ttl_s)
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self._arena_exporter: Any = None

@@ -280,8 +280,10 @@ class ClientConfig:
     put_region_bytes: int = 32 << 20  # a put whose layers all fit is sent whole, in one call
     staging_segment_bytes: int = 64 << 20  # the put staging arena grows by this much
     gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
+    page_tokens: int = 256  # tokens a page holds (the engine's block size), for token metrics
 
     def __post_init__(self) -> None:
+        _require(self.page_tokens > 0, "page_tokens must be positive", "page_tokens")
         _require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
         _require(
             self.restore_slot_bytes % ALIGN == 0 and self.restore_slot_bytes >= 2 * ALIGN,

@@ -10,6 +10,7 @@ owner (a storage node expires the handles of clients that went away).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,11 @@ class PutHandle:
         layers: int,
         page_bytes: int,
         table: PutTable,
+        on_commit: Callable[[PutResult, str, int | None], None] | None = None,
     ) -> None:
         self._writer = writer
+        self._on_commit = on_commit  # the store's accounting: (result, route, scope id)
+        self.route = "in-process"  # how the bytes reach the store (a storage node says)
         self._state: WriteState | None = writer.start(plan, keys) if plan is not None else None
         self._keys, self._layers, self._page_bytes = keys, layers, page_bytes
         self._done = False
@@ -85,6 +89,9 @@ class PutHandle:
         with self._lock:
             result = self._commit()
         self._table.forget(self.put_id)
+        if self._on_commit is not None:
+            scope_id = None if self._state is None else self._state.plan.segment.scope_id
+            self._on_commit(result, self.route, scope_id)
         return result
 
     def _commit(self) -> PutResult:

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,21 @@ from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope, Segment
 from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.gva import encode as encode_gva
-from flatcake_ray.core.keys import DIGEST_DTYPE, KeyLike, PageKey, digest_keys, split_namespace
+from flatcake_ray.core.keys import (
+    DIGEST_DTYPE,
+    KeyLike,
+    PageKey,
+    digest_keys,
+    namespace_of,
+    split_namespace,
+)
 from flatcake_ray.core.parts import LeasePart, lease_parts
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ShapeError, StoreClosedError, StoreInUseError
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.puts import PutTable
@@ -79,6 +88,12 @@ class FlatCakeStore:
         self.config = config
         self.catalog = Catalog(config)
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.metrics = Metrics(
+            node_id=config.node_id,
+            layers=config.layers,
+            page_bytes=config.page_bytes,
+            page_tokens=config.placement.page_tokens,
+        )
         self._lock = threading.RLock()
         self._closed = False
         self._pipelines: dict[torch.device, RestorePipeline] = {}
@@ -211,7 +226,10 @@ class FlatCakeStore:
                 digests[: len(keys)], session_id=session_id, parent=parent_digest, hints=hints
             )
         config = self.config
-        return PutHandle(self.writer, plan, len(keys), config.layers, config.page_bytes, self.puts)
+        on_commit = partial(self.metrics.put_committed, namespace_of(keys, namespace))
+        return PutHandle(
+            self.writer, plan, len(keys), config.layers, config.page_bytes, self.puts, on_commit
+        )
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
         pages, _ = as_page_bytes(
@@ -229,10 +247,13 @@ class FlatCakeStore:
         self._check_open()
         digests = self._digests(keys, namespace)
         with self._lock:
-            return self.catalog.index.prefix_length(digests)
+            hits = self.catalog.index.prefix_length(digests)
+        self.metrics.probed(namespace_of(keys, namespace), len(keys), hits)
+        return hits
 
     def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
         found = self.gvas(keys, namespace=namespace)
+        self.metrics.probed(namespace_of(keys, namespace), len(keys), len(found))
         return Probe(len(found), bool(len(found)) and int(found.max()) >= SSD_FLOOR)
 
     def lease(self, keys: Keys, *, namespace: str | None = None) -> Lease:
@@ -350,7 +371,7 @@ class FlatCakeStore:
             ssd_scopes = [s for s in catalog.scopes.values() if s.medium is Medium.SSD]
             reserved = sum(s.runs.reserved_bytes for s in ssd_scopes)
             used = sum(s.runs.used_bytes for s in ssd_scopes)
-            return {
+            stats = {
                 **self.counters,
                 **catalog.counters,
                 **self.manifest.report.counters(),
@@ -374,6 +395,8 @@ class FlatCakeStore:
                 "arena_hugepages": self.arena.huge,
                 "ssd_o_direct": self.pool.direct,
             }
+            self.metrics.node_state(stats, catalog.scopes)
+        return {**stats, "metrics": self.metrics.snapshot()}
 
 
 def _with_positions(part: LeasePart, positions: np.ndarray) -> LeasePart:
