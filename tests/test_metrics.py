@@ -20,8 +20,8 @@ from flatcake_ray.core.gva import Medium
 from flatcake_ray.metrics.definitions import (
     BY_NAME,
     LATENCY_BOUNDARIES,
-    METRICS,
     MEDIUM,
+    METRICS,
     NODE_ID,
     PATH,
     TENANT,
@@ -94,7 +94,7 @@ def test_every_metric_is_well_formed():
 
 
 def test_restores_and_probes_are_counted_once_each_by_medium_and_path(workload):
-    store, stats, read = workload
+    _, stats, read = workload
     samples = [Sample(s["name"], s["labels"], s["value"]) for s in stats["metrics"]]
     a, miss = {NODE_ID: "0", TENANT: "a"}, {NODE_ID: "none", TENANT: "b"}
     assert value(samples, "flatcake_lookups", **a) == 2
