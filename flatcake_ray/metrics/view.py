@@ -178,8 +178,8 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 30):.2f}"
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f}"
 
 
 def format_view(view: Mapping[str, Any]) -> str:
@@ -199,13 +199,13 @@ def format_view(view: Mapping[str, Any]) -> str:
     lines.append("restarts: 0 until storage nodes are supervised (not yet)")
     lines.append("metrics per tenant (node all: every node)")
     lines.append(
-        f"{'tenant':<16} {'node':>5} {'dram GiB':>8} {'ssd GiB':>8} {'lookups':>8} "
+        f"{'tenant':<16} {'node':>5} {'dram MiB':>9} {'ssd MiB':>9} {'lookups':>8} "
         f"{'hit dram':>9} {'hit ssd':>8} {'p50 ms':>8} {'p99 ms':>8}"
     )
     for r in view["tenants"]:
         lines.append(
-            f"{r[TENANT][:16]:<16} {r[NODE_ID]:>5} {_gib(r['used_bytes']['dram']):>8} "
-            f"{_gib(r['used_bytes']['ssd']):>8} {r['lookups']:>8} "
+            f"{r[TENANT][:16]:<16} {r[NODE_ID]:>5} {_mib(r['used_bytes']['dram']):>9} "
+            f"{_mib(r['used_bytes']['ssd']):>9} {r['lookups']:>8} "
             f"{_pct(r['hit_rate']['dram']):>9} {_pct(r['hit_rate']['ssd']):>8} "
             f"{_ms(r['restore_p50_ms']):>8} {_ms(r['restore_p99_ms']):>8}"
         )
