@@ -16,6 +16,7 @@ the clients that made them (once, not once per node a lookup fans out to).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -39,10 +40,15 @@ _DIFFED = {  # node counters: the store's running totals, exported as increments
 }
 
 
+_MEDIUM_TAGS: dict[Medium | None, str] = {m: m.name.lower() for m in Medium}
+_MEDIUM_TAGS[None] = "none"
+
+
 def medium_tag(medium: Medium | None) -> str:
-    return "none" if medium is None else medium.name.lower()
+    return _MEDIUM_TAGS[medium]
 
 
+@functools.cache
 def path_medium(path: str) -> Medium | None:
     """The medium a read path serves, from its name (``transports/base.py``); None for the
     object-store fallback, which serves either."""
