@@ -28,10 +28,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake_ray.actors.auth import Gate, default_tenant
 from flatcake_ray.actors.drain import read_drained, write_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage
+from flatcake_ray.actors.tenant_admin import TenantAdmin
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import MAX_NODE_ID
+from flatcake_ray.core.put_checks import check_session_id
 from flatcake_ray.errors import ServiceError, UnknownNodeError
 
 log = logging.getLogger(__name__)
@@ -76,12 +79,22 @@ def ramp(record: NodeRecord, now: float, config: ServiceConfig) -> float:
 
 
 class CapacityCoordinator:
-    def __init__(self, config: ServiceConfig, *, rebuild: bool = True) -> None:
-        """``rebuild``: take the cluster's state (storage nodes, drained set) from Ray and keep
-        the drained set there; False for a coordinator used as a plain object, without Ray."""
+    def __init__(self, config: ServiceConfig, service_secret: str, *, rebuild: bool = True) -> None:
+        """``rebuild``: take the cluster's state (storage nodes, drained set, tenants) from
+        Ray and keep the drained set and tenants there; False for a coordinator used as a
+        plain object, without Ray."""
         self.config = config
+        default = default_tenant(config.layers, config.page_bytes)
+        self.gate = Gate(
+            config.namespace,
+            service_secret,
+            default if config.open_default else None,
+            in_gcs=rebuild,
+        )
+        self.tenants = TenantAdmin(self.gate, service_secret, in_gcs=rebuild)
+        self._service_secret = service_secret
         self.nodes: dict[int, NodeRecord] = {}
-        self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.sessions: OrderedDict[tuple[str, Any], int] = OrderedDict()
         self.started_at = time.time()
         self.counters = {"registrations": 0, "placements": 0, "rebuilt_nodes": 0, "reports": 0}
         self._in_gcs = rebuild
@@ -92,9 +105,16 @@ class CapacityCoordinator:
 
     # ---- membership ------------------------------------------------------------------------
     def register(
-        self, ray_node_id: str, actor_name: str, wanted_node_id: int | None, started_at: float
+        self,
+        service_secret: object,
+        ray_node_id: str,
+        actor_name: str,
+        wanted_node_id: int | None,
+        started_at: float,
     ) -> int:
-        """The NodeID of this storage node: its old one if free, else the lowest free one."""
+        """The NodeID of this storage node: its old one if free, else the lowest free one.
+        Only the service's own nodes (holding its secret) register."""
+        self.gate.service(service_secret)
         now = time.time()
         for record in self.nodes.values():
             if record.ray_node_id == ray_node_id:  # a repeated registration: same answer
@@ -118,8 +138,13 @@ class CapacityCoordinator:
                 return node_id
         raise ServiceError(f"all {MAX_NODE_ID} NodeIDs are in use")
 
-    def report(self, node_id: int, ray_node_id: str, usage: NodeUsage) -> bool:
+    def report(
+        self, service_secret: object, node_id: int, ray_node_id: str, usage: NodeUsage
+    ) -> bool:
         """A node's periodic usage report; False tells it to register again (we forgot it)."""
+        self.gate.service(service_secret)
+        if not isinstance(usage, NodeUsage):
+            raise ServiceError(f"a report carries NodeUsage, not {type(usage).__name__}")
         record = self.nodes.get(node_id)
         if record is None or record.ray_node_id != ray_node_id:
             return False
@@ -128,15 +153,17 @@ class CapacityCoordinator:
         self.counters["reports"] += 1
         return True
 
-    def forget(self, node_id: int) -> None:
+    def forget(self, service_secret: object, node_id: int) -> None:
+        self.gate.service(service_secret)
         self.nodes.pop(node_id, None)
 
     def _alive(self, record: NodeRecord, now: float) -> bool:
         return now - record.last_seen < self.config.node_timeout_s
 
     # ---- draining --------------------------------------------------------------------------
-    def drain(self, node_id: int) -> dict[str, Any]:
+    def drain(self, service_secret: object, node_id: int) -> dict[str, Any]:
         """Place no new scope on this node (its pages stay readable); returns its row."""
+        self.gate.service(service_secret)
         if node_id not in self.nodes:
             known = ", ".join(str(n) for n in sorted(self.nodes)) or "none"
             raise UnknownNodeError(f"no storage node has NodeID {node_id} (known: {known})")
@@ -144,8 +171,9 @@ class CapacityCoordinator:
         log.info("NodeID %d drained: no new scopes are placed there", node_id)
         return self.nodes_table_row(node_id)
 
-    def undrain(self, node_id: int) -> bool:
+    def undrain(self, service_secret: object, node_id: int) -> bool:
         """Place scopes on this node again; False if it was not drained."""
+        self.gate.service(service_secret)
         if node_id not in self.drained:
             return False
         self._set_drained(self.drained - {node_id})
@@ -161,21 +189,25 @@ class CapacityCoordinator:
         return record.node_id not in self.drained and self._alive(record, now)
 
     # ---- placement -------------------------------------------------------------------------
-    def place_scope(self, session_id: str | None = None) -> int:
-        """The NodeID that holds (or will hold) this session's scopes."""
-        now = time.time()
+    def place_scope(self, secret: object, session_id: Any = None) -> int:
+        """The NodeID that holds (or will hold) this session of the caller's tenant."""
+        tenant = self.gate.tenant(secret).name
         if session_id is not None:
-            known = self.sessions.get(session_id)
+            session_id = check_session_id(session_id)
+        now = time.time()
+        key = (tenant, session_id)
+        if session_id is not None:
+            known = self.sessions.get(key)
             if (
                 known is not None
                 and known in self.nodes
                 and self._placeable(self.nodes[known], now)
             ):
-                self.sessions.move_to_end(session_id)
+                self.sessions.move_to_end(key)
                 return known
         node_id = self._choose(now)
         if session_id is not None:
-            self.sessions[session_id] = node_id
+            self.sessions[key] = node_id
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
         self.counters["placements"] += 1
@@ -203,28 +235,86 @@ class CapacityCoordinator:
         return max(1.0, float(free)) * ramp(record, now, self.config)
 
     # ---- views -----------------------------------------------------------------------------
-    def nodes_table(self) -> list[dict[str, Any]]:
+    def nodes_table(self, service_secret: object) -> list[dict[str, Any]]:
+        self.gate.service(service_secret)
         return [self.nodes_table_row(n) for n in sorted(self.nodes)]
 
     def nodes_table_row(self, node_id: int) -> dict[str, Any]:
         row = self.nodes[node_id].row(time.time(), self.config)
         return {**row, "drained": node_id in self.drained}
 
-    def info(self) -> dict[str, Any]:
+    def info(self, service_secret: object) -> dict[str, Any]:
+        self.gate.service(service_secret)
         return {
             "started_at": self.started_at,
             "nodes": len(self.nodes),
             "sessions": len(self.sessions),
             "drained": sorted(self.drained),  # those gone too, until undrained
             **self.counters,
+            **self.gate.counters,
         }
 
     def ping(self) -> str:
         return "ok"
 
-    def service_config(self) -> dict[str, Any]:
+    def service_config(self, service_secret: object) -> dict[str, Any]:
         """The config this service was started with (``start`` checks its geometry)."""
+        self.gate.service(service_secret)
         return self.config.to_dict()
+
+    # ---- tenants (``actors/tenant_admin.py``) ------------------------------------------------
+    def add_tenant(
+        self,
+        service_secret: object,
+        name: str,
+        layers: int,
+        page_bytes: int,
+        quota_dram: int | None = None,
+        quota_ssd: int | None = None,
+    ) -> str:
+        """Create a tenant; returns its secret (shown once, kept nowhere)."""
+        self.gate.service(service_secret)
+        secret = self.tenants.add(name, layers, page_bytes, quota_dram, quota_ssd)
+        self._push_tenants()
+        return secret
+
+    def set_tenant_quota(
+        self, service_secret: object, name: str, quota_dram: int | None, quota_ssd: int | None
+    ) -> None:
+        self.gate.service(service_secret)
+        self.tenants.set_quota(name, quota_dram, quota_ssd)
+        self._push_tenants()
+
+    def remove_tenant(self, service_secret: object, name: str) -> None:
+        self.gate.service(service_secret)
+        self.tenants.remove(name)
+        self._push_tenants()
+
+    def list_tenants(self, service_secret: object) -> list[dict[str, Any]]:
+        self.gate.service(service_secret)
+        return self.tenants.rows()
+
+    def _push_tenants(self) -> None:
+        """Have every live node re-read the table now, so a tenant command has taken effect
+        everywhere when it returns (a node that does not answer reads it on its next report)."""
+        if not self._in_gcs:
+            return
+        import ray
+        from ray.exceptions import RayError
+
+        refs = []
+        for record in list(self.nodes.values()):
+            try:
+                handle = ray.get_actor(record.actor_name, namespace=self.config.namespace)
+            except ValueError:  # gone; it re-reads the table when it comes back
+                continue
+            refs.append(handle.refresh_tenants.remote(self._service_secret))
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.rpc_timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                log.warning("a storage node did not re-read the tenant table: %s", exc)
 
     # ---- recovery --------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -243,7 +333,7 @@ class CapacityCoordinator:
                 handle = ray.get_actor(name, namespace=self.config.namespace)
             except ValueError:  # gone between the listing and now
                 continue
-            refs[name] = handle.coordinator_view.remote()
+            refs[name] = handle.coordinator_view.remote(self._service_secret)
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=REBUILD_TIMEOUT_S)
         for name, ref in refs.items():
             if ref in ready:
@@ -265,6 +355,6 @@ class CapacityCoordinator:
         record = NodeRecord(node_id, view["ray_node_id"], name, view["started_at"], time.time())
         record.usage = view["usage"]
         self.nodes[node_id] = record
-        for session_id in view["sessions"]:
-            self.sessions[session_id] = node_id
+        for tenant, session_id in view["sessions"]:
+            self.sessions[(tenant, session_id)] = node_id
         self.counters["rebuilt_nodes"] += 1

@@ -47,6 +47,7 @@ class NodeDescription:
     rdma: bool = False  # the arena is exported for one-sided RDMA READs (accept_rdma)
     verify_dram: bool = False  # readers check DRAM blocks too (SSD blocks always)
     gap_bytes: int = 64 << 10  # coalescing: holes smaller than this are read and dropped
+    tenant: str = "default"  # whose geometry ``layers`` and ``page_bytes`` are
 
 
 @dataclass(frozen=True)

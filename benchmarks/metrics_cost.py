@@ -44,7 +44,7 @@ def a_restore(store: FlatCakeStore) -> tuple[tuple, ReadOutcome]:
     lease = store.lease(keys)
     parts = store.source.lease(keys, None).parts
     store.release(lease)
-    outcome = ReadOutcome(8, requested=8, namespace="bench", seconds=0.001, queued_s=0.0001)
+    outcome = ReadOutcome(8, requested=8, seconds=0.001, queued_s=0.0001)
     outcome.paths = {
         "local-dram": PathTally(4, 4, 4 * LAYERS * PAGE_BYTES, 0, 0.0),
         "local-ssd": PathTally(4, 4, 4 * LAYERS * PAGE_BYTES, 4, 0.001),
@@ -56,13 +56,13 @@ def a_restore(store: FlatCakeStore) -> tuple[tuple, ReadOutcome]:
 
 
 def per_call(store: FlatCakeStore, repeats: int, calls: int) -> None:
-    metrics = Metrics(node_id=1, layers=LAYERS, page_bytes=PAGE_BYTES, page_tokens=256)
+    metrics = Metrics(node_id=1, page_tokens=256)
     parts, outcome = a_restore(store)
     result = PutResult(8, 0, Medium.SSD, "one-shot", "s")
     cases = {
-        "restore_ended": lambda: metrics.restore_ended(parts, outcome, 8),
+        "restore_ended": lambda: metrics.restore_ended(parts, outcome, 8, "bench"),
         "probed": lambda: metrics.probed("bench", 8, 8),
-        "put_committed": lambda: metrics.put_committed("bench", result, "shm", 7),
+        "put_committed": lambda: metrics.put_committed("bench", LAYERS * PAGE_BYTES, result, "shm"),
     }
     for label, call in cases.items():
         times = [timeit.timeit(call, number=calls) / calls * 1e6 for _ in range(repeats)]

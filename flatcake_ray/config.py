@@ -41,9 +41,16 @@ __all__ = [
 ]
 
 ALIGN = 4096  # O_DIRECT and cuFile alignment
+DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
 GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
-STORE_FIELDS = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs", "ssd_files_per_dir")
+STORE_FIELDS: tuple[str, ...] = (
+    *GEOMETRY_FIELDS,
+    "root",
+    "dram_bytes",
+    "ssd_dirs",
+    "ssd_files_per_dir",
+)
 STORE_FIELDS += ("ssd_file_bytes", "hugepages", "fsync")
 
 
@@ -186,6 +193,12 @@ class StoreConfig:
         return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
 
+def secret_path(namespace: str, secret_file: str = "") -> str:
+    """Where the service secret of ``namespace`` is kept (see ``ServiceConfig.secret_file``)."""
+    chosen = secret_file or os.environ.get("FLATCAKE_SECRET_FILE") or DEFAULT_SECRET_FILE
+    return chosen.replace("{namespace}", namespace)
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """The service's knobs: the store geometry every node shares, per-node sizes (each node's
@@ -211,6 +224,12 @@ class ServiceConfig:
     ramp_floor: float = 0.1  # ... starting from this fraction of it
     nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
     node_concurrency: int = 16  # concurrent RPCs a storage node serves
+    # A client without a tenant secret is the default tenant (the service's geometry, no
+    # quota); False: every client presents a tenant's secret (docs/security.md).
+    open_default: bool = True
+    # The service secret (made on the first start, mode 0600); {namespace} is expanded.
+    # Empty: FLATCAKE_SECRET_FILE of the process, else ~/.flatcake/{namespace}.secret.
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         normalise(self)
@@ -270,6 +289,10 @@ class ServiceConfig:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @property
+    def secret_path(self) -> str:
+        return secret_path(self.namespace, self.secret_file)
+
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -281,6 +304,9 @@ class ClientConfig:
     staging_segment_bytes: int = 64 << 20  # the put staging arena grows by this much
     gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
     page_tokens: int = 256  # tokens a page holds (the engine's block size), for token metrics
+    # The tenant this client acts for (``flatcake-ray tenant add`` printed it); empty: the
+    # service's open default tenant. Never printed.
+    tenant_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         _require(self.page_tokens > 0, "page_tokens must be positive", "page_tokens")

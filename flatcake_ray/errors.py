@@ -35,6 +35,21 @@ class StoreClosedError(FlatCakeError):
     """The store (or service) was closed; no further calls are accepted."""
 
 
+class TenantError(FlatCakeError, ValueError):
+    """A tenant is unknown, its name or secret is malformed, or a call names another
+    tenant's lease, put or pages."""
+
+
+class AccessDeniedError(TenantError, PermissionError):
+    """The secret of a call matches no tenant (or not the service), or the call reaches for
+    what another tenant owns; refused and counted."""
+
+
+class QuotaExceededError(FlatCakeError):
+    """A tenant's put does not fit its quota on any medium, even after reclaiming its own
+    unreferenced scopes; nothing was evicted from other tenants, nothing was written."""
+
+
 class StoreInUseError(FlatCakeError):
     """Another store (in this process or another) has the store root open."""
 

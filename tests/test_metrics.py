@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.tenants import Tenant, new_secret, secret_hash
 from flatcake_ray.metrics.definitions import (
     BY_NAME,
     LATENCY_BOUNDARIES,
@@ -53,27 +54,34 @@ def histogram_count(samples, name: str, **labels: str) -> float:
     return sum(s.value for s in samples if s.name == series and dict(s.labels) == labels)
 
 
-def restore(store, keys, namespace):
+def restore(store, keys, tenant):
     out = np.zeros((LAYERS, len(keys), PAGE_BYTES), dtype=np.uint8)
-    return store.get(keys, out, namespace=namespace), out
+    return store.get(keys, out, tenant=tenant), out
+
+
+def with_tenants(store, *names: str):
+    """``store`` with tenants ``names`` registered (the store's geometry, no quotas)."""
+    for name in names:
+        store.set_tenant(Tenant(name, secret_hash(new_secret()), LAYERS, PAGE_BYTES))
+    return store
 
 
 @pytest.fixture
 def workload(make_store):
     """Puts on both media in tenant a, restores of both, a miss in tenant b, one probe."""
-    store = make_store()
+    store = with_tenants(make_store(), "a", "b")
     dram_kv, ssd_kv = random_kv(3, seed=1), random_kv(5, seed=2)
     dram_keys, ssd_keys = [f"d{i}" for i in range(3)], [f"s{i}" for i in range(5)]
     assert (
-        store.put(dram_keys, dram_kv, namespace="a", session_id="d", hints=SHORT_CHAT).medium
+        store.put(dram_keys, dram_kv, tenant="a", session_id="d", hints=SHORT_CHAT).medium
         is Medium.DRAM
     )
-    assert store.put(ssd_keys, ssd_kv, namespace="a", session_id="s").medium is Medium.SSD
+    assert store.put(ssd_keys, ssd_kv, tenant="a", session_id="s").medium is Medium.SSD
     before = dict(store.counters)
     assert restore(store, dram_keys, "a")[0] == 3
     assert restore(store, ssd_keys, "a")[0] == 5
     assert restore(store, ["m0", "m1"], "b")[0] == 0
-    assert store.probe([*ssd_keys, "x"], namespace="a").hits == 5
+    assert store.probe([*ssd_keys, "x"], tenant="a").hits == 5
     stats = store.stats()
     read = {k: stats[k] - before[k] for k in ("ssd_bytes_read", "ssd_read_commands")}
     return store, stats, read
@@ -160,22 +168,25 @@ def test_status_view_of_a_store(workload):
 
 
 def test_quarantine_and_reclamation_are_counted(make_store):
-    store = make_store()
-    store.put(list(range(4)), random_kv(4, seed=7), namespace="q")
+    store = with_tenants(make_store(), "q")
+    store.put(list(range(4)), random_kv(4, seed=7), tenant="q")
     store.stats()
     tenant_q = {"node_id": "0", "tenant": "q", "medium": "ssd"}
     assert value(store.metrics.samples(), "flatcake_tenant_used_bytes", **tenant_q) == 4 * PAGE
-    file_index, offset = store.pool.locate(int(store.gvas([2], namespace="q")[0]) & ((1 << 48) - 1))
+    file_index, offset = store.pool.locate(int(store.gvas([2], tenant="q")[0]) & ((1 << 48) - 1))
     with open(store.pool.paths[file_index], "r+b") as pool_file:
         pool_file.seek(offset + 100)
         byte = pool_file.read(1)
         pool_file.seek(offset + 100)
         pool_file.write(bytes([byte[0] ^ 0xFF]))
     assert restore(store, list(range(4)), "q")[0] == 0
-    store.stats()
+    stats = store.stats()
     samples = store.metrics.samples()
     assert value(samples, "flatcake_quarantined_scopes", node_id="0") == 1
-    assert value(samples, "flatcake_tenant_used_bytes", **tenant_q) == 0
+    assert value(samples, "flatcake_scopes", node_id="0", medium="ssd") == 0
+    # quarantined space is never handed out again, so it stays charged to its tenant
+    charged = stats["tenants"]["q"]["ssd_used"]
+    assert value(samples, "flatcake_tenant_used_bytes", **tenant_q) == charged
     store.stats()  # a second report adds nothing: counters move by what changed
     assert value(store.metrics.samples(), "flatcake_quarantined_scopes", node_id="0") == 1
 

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 from flatcake_ray.cli import main  # noqa: E402
-from flatcake_ray.client import deploy  # noqa: E402
+from flatcake_ray.client import deploy, tenants  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
-from flatcake_ray.config import ServiceConfig  # noqa: E402
+from flatcake_ray.config import ClientConfig, ServiceConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium  # noqa: E402
 from flatcake_ray.metrics.definitions import BY_NAME  # noqa: E402
@@ -87,9 +87,14 @@ def service(tmp_path_factory):
         report_interval_s=0.5,
     )
     deploy.start(config)
-    client = FlatCakeClient(NAMESPACE)
-    yield client, f"http://127.0.0.1:{port}/metrics"
-    client.close()
+    clients = {
+        name: FlatCakeClient(NAMESPACE, config=ClientConfig(tenant_secret=secret))
+        for name in ("a", "b")
+        for secret in [tenants.add_tenant(NAMESPACE, name, layers=LAYERS, page_bytes=PAGE_BYTES)]
+    }
+    yield clients, f"http://127.0.0.1:{port}/metrics"
+    for client in clients.values():
+        client.close()
     deploy.stop(NAMESPACE)
     ray.shutdown()
     slug = root.resolve().as_posix().strip("/").replace("/", "-")
@@ -100,18 +105,20 @@ def service(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def workload(service):
-    """Both media in tenant a, restored; a miss in tenant b; a probe. Returns what to expect."""
-    client, url = service
-    dram = client.put(keys("d", 3), kv_for(3, 1), namespace="a", session_id="d", hints=DRAM)
-    ssd = client.put(keys("s", 5), kv_for(5, 2), namespace="a", session_id="s", hints=SSD)
+    """Both media in tenant a, restored; tenant b asks for a's keys and misses (they are not
+    b's); a probe. Returns what to expect."""
+    clients, url = service
+    client = clients["a"]
+    dram = client.put(keys("d", 3), kv_for(3, 1), session_id="d", hints=DRAM)
+    ssd = client.put(keys("s", 5), kv_for(5, 2), session_id="s", hints=SSD)
     assert (dram.medium, ssd.medium) == (Medium.DRAM, Medium.SSD)
     out = np.zeros((LAYERS, 5, PAGE_BYTES), dtype=np.uint8)
-    from_dram = client.restore_report(keys("d", 3), out[:, :3], namespace="a")
-    from_ssd = client.restore_report(keys("s", 5), out, namespace="a")
-    missed = client.restore_report(["m/0", "m/1"], out[:, :2], namespace="b")
+    from_dram = client.restore_report(keys("d", 3), out[:, :3])
+    from_ssd = client.restore_report(keys("s", 5), out)
+    missed = clients["b"].restore_report(keys("d", 2), out[:, :2])  # a's keys: not b's
     assert (from_dram.pages, from_ssd.pages, missed.pages) == (3, 5, 0)
     assert np.array_equal(out, kv_for(5, 2))
-    assert client.probe([*keys("s", 5), "x"], namespace="a").hits == 5
+    assert client.probe([*keys("s", 5), "x"]).hits == 5
     node = str(from_ssd.node_id)
     ssd_path = from_ssd.paths["local-ssd"]
     a, b = {"node_id": node, "tenant": "a"}, {"node_id": "none", "tenant": "b"}

@@ -32,10 +32,11 @@ from flatcake_ray.actors.coordinator import CapacityCoordinator  # noqa: E402
 from flatcake_ray.actors.protocol import COORDINATOR_NAME, NodeDescription, NodeUsage  # noqa: E402
 from flatcake_ray.client import deploy as service  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.client.deploy import operator_secret  # noqa: E402
 from flatcake_ray.config import ServiceConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium, decode  # noqa: E402
-from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
+from flatcake_ray.errors import InvalidKeyError, ShapeError, UnknownNodeError  # noqa: E402
 from flatcake_ray.transports.base import (  # noqa: E402
     LOCAL_DRAM,
     LOCAL_SSD,
@@ -44,6 +45,8 @@ from flatcake_ray.transports.base import (  # noqa: E402
     REMOTE_SSD_SHIPPED,
 )
 from flatcake_ray.transports.routing import route  # noqa: E402
+
+SERVICE_SECRET = "s" * 32
 
 # Workers cannot import this file by name; ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -168,21 +171,29 @@ def usage(node_id: int, free: int) -> NodeUsage:
 
 def test_placement_is_capacity_proportional_and_ramps_a_new_node():
     config = ServiceConfig(layers=1, page_bytes=4096, ramp_seconds=100.0, ramp_floor=0.1)
-    coordinator = CapacityCoordinator(config, rebuild=False)
-    old = coordinator.register("ray-a", "a", None, time.time() - 1000)
-    new = coordinator.register("ray-b", "b", None, time.time())
+    coordinator = CapacityCoordinator(config, SERVICE_SECRET, rebuild=False)
+    old = coordinator.register(SERVICE_SECRET, "ray-a", "a", None, time.time() - 1000)
+    new = coordinator.register(SERVICE_SECRET, "ray-b", "b", None, time.time())
     for node_id in (old, new):
-        coordinator.report(node_id, f"ray-{'a' if node_id == old else 'b'}", usage(node_id, 100))
-    placed = [coordinator.place_scope() for _ in range(110)]
+        coordinator.report(
+            SERVICE_SECRET, node_id, f"ray-{'a' if node_id == old else 'b'}", usage(node_id, 100)
+        )
+    placed = [coordinator.place_scope(None) for _ in range(110)]
     assert placed.count(new) == pytest.approx(10, abs=1)  # ramp 0.1: 1/11 of new scopes
-    assert coordinator.place_scope("s") == coordinator.place_scope("s")  # sessions stick
+    assert coordinator.place_scope(None, "s") == coordinator.place_scope(
+        None, "s"
+    )  # sessions stick
 
 
 def test_node_ids_are_kept_on_re_registration_and_12_bit():
-    coordinator = CapacityCoordinator(ServiceConfig(layers=1, page_bytes=4096), rebuild=False)
-    first = coordinator.register("ray-a", "a", 7, time.time())
-    assert first == 7 and coordinator.register("ray-a", "a", None, time.time()) == 7
-    assert 1 <= coordinator.register("ray-b", "b", 7, time.time()) <= 4095  # 7 is taken
+    coordinator = CapacityCoordinator(
+        ServiceConfig(layers=1, page_bytes=4096), SERVICE_SECRET, rebuild=False
+    )
+    first = coordinator.register(SERVICE_SECRET, "ray-a", "a", 7, time.time())
+    assert first == 7 and coordinator.register(SERVICE_SECRET, "ray-a", "a", None, time.time()) == 7
+    assert (
+        1 <= coordinator.register(SERVICE_SECRET, "ray-b", "b", 7, time.time()) <= 4095
+    )  # 7 is taken
 
 
 def test_config_file_then_flags_then_environment(tmp_path, monkeypatch):
@@ -402,7 +413,10 @@ def test_coordinator_killed_and_restarted_recovers(deployment):
     writer = next(iter(deployment["by_node_id"].values()))
     ray.get(writer.put.remote("before-kill", 10, 31, DRAM))
     owner = owner_of(deployment, "before-kill", 10)
-    table = {r["node_id"]: r["ray_node_id"] for r in ray.get(_coordinator().nodes_table.remote())}
+    table = {
+        r["node_id"]: r["ray_node_id"]
+        for r in ray.get(_coordinator().nodes_table.remote(operator_secret(NAMESPACE)))
+    }
     ray.kill(_coordinator(), no_restart=True)
     with FlatCakeClient(NAMESPACE) as client:  # reads never ask the coordinator
         out = np.zeros((LAYERS, 10, PAGE_BYTES), dtype=np.uint8)
@@ -411,16 +425,21 @@ def test_coordinator_killed_and_restarted_recovers(deployment):
         assert (
             client.put(keys_for("while-dead", 4), kv_for(4, 32), session_id="wd").pages_written == 4
         )
-    service.start_coordinator(deployment["config"])  # a fresh one rebuilds from the nodes
+    service.start_coordinator(
+        deployment["config"], operator_secret(NAMESPACE)
+    )  # a fresh one rebuilds from the nodes
     _wait_ping()
-    rebuilt = {r["node_id"]: r["ray_node_id"] for r in ray.get(_coordinator().nodes_table.remote())}
+    rebuilt = {
+        r["node_id"]: r["ray_node_id"]
+        for r in ray.get(_coordinator().nodes_table.remote(operator_secret(NAMESPACE)))
+    }
     assert rebuilt == table
-    assert ray.get(_coordinator().place_scope.remote("before-kill")) == owner
+    assert ray.get(_coordinator().place_scope.remote(None, "before-kill")) == owner
     ray.kill(_coordinator(), no_restart=False)  # a crash: Ray restarts it, it rebuilds again
     time.sleep(1.0)
     _wait_ping()
-    assert ray.get(_coordinator().place_scope.remote("before-kill")) == owner
-    assert ray.get(_coordinator().info.remote())["rebuilt_nodes"] == 2
+    assert ray.get(_coordinator().place_scope.remote(None, "before-kill")) == owner
+    assert ray.get(_coordinator().info.remote(operator_secret(NAMESPACE)))["rebuilt_nodes"] == 2
 
 
 def _cli(*argv: str) -> int:
@@ -473,16 +492,15 @@ def test_drain_moves_new_chains_off_a_node_and_survives_a_coordinator_restart(de
         time.sleep(1.0)
         _wait_ping()
         assert _status_json(capsys, common)["coordinator"]["drained"] == [drained]
-        placed = {ray.get(_coordinator().place_scope.remote()) for _ in range(20)}
+        placed = {ray.get(_coordinator().place_scope.remote(None)) for _ in range(20)}
         assert placed == {kept}
     finally:
         assert _cli("undrain", str(drained), *common) == 0
     assert "undrained" in capsys.readouterr().out
     assert not any(r["drained"] for r in _status_json(capsys, common)["nodes"])
-    assert drained in {ray.get(_coordinator().place_scope.remote()) for _ in range(20)}
-    assert _cli("drain", "4000", *common) == 1
-    error = capsys.readouterr().err.strip()
-    assert "no storage node has NodeID 4000" in error and "\n" not in error
+    assert drained in {ray.get(_coordinator().place_scope.remote(None)) for _ in range(20)}
+    with pytest.raises(UnknownNodeError, match="no storage node has NodeID 4000 "):
+        _cli("drain", "4000", *common)  # main() prints it as one line (test_cli)
 
 
 def _put_owner(deployment, writer, i: int) -> int:

@@ -115,8 +115,11 @@ def arm_where_it_writes(store, spec: str) -> None:
         return
     import ray
 
-    handles = [link.handle for link in store.nodes.up()]
-    ray.get([handle.arm_failpoints.remote(spec) for handle in handles])
+    from flatcake_ray.client.deploy import operator_secret
+
+    secret = operator_secret(NAMESPACE)  # the service's own call: the operator's secret
+    handles = [link.handle.actor for link in store.nodes.up()]
+    ray.get([handle.arm_failpoints.remote(secret, spec) for handle in handles])
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 from flatcake_ray.actors.protocol import node_actor_name  # noqa: E402
 from flatcake_ray.client import deploy as service  # noqa: E402
+from flatcake_ray.client.calls import BoundNode  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.nodes import NodeLink  # noqa: E402
 from flatcake_ray.config import ServiceConfig  # noqa: E402
@@ -83,6 +84,7 @@ def source(tmp_path_factory):
     handle = ray.get_actor(node_actor_name(client.ray_node_id), namespace=NAMESPACE)
     rng = np.random.default_rng(7)
     images = {}
+    leases: list[int] = []
     for medium, hints in (
         (Medium.DRAM, PutHints(turn=2, prior_reply_tokens=1)),
         (Medium.SSD, PutHints(turn=1)),
@@ -90,22 +92,25 @@ def source(tmp_path_factory):
         kv = rng.integers(0, 256, (LAYERS, PAGES, PAGE_BYTES), dtype=np.uint8)
         keys = [f"{medium.name}-{i}" for i in range(PAGES)]
         assert client.put(keys, kv, session_id=medium.name, hints=hints).medium is medium
-        reply = ray.get(handle.lookup.remote(keys))
+        # Held for the whole module: the owner serves bytes of leased ranges only.
+        reply = ray.get(handle.lookup.remote(None, keys))
         (part,) = reply.parts
         image = np.zeros(LAYERS * part.layout.layer_stride, dtype=np.uint8)
         for layer in range(LAYERS):
             start = layer * part.layout.layer_stride
             image[start : start + part.layout.layer_bytes] = kv[layer].reshape(-1)
         images[medium] = (part.offset, image)
-        ray.get(handle.release.remote(reply.lease_id))
-    description = ray.get(handle.describe.remote())
+        leases.append(reply.lease_id)
+    description = ray.get(handle.describe.remote(None))
     yield {
         "client": client,
-        "handle": handle,
+        "handle": BoundNode(handle, None),  # the open default tenant's calls
         "description": description,
         "images": images,
         "config": config,
     }
+    for lease_id in leases:
+        assert ray.get(handle.release.remote(None, lease_id)) is True
     client.close()
     service.stop(NAMESPACE)
     ray.shutdown()

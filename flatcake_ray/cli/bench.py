@@ -17,15 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from flatcake_ray.cli.benchkit import (
+    bench_service_config,
+    best_gbps,
+    memcpy_gbps,
+    odirect_read_gbps,
+    remove_arenas,
+    seeded_pages,
+    start_local_cluster,
+)
 from flatcake_ray.config import ServiceConfig, parse_size
 from flatcake_ray.core.catalog import PutHints
 
@@ -166,33 +173,13 @@ class RestoreBench:
         }
 
     def memcpy_limit(self, nbytes: int, repeats: int) -> float:
-        src = np.ones(nbytes, dtype=np.uint8)
-        dst = np.empty_like(src)
-        return _best_gbps(nbytes, repeats, lambda: np.copyto(dst, src))
+        return memcpy_gbps(nbytes, repeats)
 
     def odirect_limit(self, nbytes: int, repeats: int) -> float:
         """Sequential O_DIRECT reads of this node's pool files, 32 MiB a command."""
-        from flatcake_ray.media.buffers import AlignedBuffer
-
         link = self.client.nodes.require(self.client.nodes.local_node_id)
         paths, file_bytes = link.description.pool_paths, link.description.pool_file_bytes
-        chunk = 32 << 20
-        buffer = AlignedBuffer(chunk)
-        fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
-
-        def read_all() -> None:
-            left, at = nbytes, 0
-            while left:
-                n = min(chunk, left, file_bytes - at % file_bytes)
-                fd = fds[(at // file_bytes) % len(fds)]
-                os.preadv(fd, [memoryview(buffer.array[:n])], at % file_bytes)
-                left, at = left - n, at + n
-
-        try:
-            return _best_gbps(nbytes, repeats, read_all)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        return odirect_read_gbps(paths, file_bytes, nbytes, repeats)
 
     def nixl_limit(self, owner: int, nbytes: int, repeats: int) -> float:
         """One raw NIXL READ of ``nbytes`` from the owner's arena (one descriptor)."""
@@ -205,21 +192,11 @@ class RestoreBench:
         batch = ReadBatch([0], [nbytes], [0])
         with lock:
             transport.read(batch, dst)  # registration and connection, untimed
-            return _best_gbps(nbytes, repeats, lambda: transport.read(batch, dst))
+            return best_gbps(nbytes, repeats, lambda: transport.read(batch, dst))
 
 
 def _kv(client: Any, pages: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (client.layers, pages, client.page_bytes), dtype=np.uint8)
-
-
-def _best_gbps(nbytes: int, repeats: int, fn: Any) -> float:
-    times = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return nbytes / min(times) / 1e9
+    return seeded_pages(client.layers, pages, client.page_bytes, seed)
 
 
 def _row(measured: dict[str, Any], limit_gbps: float) -> dict[str, Any]:
@@ -233,31 +210,17 @@ def _row(measured: dict[str, Any], limit_gbps: float) -> dict[str, Any]:
 
 
 # ---- orchestration ---------------------------------------------------------------------------
-def _start_cluster(nodes: int) -> Any:
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    head = {"num_cpus": 1, "include_dashboard": False, "resources": {"fcbench": 1}}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=1, resources={"fcbench": 1})
-    cluster.wait_for_nodes()
-    return cluster
-
-
 def _service_config(args: argparse.Namespace, session_bytes: int) -> ServiceConfig:
     file_bytes = -(-(session_bytes + (8 << 20)) // (4 << 20)) * (4 << 20)
-    return ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(args.root, "{node}"),
-        layers=args.layers,
-        page_bytes=parse_size(args.page_bytes),
+    page_bytes = parse_size(args.page_bytes)
+    return bench_service_config(
+        NAMESPACE,
+        args.root,
+        args.layers,
+        page_bytes,
         dram_bytes=2 * file_bytes,
-        ssd_files_per_dir=2,
-        ssd_file_bytes=file_bytes,
-        fsync=False,
-        rpc_timeout_s=60.0,
+        ssd_bytes=2 * file_bytes,
+        files=2,
     )
 
 
@@ -312,13 +275,6 @@ def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespa
     return results
 
 
-def _remove_arenas(root: str) -> None:
-    """Arenas of storage nodes that did not shut down cleanly stay in /dev/shm: drop ours."""
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
-
-
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
@@ -328,7 +284,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--nodes must be at least 2 (a remote path needs a second node)")
     session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
     config = _service_config(args, session_bytes)
-    cluster = None if args.address else _start_cluster(args.nodes)
+    cluster = None if args.address else start_local_cluster(args.nodes, "fcbench")
     address = args.address if cluster is None else cluster.address
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     started = time.perf_counter()
@@ -345,7 +301,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(args.root, ignore_errors=True)
-        _remove_arenas(args.root)
+        remove_arenas(args.root)
     placed = results.pop("_placed")
     return {
         "config": {

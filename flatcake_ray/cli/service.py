@@ -22,7 +22,7 @@ import subprocess
 from typing import Any
 
 from flatcake_ray.cli.connect import DEFAULT_CONNECT_TIMEOUT_S, ray_binary
-from flatcake_ray.config import ServiceConfig, Source, build_config
+from flatcake_ray.config import ServiceConfig, Source, build_config, secret_path
 from flatcake_ray.config_sources import load_file
 from flatcake_ray.errors import ServiceError, UnknownNodeError
 
@@ -31,7 +31,15 @@ _SIZE_FLAGS = {
     "ssd_file_bytes": "size of each pre-allocated SSD pool file",
     "ship_bytes": "NIXL bounce buffer per node for shipped SSD reads",
 }
-_CONFIG_FLAGS = ("namespace", "root", "layers", "page_bytes", "ssd_dirs", "ssd_files_per_dir")
+_CONFIG_FLAGS: tuple[str, ...] = (
+    "namespace",
+    "root",
+    "layers",
+    "page_bytes",
+    "ssd_dirs",
+    "ssd_files_per_dir",
+)
+_CONFIG_FLAGS += ("secret_file", "open_default")
 DEFAULT_NAMESPACE = "flatcake"
 
 
@@ -50,8 +58,16 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return build_config(ServiceConfig, *sources)
 
 
-def _namespace(args: argparse.Namespace) -> str:
+def namespace_of(args: argparse.Namespace) -> str:
     return args.namespace or DEFAULT_NAMESPACE
+
+
+def operator_secret(args: argparse.Namespace) -> str:
+    """The service secret an operator command presents (``--secret-file``, else the
+    machine's own for the namespace)."""
+    from flatcake_ray.actors.auth import read_secret
+
+    return read_secret(secret_path(namespace_of(args), args.secret_file or ""))
 
 
 def _seconds(text: str) -> float:
@@ -73,6 +89,12 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CONNECT_TIMEOUT_S,
         help="give up connecting to the Ray cluster after this many seconds",
     )
+    parser.add_argument(
+        "--secret-file",
+        dest="secret_file",
+        help="the service secret (default: FLATCAKE_SECRET_FILE, else "
+        "~/.flatcake/{namespace}.secret, made by the first start)",
+    )
 
 
 def _add_start(subparsers: Any) -> None:
@@ -86,6 +108,13 @@ def _add_start(subparsers: Any) -> None:
     start.add_argument("--ssd-files-per-dir", dest="ssd_files_per_dir")
     for name, text in _SIZE_FLAGS.items():
         start.add_argument(f"--{name.replace('_', '-')}", dest=name, help=text)
+    start.add_argument(
+        "--closed",
+        dest="open_default",
+        action="store_const",
+        const=False,
+        help="no open default tenant: every client presents a tenant secret",
+    )
     start.add_argument("--resource", help="only Ray nodes offering this custom resource")
     start.add_argument("--local-cpus", type=int, default=2, help="CPUs of a local Ray it starts")
     start.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -145,15 +174,19 @@ def _add_bench(subparsers: Any) -> None:
 
 
 def add_service_commands(subparsers: Any) -> None:
-    """Register ``start``, ``status``, ``stop``, ``drain``, ``undrain`` and ``bench restore``."""
+    """Register ``start``, ``status``, ``stop``, ``drain``, ``undrain``, ``tenant`` and
+    ``bench restore``."""
+    from flatcake_ray.cli.tenant import add_tenant_commands
+
     _add_start(subparsers)
+    add_tenant_commands(subparsers, _add_connection_flags)
     _add_status_stop(subparsers)
     _add_drain(subparsers)
     _add_bench(subparsers)
 
 
 # ---- handlers --------------------------------------------------------------------------------
-def _connect(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> None:
+def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> None:
     from flatcake_ray.cli.connect import connect
 
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -198,7 +231,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import start
 
     config = config_from_args(args)
-    _connect(args, config.namespace, may_start=True)
+    connect_cli(args, config.namespace, may_start=True)
     _print_status(start(config, resource=args.resource), args.json)
     return 0
 
@@ -207,8 +240,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import status
     from flatcake_ray.metrics.view import cluster_status
 
-    _connect(args, _namespace(args))
-    info = status(_namespace(args))
+    connect_cli(args, namespace_of(args))
+    info = status(namespace_of(args), operator_secret(args))
     # Hit rates and latency are measured where requests are made (clients): read them all
     # from Ray's metrics agents, as Prometheus does.
     info["metrics"] = cluster_status(args.metrics_timeout)
@@ -221,9 +254,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     from flatcake_ray.client.deploy import stop
 
-    _connect(args, _namespace(args))
-    stopped = stop(_namespace(args))
-    print(f"stopped {stopped} actors in namespace {_namespace(args)!r}")
+    connect_cli(args, namespace_of(args))
+    stopped = stop(namespace_of(args), operator_secret(args))
+    print(f"stopped {stopped} actors in namespace {namespace_of(args)!r}")
     ray.shutdown()
     if args.ray:
         subprocess.run([ray_binary(), "stop"], check=False, timeout=120)
@@ -235,9 +268,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
     from flatcake_ray.client.drain import drain
 
-    _connect(args, _namespace(args))
+    connect_cli(args, namespace_of(args))
     try:
-        row = drain(args.node, _namespace(args))
+        row = drain(args.node, namespace_of(args), operator_secret(args))
     except UnknownNodeError as exc:
         # Raised in the coordinator: Ray's wrapper carries the actor's traceback; keep the cause.
         cause = exc.cause if isinstance(exc, RayTaskError) else exc
@@ -252,8 +285,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_undrain(args: argparse.Namespace) -> int:
     from flatcake_ray.client.drain import undrain
 
-    _connect(args, _namespace(args))
-    changed = undrain(args.node, _namespace(args))
+    connect_cli(args, namespace_of(args))
+    changed = undrain(args.node, namespace_of(args), operator_secret(args))
     print(f"NodeID {args.node} {'undrained' if changed else 'was not drained'}")
     return 0
 

@@ -41,7 +41,7 @@ from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.keys import KeyLike, PageKey, namespace_of
+from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
 from flatcake_ray.media.buffers import as_page_bytes
@@ -87,13 +87,18 @@ class FlatCakeClient:
         self.allowed = frozenset(ALL_PATHS if allow is None else allow)
         if self.allowed - ALL_PATHS:
             raise ValueError(f"unknown remote paths {sorted(self.allowed - ALL_PATHS)}")
-        self.nodes = NodeTable(namespace, self.ray_node_id)
+        self.nodes = NodeTable(
+            namespace, self.ray_node_id, self.client_config.tenant_secret or None
+        )
         self.nodes.refresh(force=True)
         if not self.nodes.links or self.nodes.config is None:
             raise ServiceError(
                 f"no storage node answers in namespace {namespace!r}: run `flatcake-ray start`"
             )
         self.config: ServiceConfig = self.nodes.config
+        described = next(iter(self.nodes.links.values())).description
+        self.tenant = described.tenant
+        self._geometry = (described.layers, described.page_bytes)  # the tenant's model
         self._locator = Locator(self.nodes, self.config.rpc_timeout_s)
         self._owners = OwnerChooser(self.nodes, self._locator, namespace, self.config.rpc_timeout_s)
         self._lock = threading.Lock()
@@ -103,8 +108,8 @@ class FlatCakeClient:
         self.source = TransportSource(
             self.nodes,
             self._locator,
-            layers=self.config.layers,
-            page_bytes=self.config.page_bytes,
+            layers=self.layers,
+            page_bytes=self.page_bytes,
             allowed=self.allowed,
             agents=self._nixl_agent,
             lease_ttl_s=self.config.lease_ttl_s,
@@ -114,20 +119,15 @@ class FlatCakeClient:
         self._pipelines: dict[torch.device, RestorePipeline] = {}
         self.paths: dict[str, PathTally] = {}
         self.counters = dict.fromkeys((*_COUNTERS, *_FAILURES), 0)
-        self.metrics = Metrics(
-            node_id=None,
-            layers=self.config.layers,
-            page_bytes=self.config.page_bytes,
-            page_tokens=self.client_config.page_tokens,
-        )
+        self.metrics = Metrics(node_id=None, page_tokens=self.client_config.page_tokens)
 
     @property
     def layers(self) -> int:
-        return self.config.layers
+        return self._geometry[0]
 
     @property
     def page_bytes(self) -> int:
-        return self.config.page_bytes
+        return self._geometry[1]
 
     def _gds_enabled(self) -> bool:
         mode = self.client_config.gds
@@ -183,7 +183,7 @@ class FlatCakeClient:
         self._count(exists=1, actor_calls=report.actor_calls)
         probe = answer if isinstance(answer, Probe) else Probe(0, False)
         node_id = None if link is None else link.node_id
-        self.metrics.probed(namespace_of(keys, namespace), len(keys), probe.hits, node_id)
+        self.metrics.probed(self.tenant, len(keys), probe.hits, node_id)
         return probe
 
     def gvas(self, keys: Keys, *, namespace: str | None = None) -> np.ndarray:
@@ -277,7 +277,7 @@ class FlatCakeClient:
         report.data_seconds = sum(tally.seconds for tally in outcome.paths.values())
         parts = () if held.reply is None else held.reply.parts
         node_id = None if held.link is None else held.link.node_id
-        self.metrics.restore_ended(parts, outcome, pages, node_id)
+        self.metrics.restore_ended(parts, outcome, pages, self.tenant, node_id)
         with self._lock:
             self.counters["gets"] += 1
             self.counters["hit_pages"] += pages

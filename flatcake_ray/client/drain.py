@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from flatcake_ray.actors.protocol import COORDINATOR_NAME
+from flatcake_ray.client.deploy import operator_secret
 from flatcake_ray.errors import ServiceError
 
 
-def _coordinator(namespace: str) -> Any:
+def coordinator_handle(namespace: str) -> Any:
     import ray
 
     try:
@@ -25,16 +26,24 @@ def _coordinator(namespace: str) -> Any:
         ) from exc
 
 
-def drain(node_id: int, namespace: str = "flatcake", timeout_s: float = 10.0) -> dict[str, Any]:
+def drain(
+    node_id: int, namespace: str, secret: str | None = None, timeout_s: float = 10.0
+) -> dict[str, Any]:
     """Stop placing new scopes on NodeID ``node_id``; returns its row of the coordinator's
     table. Raises UnknownNodeError for a NodeID the coordinator does not know."""
     import ray
 
-    return ray.get(_coordinator(namespace).drain.remote(node_id), timeout=timeout_s)
+    ref = coordinator_handle(namespace).drain.remote(secret or operator_secret(namespace), node_id)
+    return ray.get(ref, timeout=timeout_s)
 
 
-def undrain(node_id: int, namespace: str = "flatcake", timeout_s: float = 10.0) -> bool:
+def undrain(
+    node_id: int, namespace: str, secret: str | None = None, timeout_s: float = 10.0
+) -> bool:
     """Place scopes on NodeID ``node_id`` again; False if it was not drained."""
     import ray
 
-    return bool(ray.get(_coordinator(namespace).undrain.remote(node_id), timeout=timeout_s))
+    ref = coordinator_handle(namespace).undrain.remote(
+        secret or operator_secret(namespace), node_id
+    )
+    return bool(ray.get(ref, timeout=timeout_s))

@@ -117,6 +117,24 @@ class Locator:
 
     def release(
         self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
-    ) -> None:
+    ) -> Any:
+        """Release a lease; returns the reference of the node's answer (True: the lease was
+        held throughout, so what was read under it is good). Unread leases need no answer."""
         report.actor_calls += 1
-        link.handle.release.remote(reply.lease_id, list(bad_scopes))  # fire and forget
+        return link.handle.release.remote(reply.lease_id, list(bad_scopes))
+
+    def release_held(
+        self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
+    ) -> bool:
+        """Release a lease that was read under, and wait for the answer: False (the lease
+        ran out, was never this tenant's, or a scope went; or no answer) means drop what was
+        read."""
+        import ray
+        from ray.exceptions import RayError
+
+        ref = self.release(link, reply, bad_scopes, report)
+        try:
+            return bool(ray.get(ref, timeout=self.rpc_timeout_s))
+        except RayError as exc:
+            report.failures.append(f"node {link.node_id}: release {type(exc).__name__}")
+            return False

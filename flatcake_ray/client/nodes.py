@@ -21,9 +21,10 @@ from typing import Any
 
 from flatcake_ray.actors.drain import read_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeDescription
+from flatcake_ray.client.calls import BoundNode
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import ServiceError
+from flatcake_ray.errors import AccessDeniedError, ServiceError
 from flatcake_ray.transports import base
 from flatcake_ray.transports.local_dram import LocalDramTransport
 from flatcake_ray.transports.local_ssd import GdsSsdTransport, LocalSsdTransport
@@ -155,8 +156,9 @@ class NodeLink:
 class NodeTable:
     """Every storage node of the namespace, keyed by NodeID, refreshed by name listing."""
 
-    def __init__(self, namespace: str, my_ray_node_id: str) -> None:
+    def __init__(self, namespace: str, my_ray_node_id: str, secret: str | None) -> None:
         self.namespace = namespace
+        self.secret = secret  # the tenant's (None: the open default tenant)
         self.my_ray_node_id = my_ray_node_id
         self.config: ServiceConfig | None = None
         self.links: dict[int, NodeLink] = {}
@@ -193,7 +195,8 @@ class NodeTable:
         refs: dict[str, Any] = {}
         for name in names:
             try:
-                handles[name] = ray.get_actor(name, namespace=self.namespace)
+                actor = ray.get_actor(name, namespace=self.namespace)
+                handles[name] = BoundNode(actor, self.secret)
             except ValueError:  # gone since the listing
                 continue
             refs[name] = handles[name].describe.remote()
@@ -207,6 +210,12 @@ class NodeTable:
                 description = ray.get(ref)
                 if self.config is None:
                     self.config = ray.get(handles[name].service_config.remote(), timeout=timeout_s)
+            except AccessDeniedError:
+                raise AccessDeniedError(
+                    f"storage node {name} refused this client: its tenant secret "
+                    "(ClientConfig.tenant_secret, FLATCAKE_TENANT_SECRET) names no tenant, or "
+                    "the service has no open default tenant"
+                ) from None
             except RayError as exc:
                 log.info("storage node %s did not describe itself: %s", name, exc)
                 continue

@@ -284,7 +284,7 @@ class OwnerChooser:
         try:
             coordinator = ray.get_actor(COORDINATOR_NAME, namespace=self.namespace)
             report.actor_calls += 1
-            ref: Any = coordinator.place_scope.remote(session_id)
+            ref: Any = coordinator.place_scope.remote(self.nodes.secret, session_id)
             node_id: int = ray.get(ref, timeout=self.timeout_s)
             if self.nodes.get(node_id) is None:  # a node that joined since the last refresh
                 self.nodes.refresh(force=True)
@@ -303,7 +303,7 @@ class OwnerChooser:
         if session_id is not None:
             # The same choice in every client (a stable hash), so concurrent writers of one
             # session still meet on one node while the coordinator is away.
-            return up[zlib.crc32(session_id.encode()) % len(up)]
+            return up[zlib.crc32(str(session_id).encode()) % len(up)]
         local = [link for link in up if link.local]
         return local[0] if local else up[0]
 

@@ -164,9 +164,10 @@ class TransportSource(Source):
         held: HeldLease = leased.token
         pages = outcome.pages
         if held.link is not None and held.reply is not None:
-            self.locator.release(held.link, held.reply, outcome.bad_scopes, held.report)
-            if time.monotonic() - held.started > self._lease_ttl_s - LEASE_MARGIN_S:
-                held.report.lease_expired = True  # the owner may have let go: bytes reused
+            good = self.locator.release_held(held.link, held.reply, outcome.bad_scopes, held.report)
+            late = time.monotonic() - held.started > self._lease_ttl_s - LEASE_MARGIN_S
+            if late or not good:
+                held.report.lease_expired = True  # the owner let go (or may have): bytes reused
                 pages = 0
         self._on_release(held, outcome, pages)
         return pages

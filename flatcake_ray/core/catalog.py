@@ -31,6 +31,8 @@ from flatcake_ray.core.put_checks import (
     check_session_id,
     put_refusal,
 )
+from flatcake_ray.core.tenants import DEFAULT_TENANT
+from flatcake_ray.errors import QuotaExceededError
 
 
 @dataclass(frozen=True)
@@ -93,27 +95,68 @@ class Lease:
     pages: np.ndarray  # per page: index inside its segment
     scope_ids: tuple[int, ...]
     segments: dict[int, Segment]  # held here so a quarantine mid-read cannot pull them away
+    tenant: str = DEFAULT_TENANT  # whose catalog holds it
 
     @property
     def hits(self) -> int:
         return len(self.pages)
 
 
+class Ids:
+    """Ids of scopes, segments, leases and automatic sessions: unique across every catalog of
+    a store (the tenants' catalogs share one), never reused, and kept above the ids a
+    restarted store recovers."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def __next__(self) -> int:
+        return next(self._next)
+
+    def skip_below(self, floor: int) -> None:
+        self._next = itertools.count(max(floor, next(self._next)))
+
+
+def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
+    """A store's two media, as allocation spaces (shared by its tenants' catalogs)."""
+    files = config.ssd_files_per_dir * len(config.ssd_folders)
+    return {
+        Medium.DRAM: MediumSpace(config.dram_bytes, 1 if config.dram_bytes else 0, 4096),
+        Medium.SSD: MediumSpace(config.ssd_file_bytes, files, config.ssd_min_run_bytes),
+    }
+
+
 class Catalog:
-    def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
+    """One tenant's pages on a store's media. ``space`` and ``ids`` are shared by the catalogs
+    of one store (one per tenant); ``quota`` bounds the bytes this tenant's scopes reserve per
+    medium. A catalog reclaims only its own scopes: a tenant over its quota, or a medium
+    above its high watermark, frees this tenant's oldest unreferenced scopes, never another's.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        policy: PlacementPolicy | None = None,
+        *,
+        space: dict[Medium, MediumSpace] | None = None,
+        ids: Ids | None = None,
+        quota: dict[Medium, int | None] | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ) -> None:
         self.config = config
+        self.tenant = tenant
         self.policy = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
-        files = config.ssd_files_per_dir * len(config.ssd_folders)
-        self.space = {
-            Medium.DRAM: MediumSpace(config.dram_bytes, 1 if config.dram_bytes else 0, 4096),
-            Medium.SSD: MediumSpace(config.ssd_file_bytes, files, config.ssd_min_run_bytes),
-        }
+        self.space = space if space is not None else media_spaces(config)
+        self.quota: dict[Medium, int | None] = quota or dict.fromkeys(Medium)
+        # Bytes this tenant's segments fill, per medium (a scope's run may reserve more, as
+        # room to grow contiguously; that slack is not the tenant's use and is not counted).
+        self.used = dict.fromkeys(Medium, 0)
         self.segments: dict[int, Segment] = {}
         self.scopes: dict[int, Scope] = {}
         self.sessions: dict[SessionId, Session] = {}
         self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
-        self._ids = itertools.count(1)
+        self._ids = ids if ids is not None else Ids()
         self.leases: dict[int, Lease] = {}
         self.counters = {
             "reclaimed_scopes": 0,
@@ -139,7 +182,7 @@ class Catalog:
         for scope_id in scope_ids:
             self._touch(self.scopes[scope_id], +1)
         segments = {int(s): self.segments[int(s)] for s in unique_segments}
-        lease = Lease(next(self._ids), segment_ids, pages, scope_ids, segments)
+        lease = Lease(next(self._ids), segment_ids, pages, scope_ids, segments, self.tenant)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -199,6 +242,13 @@ class Catalog:
             scope, offset, rule = (*self._allocate(session, Medium.SSD, layout.nbytes), "spill")
             tried.append(Medium.SSD)
         if scope is None:
+            over = [m for m in tried if not self._within_quota(m, layout.nbytes)]
+            if over:
+                raise QuotaExceededError(
+                    f"tenant {self.tenant}: a put of {layout.nbytes} bytes does not fit its "
+                    f"quota on {' or '.join(m.name for m in over)} even after reclaiming its "
+                    "own unreferenced scopes; nothing of another tenant was evicted"
+                )
             raise put_refusal(layout, {m: self.space[m] for m in tried})
         scope.refs += 1  # an in-flight write pins its scope
         segment = Segment(
@@ -255,21 +305,49 @@ class Catalog:
             return None, 0  # a run never crosses a region (one arena, one pool file)
         scope = self._scope_for(session, medium)
         scope.refs += 1  # keep reclamation away from the scope we are growing
+        before = scope.runs.used_bytes
         try:
             offset = None
-            if self._obtainable(medium, scope, nbytes):
-                if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:
+            if self._obtainable(medium, scope, nbytes) and self._fits_quota(medium, nbytes):
+                if self._fraction(medium, nbytes) > self.config.high_watermark:
                     self.reclaim(medium, target=self.config.low_watermark)
                 offset = space.place(scope.runs, nbytes)
                 while offset is None and self._reclaim_oldest(medium):
                     offset = space.place(scope.runs, nbytes)
         finally:
             scope.refs -= 1
+            self.used[medium] += scope.runs.used_bytes - before
         if offset is None:
             if not scope.segments and not scope.runs.runs:
                 self._drop_scope(scope)
             return None, 0
         return scope, offset
+
+    def _fraction(self, medium: Medium, extra: int = 0) -> float:
+        """How full ``medium`` is for this tenant: of its quota if it has one, else of the
+        medium (``extra`` bytes counted as if placed)."""
+        quota = self.quota[medium]
+        if quota is not None:
+            return (self.used[medium] + extra) / quota if quota else 1.0
+        space = self.space[medium]
+        return space.used_fraction + extra / space.capacity if space.capacity else 1.0
+
+    def _within_quota(self, medium: Medium, nbytes: int) -> bool:
+        quota = self.quota[medium]
+        return quota is None or self.used[medium] + nbytes <= quota
+
+    def _fits_quota(self, medium: Medium, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within this tenant's quota, once its own unreferenced
+        scopes are reclaimed if need be (reclaiming them as needed)."""
+        quota = self.quota[medium]
+        if quota is None:
+            return True
+        if nbytes > quota:
+            return False
+        while self.used[medium] + nbytes > quota:
+            if self._reclaim_oldest(medium) is None:
+                return False
+        return True
 
     def _obtainable(self, medium: Medium, scope: Scope, nbytes: int) -> bool:
         """Whether ``nbytes`` fit now, or would once every unreferenced scope were freed."""
@@ -321,12 +399,14 @@ class Catalog:
         if plan.parent_segment in self.segments:
             parent = self.segments[plan.parent_segment]
             parent.continuations = max(0, parent.continuations - 1)
+        before = scope.runs.used_bytes
         last = scope.runs.runs[-1] if scope.runs.runs else None
         if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
             last.used -= segment.layout.nbytes
         if not scope.segments and scope.refs == 0:  # nothing published, nothing in flight
             self.space[scope.medium].release(scope.runs)
             self._drop_scope(scope)
+        self.used[scope.medium] += scope.runs.used_bytes - before
 
     # ---- reclamation ---------------------------------------------------------------------
     def _touch(self, scope: Scope, ref_delta: int) -> None:
@@ -334,9 +414,10 @@ class Catalog:
         self._age[scope.medium].move_to_end(scope.scope_id)
 
     def reclaim(self, medium: Medium, target: float) -> list[Scope]:
-        """Free the oldest unreferenced scopes until ``medium`` is at most ``target`` full."""
+        """Free this catalog's oldest unreferenced scopes until ``medium`` is at most
+        ``target`` full (of the quota, if there is one)."""
         freed = []
-        while self.space[medium].used_fraction > target:
+        while self._fraction(medium) > target:
             scope = self._reclaim_oldest(medium)
             if scope is None:
                 break
@@ -357,6 +438,7 @@ class Catalog:
         for segment_id in scope.segments:
             segment = self.segments.pop(segment_id)
             self.index.delete(segment.digests)
+        self.used[scope.medium] -= scope.runs.used_bytes
         freed = self.space[scope.medium].release(scope.runs)
         self.counters["reclaimed_bytes"] += freed
         self._drop_scope(scope)
@@ -392,6 +474,7 @@ class Catalog:
         space = self.space[Medium.SSD]
         for _allocator, start, length, used in runs:
             space.reserve(scope.runs, start, length, used)
+        self.used[Medium.SSD] += scope.runs.used_bytes
         self.scopes[scope_id] = scope
         self._age[Medium.SSD][scope_id] = None
         session = self.sessions.setdefault(session_id, Session(session_id))
@@ -409,4 +492,4 @@ class Catalog:
             self._drop_scope(scope)
 
     def skip_ids_below(self, floor: int) -> None:
-        self._ids = itertools.count(max(floor, next(self._ids)))
+        self._ids.skip_below(floor)

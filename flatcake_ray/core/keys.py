@@ -88,16 +88,6 @@ def split_namespace(keys: Sequence[KeyLike | PageKey], namespace: str | None) ->
     return resolved, bare
 
 
-def namespace_of(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> str:
-    """The namespace a call names, in O(1): ``namespace``, else the first key's, else the
-    default (:func:`split_namespace` is the full check, mixed namespaces refused)."""
-    if namespace is not None:
-        return namespace
-    if len(keys) and isinstance(keys[0], PageKey):
-        return keys[0].namespace
-    return DEFAULT_NAMESPACE
-
-
 def _utf8(text: str, what: str) -> bytes:
     try:
         return text.encode()

@@ -118,7 +118,9 @@ def _open_ray(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
     """``ray_namespace``, ``ray_address``, ``ray_allow`` reach the client; every other
     ``ray_<field>`` is a ClientConfig field (e.g. ``ray_restore_windows``)."""
     from flatcake_ray.client.client import FlatCakeClient
+    from flatcake_ray.integrations import _ray_connect
 
+    _ray_connect.connect(options)  # the engine's own cluster, never whichever "auto" finds
     given = {
         name[len("ray_") :]: value for name, value in options.items() if name.startswith("ray_")
     }

@@ -246,6 +246,8 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
         return None
 
     def close(self) -> None:
-        if self.store is not None:
-            release_store(self.store)  # closed with its last user
-            self.store = None
+        # Each backend holds its own use of the store: an in-process store closes (arena
+        # removed) with its last user, a Ray client at once.
+        store, self.store = self.store, None
+        if store is not None:
+            release_store(store)

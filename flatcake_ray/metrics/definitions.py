@@ -9,7 +9,8 @@ queries against it. Ray adds its own labels too (``SessionName``, ``WorkerId``,
 ``NodeAddress``, ``Component``, ...): queries aggregate them away.
 
 Tags: ``node_id`` is FlatCake's NodeID of the storage node that held the pages (``none`` for a
-request no node held any page of), ``tenant`` the request's tenant (``tenant.tenant_of``),
+request no node held any page of), ``tenant`` the tenant that made the request or
+owns the pages (``flatcake-ray tenant``; ``default`` for the open default tenant),
 ``medium`` ``dram`` or ``ssd``, ``path`` the data path that moved the bytes (the transport
 names of ``transports/base.py`` for reads; ``in-process``, ``shm``, ``nixl`` or
 ``object-store-fallback`` for how a put's bytes reached the node).
@@ -133,15 +134,13 @@ METRICS: tuple[MetricDef, ...] = (
         "flatcake_tenant_used_bytes",
         _G,
         (NODE_ID, TENANT, MEDIUM),
-        "page bytes of live scopes each tenant wrote since the node started",
+        "bytes charged to each tenant per medium (its quota's count)",
     ),
     MetricDef("flatcake_reclaimed_scopes", _C, (NODE_ID,), "scopes reclaimed (freed whole)"),
     MetricDef("flatcake_reclaimed_bytes", _C, (NODE_ID,), "bytes reclaimed scopes gave back"),
     MetricDef("flatcake_quarantined_scopes", _C, (NODE_ID,), "scopes quarantined (bad checksum)"),
     MetricDef("flatcake_node_up", _G, (NODE_ID,), "1 while the storage node reports"),
-    MetricDef(
-        "flatcake_node_restarts", _G, (NODE_ID,), "restarts of the node (0: no supervision yet)"
-    ),
+    MetricDef("flatcake_node_restarts", _G, (NODE_ID,), "times Ray restarted the node's actor"),
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}

@@ -30,7 +30,6 @@ from flatcake_ray.core.parts import LeasePart
 from flatcake_ray.metrics.definitions import NO_NODE
 from flatcake_ray.metrics.prometheus import Sample
 from flatcake_ray.metrics.registry import Batch, Recorder
-from flatcake_ray.metrics.tenant import tenant_of
 from flatcake_ray.restore.source import ReadOutcome
 
 _DIFFED = {  # node counters: the store's running totals, exported as increments
@@ -100,17 +99,15 @@ def restore_path(parts: Sequence[LeasePart], outcome: ReadOutcome) -> str:
 class Metrics:
     """One store's or client's metrics: recorded in process, forwarded to Ray when it runs."""
 
-    def __init__(
-        self, *, node_id: int | None, layers: int, page_bytes: int, page_tokens: int
-    ) -> None:
+    def __init__(self, *, node_id: int | None, page_tokens: int) -> None:
         self.recorder = Recorder()
         self.node_id = node_id  # the store's NodeID; None for a client
         self.count_requests = True
-        self._page_all_layers = layers * page_bytes
         self._page_tokens = page_tokens
         self._lock = threading.Lock()
-        self._scope_bytes: dict[int, dict[tuple[str, str], int]] = {}  # scope -> (tenant, medium)
         self._reported: dict[str, int] = dict.fromkeys(_DIFFED, 0)
+        self._tenants: set[str] = set()  # tenants with use reported (a gone one reports 0)
+        self.restarts = 0  # times this node's actor was restarted (its storage node sets it)
 
     # ---- requests ------------------------------------------------------------------------
     def restore_ended(
@@ -118,14 +115,15 @@ class Metrics:
         parts: Sequence[LeasePart],
         outcome: ReadOutcome,
         pages: int,
+        tenant: str,
         node_id: int | None = None,
     ) -> None:
-        """A restore ended with ``pages`` verified (its release's answer); ``node_id``: the
-        node that leased the parts (default: this store's)."""
+        """A restore of ``tenant`` ended with ``pages`` verified (its release's answer);
+        ``node_id``: the node that leased the parts (default: this store's)."""
         if not self.count_requests:
             return
         node = node_id if node_id is not None else self.node_id
-        req = (str(node) if parts and node is not None else NO_NODE, tenant_of(outcome.namespace))
+        req = (str(node) if parts and node is not None else NO_NODE, tenant)
         asked = outcome.requested or outcome.pages
         batch = Batch()
         batch.inc("flatcake_lookups", req)
@@ -156,14 +154,12 @@ class Metrics:
             if medium is Medium.SSD:
                 batch.inc("flatcake_ssd_read_commands", (*req, path), count)
 
-    def probed(
-        self, namespace: str | None, asked: int, found: int, node_id: int | None = None
-    ) -> None:
+    def probed(self, tenant: str, asked: int, found: int, node_id: int | None = None) -> None:
         """An ``exists``/``probe`` of ``asked`` keys found ``found`` consecutive pages."""
         if not self.count_requests:
             return
         node = node_id if node_id is not None else self.node_id
-        req = (str(node) if found and node is not None else NO_NODE, tenant_of(namespace))
+        req = (str(node) if found and node is not None else NO_NODE, tenant)
         batch = Batch()
         batch.inc("flatcake_probes", req)
         batch.inc("flatcake_probe_pages", req, asked)
@@ -172,29 +168,24 @@ class Metrics:
 
     # ---- the node ------------------------------------------------------------------------
     def put_committed(
-        self, namespace: str | None, result: PutResult, path: str, scope_id: int | None
+        self, tenant: str, page_all_layers: int, result: PutResult, path: str
     ) -> None:
-        """A put committed on this node; ``path``: how its bytes reached the node."""
-        tenant, medium = tenant_of(namespace), medium_tag(result.medium)
-        tags = (str(self.node_id), tenant, medium, path)
-        nbytes = result.pages_written * self._page_all_layers
+        """A put of ``tenant`` (pages of ``page_all_layers`` bytes) committed on this node;
+        ``path``: how its bytes reached the node."""
+        tags = (str(self.node_id), tenant, medium_tag(result.medium), path)
         batch = Batch()
         batch.inc("flatcake_puts", tags)
         batch.inc("flatcake_written_pages", tags, result.pages_written)
-        batch.inc("flatcake_written_bytes", tags, nbytes)
-        if scope_id is not None and nbytes:
-            with self._lock:
-                owned = self._scope_bytes.setdefault(scope_id, {})
-                owned[tenant, medium] = owned.get((tenant, medium), 0) + nbytes
+        batch.inc("flatcake_written_bytes", tags, result.pages_written * page_all_layers)
         self.recorder.apply(batch)
 
-    def node_state(self, stats: Mapping[str, Any], scopes: Mapping[int, Scope]) -> None:
+    def node_state(self, stats: Mapping[str, Any], scopes: Sequence[Scope]) -> None:
         """Refresh the node's gauges from its ``stats`` and live ``scopes`` (the caller holds
         the store's lock, so both are one moment's)."""
         node = (str(self.node_id),)
         batch = Batch()
-        per_medium = {medium: 0 for medium in Medium}
-        for scope in scopes.values():
+        per_medium = dict.fromkeys(Medium, 0)
+        for scope in scopes:
             per_medium[scope.medium] += 1
         used = {Medium.DRAM: stats["dram_used"], Medium.SSD: stats["ssd_reserved"]}
         capacity = {Medium.DRAM: stats["dram_capacity"], Medium.SSD: stats["ssd_capacity"]}
@@ -208,28 +199,27 @@ class Metrics:
         batch.set("flatcake_index_bytes", node, stats["index_bytes"])
         batch.set("flatcake_pool_utilisation", node, stats["ssd_pool_utilisation"])
         batch.set("flatcake_node_up", node, 1)
-        batch.set("flatcake_node_restarts", node, 0)  # no supervision yet: never restarted
-        for (tenant, medium_name), nbytes in self._tenant_bytes(scopes).items():
-            batch.set("flatcake_tenant_used_bytes", (*node, tenant, medium_name), nbytes)
+        batch.set("flatcake_node_restarts", node, self.restarts)
+        self._tenant_use(batch, node, stats.get("tenants", {}))
         with self._lock:
             for key, name in _DIFFED.items():
                 batch.inc(name, node, stats[key] - self._reported[key])
                 self._reported[key] = stats[key]
         self.recorder.apply(batch)
 
-    def _tenant_bytes(self, scopes: Mapping[int, Scope]) -> dict[tuple[str, str], int]:
-        """Bytes per (tenant, medium) of the live scopes; forgets freed and quarantined ones
-        (a tenant whose scopes all went reports 0). Scopes recovered from the manifest at a
-        restart are nobody's: the manifest does not record namespaces."""
-        totals: dict[tuple[str, str], int] = {}
+    def _tenant_use(
+        self, batch: Batch, node: tuple[str], tenants: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        """Each tenant's bytes per medium; a tenant removed since the last report shows 0."""
         with self._lock:
-            for scope_id in [s for s in self._scope_bytes if s not in scopes]:
-                for key in self._scope_bytes.pop(scope_id):
-                    totals.setdefault(key, 0)
-            for owned in self._scope_bytes.values():
-                for key, nbytes in owned.items():
-                    totals[key] = totals.get(key, 0) + nbytes
-        return totals
+            gone, self._tenants = self._tenants - set(tenants), set(tenants)
+        for tenant in gone:
+            for medium in Medium:
+                batch.set("flatcake_tenant_used_bytes", (*node, tenant, medium_tag(medium)), 0)
+        for tenant, row in tenants.items():
+            for medium in Medium:
+                nbytes = row[f"{medium_tag(medium)}_used"]
+                batch.set("flatcake_tenant_used_bytes", (*node, tenant, medium_tag(medium)), nbytes)
 
     # ---- reading -------------------------------------------------------------------------
     def samples(self) -> list[Sample]:

@@ -179,7 +179,7 @@ class Manifest:
                 f"the SSD pool in {self.path.parent} has manifest format "
                 f"{record.get('version')!r}; this FlatCake-Ray reads format {VERSION}"
             )
-        for key in ("layers", "page_bytes", "check_pages", "file_bytes", "files"):
+        for key in ("layers", "page_bytes", "file_bytes", "files"):
             if record.get(key) != self.header[key]:
                 raise ConfigError(
                     f"SSD pool at {self.path.parent} was made with {key}={record.get(key)}, "

@@ -16,11 +16,13 @@ from flatcake_ray.config import ALIGN
 from flatcake_ray.core.index import MAX_SEGMENT_PAGES, PAGE_BITS
 from flatcake_ray.core.keys import DIGEST_DTYPE
 from flatcake_ray.core.put_checks import check_session_id
+from flatcake_ray.core.tenants import TENANT_NAME
 from flatcake_ray.errors import FlatCakeError
 
 if TYPE_CHECKING:
     from flatcake_ray.node.manifest import RecoveredScope
 
+MAX_LAYERS = 1 << 16
 MAX_ID = 1 << (64 - PAGE_BITS)  # segment ids share a 64-bit index value with page numbers
 _MARK_BYTE = DIGEST_DTYPE.fields["hi"][1] + 7  # little-endian hi: its top bit (HI_MARK)
 
@@ -69,8 +71,14 @@ def _check_segment(record: dict[str, Any], header: dict[str, Any]) -> None:
     digests = _bytes(record, "digests", pages * DIGEST_DTYPE.itemsize)
     if min(digests[_MARK_BYTE :: DIGEST_DTYPE.itemsize]) < 0x80:  # hi's top bit, little endian
         raise RecordError("a digest lacks its mark bit")
-    blocks = -(-pages // header["check_pages"])  # one checksum per block of pages, per layer
-    _bytes(record, "checksums", 8 * header["layers"] * blocks)
+    layers = _int(record, "layers", 1, MAX_LAYERS + 1)  # the segment's tenant's geometry
+    _int(record, "page_bytes", 1, header["file_bytes"] + 1)
+    check_pages = _int(record, "check_pages", 1, MAX_SEGMENT_PAGES + 1)
+    tenant = record.get("tenant")
+    if not isinstance(tenant, str) or not TENANT_NAME.match(tenant):
+        raise RecordError(f"tenant {tenant!r} is not a tenant name")
+    blocks = -(-pages // check_pages)  # one checksum per block of pages, per layer
+    _bytes(record, "checksums", 8 * layers * blocks)
     session = record.get("session")
     if type(session) not in (str, int, bytes) or check_session_id(session) != session:
         raise RecordError(f"session {session!r} is not a valid session id")
@@ -145,9 +153,9 @@ def _overlapping(extents: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
 
 
 def _span(record: dict[str, Any], header: dict[str, Any]) -> tuple[int, int]:
-    layer_bytes = record["pages"] * header["page_bytes"]
+    layer_bytes = record["pages"] * record["page_bytes"]
     stride = -(-layer_bytes // ALIGN) * ALIGN  # SegmentLayout.nbytes, without the object
-    return record["offset"], record["offset"] + stride * header["layers"]
+    return record["offset"], record["offset"] + stride * record["layers"]
 
 
 def _inside(span: tuple[int, int], runs: list[list[int]]) -> bool:

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.core.api import PutResult
-from flatcake_ray.core.catalog import PutPlan
+from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.errors import ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
 from flatcake_ray.node.puts import PutTable
-from flatcake_ray.node.writer import SegmentWriter, WriteState
+from flatcake_ray.node.writer import SegmentWriter
 
 
 class PutHandle:
@@ -31,17 +31,18 @@ class PutHandle:
         self,
         writer: SegmentWriter,
         plan: PutPlan | None,
+        catalog: Catalog,
         keys: int,
-        layers: int,
-        page_bytes: int,
         table: PutTable,
-        on_commit: Callable[[PutResult, str, int | None], None] | None = None,
+        on_commit: Callable[[PutResult, str], None] | None = None,
     ) -> None:
         self._writer = writer
-        self._on_commit = on_commit  # the store's accounting: (result, route, scope id)
+        self._on_commit = on_commit  # the store's metrics: (result, route)
         self.route = "in-process"  # how the bytes reach the store (a storage node says)
-        self._state: WriteState | None = writer.start(plan, keys) if plan is not None else None
-        self._keys, self._layers, self._page_bytes = keys, layers, page_bytes
+        self._state = writer.start(plan, catalog, keys) if plan is not None else None
+        self._keys = keys
+        self._layers, self._page_bytes = catalog.config.layers, catalog.config.page_bytes
+        self.tenant = catalog.tenant
         self._done = False
         # One writer at a time, and never alongside an abort (an expiry from another thread):
         # a write into space already given back would land in someone else's segment.
@@ -90,8 +91,7 @@ class PutHandle:
             result = self._commit()
         self._table.forget(self.put_id)
         if self._on_commit is not None:
-            scope_id = None if self._state is None else self._state.plan.segment.scope_id
-            self._on_commit(result, self.route, scope_id)
+            self._on_commit(result, self.route)
         return result
 
     def _commit(self) -> PutResult:

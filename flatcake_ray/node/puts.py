@@ -47,12 +47,14 @@ class PutTable:
         with self._lock:
             self._open.pop(put_id, None)
 
-    def get(self, put_id: int) -> PutHandle:
-        """The open put ``put_id`` (its deadline pushed back); a typed error if unknown."""
+    def get(self, put_id: object, tenant: str | None = None) -> PutHandle:
+        """The open put ``put_id`` (its deadline pushed back); a typed error if unknown, or
+        (``tenant`` given) another tenant's: the same error, so ids cannot be probed."""
         with self._lock:
-            held = self._open.pop(put_id, None)
-            if held is None:
-                raise StoreWriteError(f"no open put {put_id}: unknown, finished or expired")
+            held = self._open.get(put_id) if isinstance(put_id, int) else None
+            if held is None or (tenant is not None and held[0].tenant != tenant):
+                raise StoreWriteError(f"no open put {put_id!r}: unknown, finished or expired")
+            del self._open[put_id]
             self._open[put_id] = (held[0], time.monotonic() + self.ttl_s)
         return held[0]
 
@@ -72,9 +74,13 @@ class PutTable:
         return len(gone)
 
     def abort_all(self) -> None:
+        self.abort_tenant(None)
+
+    def abort_tenant(self, tenant: str | None) -> None:
+        """Abort the open puts of ``tenant`` (None: every put)."""
         with self._lock:
-            handles = [handle for handle, _ in self._open.values()]
-            self._open.clear()
+            ids = [i for i, (h, _) in self._open.items() if tenant in (None, h.tenant)]
+            handles = [self._open.pop(i)[0] for i in ids]
         for handle in handles:
             handle.abort()
 

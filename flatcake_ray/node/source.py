@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from flatcake_ray.config import ALIGN
+from flatcake_ray.core.catalog import Catalog
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import lease_parts
@@ -31,9 +32,11 @@ if TYPE_CHECKING:
 class NodeSource(Source):
     fills_dram = False
 
-    def __init__(self, store: FlatCakeStore) -> None:
+    def __init__(self, store: FlatCakeStore, catalog: Catalog) -> None:
+        """The pages of one tenant (``catalog``) of ``store``."""
         self._store = store
-        config = store.config
+        self._catalog = catalog
+        config = catalog.config
         self.layers, self.page_bytes = config.layers, config.page_bytes
         self._ssd = LocalSsdTransport(store.pool)
         self._gds = gds_reader(config.gds, store.pool.paths, store.pool.file_bytes)
@@ -43,7 +46,7 @@ class NodeSource(Source):
         }
 
     def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased:
-        lease = self._store.lease(keys, namespace=namespace)
+        lease = self._store.lease(keys, namespace=namespace, tenant=self._catalog.tenant)
         return Leased(lease.hits, lease_parts(lease), lease)
 
     def access(self, leased: Leased, medium: Medium) -> MediumAccess:
@@ -71,8 +74,10 @@ class NodeSource(Source):
         return FillStats(LOCAL_SSD, stats.bytes, stats.commands, time.perf_counter() - started)
 
     def release(self, leased: Leased, outcome: ReadOutcome) -> int:
-        self._store.account_read(outcome)
-        self._store.metrics.restore_ended(leased.parts, outcome, outcome.pages)
+        self._store.account_read(outcome, self._catalog)
+        self._store.metrics.restore_ended(
+            leased.parts, outcome, outcome.pages, self._catalog.tenant
+        )
         self._store.release(leased.token)
         return outcome.pages
 

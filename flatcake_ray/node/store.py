@@ -16,6 +16,10 @@ demo use it directly.
 
 One process owns a store root at a time (a lock file): a second opener gets
 :class:`StoreInUseError` instead of allocating the same extents twice.
+
+Tenants (``node/tenancy.py``): every call takes ``tenant=`` (default: the ``default`` tenant,
+with the store's geometry); each tenant has its own catalog, geometry and quotas over the
+shared media. A storage node registers the service's tenants with :meth:`set_tenant`.
 """
 
 from __future__ import annotations
@@ -38,15 +42,10 @@ from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope, Segment
 from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.gva import encode as encode_gva
-from flatcake_ray.core.keys import (
-    DIGEST_DTYPE,
-    KeyLike,
-    PageKey,
-    digest_keys,
-    namespace_of,
-    split_namespace,
-)
+from flatcake_ray.core.keys import DIGEST_DTYPE, KeyLike, PageKey, digest_keys, split_namespace
 from flatcake_ray.core.parts import LeasePart, lease_parts
+from flatcake_ray.core.runs import align_up
+from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ShapeError, StoreClosedError, StoreInUseError
 from flatcake_ray.media.arena import DramArena
@@ -57,6 +56,8 @@ from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.puts import PutTable
 from flatcake_ray.node.source import NodeSource
+from flatcake_ray.node.stats import store_stats
+from flatcake_ray.node.tenancy import Tenancy
 from flatcake_ray.node.writer import SegmentWriter
 from flatcake_ray.restore.dest import PagedPool, as_destination
 from flatcake_ray.restore.pipeline import RestorePipeline
@@ -86,17 +87,13 @@ _COUNTERS = (
 class FlatCakeStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self.catalog = Catalog(config)
+        self.tenancy = Tenancy(config, on_free=self._log_free)
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        self.metrics = Metrics(
-            node_id=config.node_id,
-            layers=config.layers,
-            page_bytes=config.page_bytes,
-            page_tokens=config.placement.page_tokens,
-        )
+        self.metrics = Metrics(node_id=config.node_id, page_tokens=config.placement.page_tokens)
         self._lock = threading.RLock()
         self._closed = False
-        self._pipelines: dict[torch.device, RestorePipeline] = {}
+        self._pipelines: dict[tuple[str, torch.device], RestorePipeline] = {}
+        self._sources: dict[str, NodeSource] = {}
         self.puts = PutTable(config.put_ttl_s)
         with ExitStack() as undo:  # a failed open leaves no fd, arena or lock behind
             self._lock_fd = _lock_root(Path(config.root))
@@ -113,11 +110,8 @@ class FlatCakeStore:
             )
             undo.callback(self.manifest.close)
             self._recover()
-            self.source = NodeSource(self)
             undo.pop_all()
-        self.catalog.on_free = self._log_free
         self.writer = SegmentWriter(
-            self.catalog,
             self._lock,
             self.arena,
             self.pool,
@@ -126,6 +120,27 @@ class FlatCakeStore:
             fsync=config.fsync,
             check_open=self._check_open,
         )
+
+    @property
+    def catalog(self) -> Catalog:
+        """The default tenant's catalog (the whole store, for a single-tenant user)."""
+        return self.tenancy.catalog(DEFAULT_TENANT)
+
+    @property
+    def source(self) -> NodeSource:
+        """The default tenant's restore source (see :meth:`source_for`)."""
+        return self.source_for(DEFAULT_TENANT)
+
+    def source_for(self, tenant: str) -> NodeSource:
+        with self._lock:
+            if tenant not in self._sources:
+                self._sources[tenant] = NodeSource(self, self.tenancy.catalog(tenant))
+            return self._sources[tenant]
+
+    def set_tenant(self, tenant: Tenant) -> None:
+        """Register (or update the quotas of) a tenant of the service."""
+        with self._lock:
+            self.tenancy.set_tenant(tenant)
 
     @property
     def layers(self) -> int:
@@ -141,7 +156,6 @@ class FlatCakeStore:
         return {
             "layers": config.layers,
             "page_bytes": config.page_bytes,
-            "check_pages": self.catalog.layout_for(1).check_pages,
             "file_bytes": config.ssd_file_bytes,
             "files": len(self.pool.paths),
         }
@@ -149,17 +163,28 @@ class FlatCakeStore:
     def _recover(self) -> None:
         highest = 0
         for scope in self.manifest.recovered.values():
-            segments = [self._segment_from_record(r) for r in scope.segments]
-            self.catalog.adopt_scope(scope.scope_id, scope.session_id, scope.runs, segments)
+            catalog = self._recovered_catalog(scope.segments)
+            segments = [self._segment_from_record(catalog, r) for r in scope.segments]
+            catalog.adopt_scope(scope.scope_id, scope.session_id, scope.runs, segments)
             highest = max([highest, scope.scope_id, *(s.segment_id for s in segments)])
-        self.catalog.skip_ids_below(highest + 1)
+        self.tenancy.ids.skip_below(highest + 1)
+
+    def _recovered_catalog(self, records: list[dict[str, Any]]) -> Catalog:
+        """The catalog of the tenant whose segments these are (made with their geometry; the
+        node sets its quotas when it learns the tenant). A quarantined scope has none: it
+        only holds space, in the default tenant's book."""
+        if not records:
+            return self.catalog
+        first = records[0]
+        return self.tenancy.ensure(first["tenant"], first["layers"], first["page_bytes"])
 
     def _log_free(self, scope: Scope) -> None:
         if scope.medium is Medium.SSD:
             self.manifest.append({"t": "free", "scope": scope.scope_id})
 
-    def _segment_from_record(self, record: dict[str, Any]) -> Segment:
-        layout = self.catalog.layout_for(record["pages"])
+    @staticmethod
+    def _segment_from_record(catalog: Catalog, record: dict[str, Any]) -> Segment:
+        layout = catalog.layout_for(record["pages"])
         digests = np.frombuffer(record["digests"], dtype=DIGEST_DTYPE).copy()
         checksums = np.frombuffer(record["checksums"], dtype=np.uint64).copy()
         checksums = checksums.reshape(layout.layers, layout.blocks)
@@ -182,7 +207,8 @@ class FlatCakeStore:
         for pipeline in pipelines:
             pipeline.close()
         self.puts.abort_all()
-        self.source.close()
+        for source in self._sources.values():
+            source.close()
         self.manifest.close()
         self.pool.close()
         self.arena.close()
@@ -211,6 +237,7 @@ class FlatCakeStore:
         session_id: str | None = None,
         parent: KeyLike | PageKey | None = None,
         hints: PutHints | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> PutHandle:
         self._check_open()
         if len(keys) == 0:
@@ -222,63 +249,106 @@ class FlatCakeStore:
         self.puts.expire(time.monotonic())
         with self._lock:
             self._check_open()
-            plan = self.catalog.plan_put(
+            catalog = self.tenancy.catalog(tenant)
+            plan = catalog.plan_put(
                 digests[: len(keys)], session_id=session_id, parent=parent_digest, hints=hints
             )
-        config = self.config
-        on_commit = partial(self.metrics.put_committed, namespace_of(keys, namespace))
-        return PutHandle(
-            self.writer, plan, len(keys), config.layers, config.page_bytes, self.puts, on_commit
-        )
+        page_all_layers = catalog.config.layers * catalog.config.page_bytes
+        on_commit = partial(self.metrics.put_committed, tenant, page_all_layers)
+        return PutHandle(self.writer, plan, catalog, len(keys), self.puts, on_commit)
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
+        config = self.tenancy.catalog(options.get("tenant", DEFAULT_TENANT)).config
         pages, _ = as_page_bytes(
-            kv, self.layers, self.page_bytes, min_pages=len(keys), writable=False, what="kv"
+            kv, config.layers, config.page_bytes, min_pages=len(keys), writable=False, what="kv"
         )
         if pages.shape[1] != len(keys):
             raise ShapeError(f"kv holds {pages.shape[1]} pages for {len(keys)} keys")
         with self.begin_put(keys, **options) as handle:
-            for layer in range(self.config.layers):
+            for layer in range(config.layers):
                 handle.write_pages(layer, 0, np.ascontiguousarray(pages[layer]))
             return handle.commit()
 
     # ---- reads ---------------------------------------------------------------------------
-    def exists(self, keys: Keys, *, namespace: str | None = None) -> int:
+    def exists(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> int:
         self._check_open()
         digests = self._digests(keys, namespace)
         with self._lock:
-            hits = self.catalog.index.prefix_length(digests)
-        self.metrics.probed(namespace_of(keys, namespace), len(keys), hits)
+            hits = self.tenancy.catalog(tenant).index.prefix_length(digests)
+        self.metrics.probed(tenant, len(keys), hits)
         return hits
 
-    def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
-        found = self.gvas(keys, namespace=namespace)
-        self.metrics.probed(namespace_of(keys, namespace), len(keys), len(found))
+    def probe(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Probe:
+        found = self.gvas(keys, namespace=namespace, tenant=tenant)
+        self.metrics.probed(tenant, len(keys), len(found))
         return Probe(len(found), bool(len(found)) and int(found.max()) >= SSD_FLOOR)
 
-    def lease(self, keys: Keys, *, namespace: str | None = None) -> Lease:
+    def lease(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Lease:
         """Locate the consecutive hits and pin their scopes; pair with :meth:`release`."""
         self._check_open()
         self.puts.expire(time.monotonic())
         digests = self._digests(keys, namespace)
         with self._lock:
-            return self.catalog.lease(digests)
+            return self.tenancy.catalog(tenant).lease(digests)
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease) -> bool:
+        """Let go of ``lease``; True when every scope it pinned is still the one it pinned
+        (scope ids are never reused), so what its reader copied meanwhile is good. False
+        means a scope went while leased (its tenant was removed, or a bug freed it): the
+        reader must drop what it read (the seqlock-style check after the copy)."""
         with self._lock:
-            self.catalog.release(lease)
+            if lease.tenant not in self.tenancy:
+                return False
+            catalog = self.tenancy.catalog(lease.tenant)
+            intact = all(scope_id in catalog.scopes for scope_id in lease.scope_ids)
+            catalog.release(lease)
+            return intact
 
-    def pipeline(self, device: str | torch.device = "cpu") -> RestorePipeline:
-        """The store's restore pipeline for destinations on ``device`` (made on first use)."""
-        key = torch.device(device)
+    def lease_runs(self, lease: Lease, medium: Medium) -> list[tuple[int, int]]:
+        """The ``[start, end)`` spans on ``medium`` of the runs of ``lease``'s scopes, each
+        to the end of its used bytes rounded up to the read alignment: what a reader of the
+        lease may ask the node to read for it."""
+        with self._lock:
+            if lease.tenant not in self.tenancy:
+                return []
+            scopes = self.tenancy.catalog(lease.tenant).scopes
+            runs = [
+                run
+                for scope_id in lease.scope_ids
+                if scope_id in scopes and scopes[scope_id].medium is medium
+                for run in scopes[scope_id].runs.runs
+            ]
+        return [(r.start, r.start + min(r.length, align_up(r.used))) for r in runs]
+
+    def remove_tenant(self, name: str) -> int:
+        """Free every page of tenant ``name`` (removed from the service); returns the bytes
+        freed. Its open puts are aborted; its leases must have been dropped."""
+        self.puts.abort_tenant(name)
+        with self._lock:
+            self._sources.pop(name, None)
+            return self.tenancy.remove(name)
+
+    def pipeline(
+        self, device: str | torch.device = "cpu", tenant: str = DEFAULT_TENANT
+    ) -> RestorePipeline:
+        """The store's restore pipeline for ``tenant``'s destinations on ``device`` (made on
+        first use)."""
+        key = (tenant, torch.device(device))
+        source = self.source_for(tenant)
         with self._lock:
             self._check_open()
             if key not in self._pipelines:
                 self._pipelines[key] = RestorePipeline(
-                    self.source,
+                    source,
                     windows=self.config.restore_windows,
                     slot_bytes=self.config.restore_slot_bytes,
-                    device=key,
+                    device=key[1],
                 )
             return self._pipelines[key]
 
@@ -290,17 +360,22 @@ class FlatCakeStore:
         layout: Layout = LAYER_FIRST,
         *,
         namespace: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ):
         """Start a layer-pipelined restore of ``keys`` into ``dest``; see ``RestorePipeline``."""
         destination = as_destination(dest, slot_ids, layout)
-        return self.pipeline(destination.device).submit(keys, destination, namespace=namespace)
+        pipeline = self.pipeline(destination.device, tenant)
+        return pipeline.submit(keys, destination, namespace=namespace)
 
-    def get(self, keys: Keys, out: Any, *, namespace: str | None = None) -> int:
+    def get(
+        self, keys: Keys, out: Any, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> int:
         """Restore the consecutive hits into ``out`` (``[layers, >= len(keys), page_elems]``,
         numpy or torch) and return how many pages from the first are valid."""
         self._check_open()
         pool = PagedPool(out, np.arange(len(keys)), LAYER_FIRST)
-        restored = self.pipeline(pool.device).submit(keys, pool, namespace=namespace).wait()
+        pipeline = self.pipeline(pool.device, tenant)
+        restored = pipeline.submit(keys, pool, namespace=namespace).wait()
         with self._lock:
             self.counters["gets"] += 1
             self.counters["miss_pages"] += len(keys) - restored
@@ -310,7 +385,7 @@ class FlatCakeStore:
         """Restore a prefix leased with :meth:`lease` into ``dest``; the restore takes the
         lease over and releases it when it ends."""
         leased = Leased(lease.hits, lease_parts(lease), lease)
-        return self.pipeline(dest.device).submit_leased(leased, dest)
+        return self.pipeline(dest.device, lease.tenant).submit_leased(leased, dest)
 
     def recheck(self, lease: Lease, scope_ids: set[int]) -> None:
         """Read the leased pages of ``scope_ids`` again here, verifying every block (a remote
@@ -323,79 +398,56 @@ class FlatCakeStore:
             positions = np.arange(at, at + part.pages, dtype=np.int64)
             renumbered.append(_with_positions(part, positions))
             at += part.pages
-        scratch = np.empty((self.layers, pages, self.page_bytes), dtype=np.uint8)
+        config = self.tenancy.catalog(lease.tenant).config
+        scratch = np.empty((config.layers, pages, config.page_bytes), dtype=np.uint8)
         dest = PagedPool(scratch, np.arange(pages), LAYER_FIRST)
-        self.pipeline().submit_leased(Leased(pages, tuple(renumbered), lease), dest).wait()
+        leased = Leased(pages, tuple(renumbered), lease)
+        self.pipeline("cpu", lease.tenant).submit_leased(leased, dest).wait()
 
-    def account_read(self, outcome: ReadOutcome) -> None:
+    def account_read(self, outcome: ReadOutcome, catalog: Catalog) -> None:
         """Count a restore's reads and quarantine the scopes whose checksums failed."""
+        config = catalog.config
         with self._lock:
             self.counters["ssd_read_commands"] += outcome.commands.get(Medium.SSD, 0)
             self.counters["ssd_bytes_read"] += outcome.bytes_read.get(Medium.SSD, 0)
             self.counters["dram_bytes_read"] += outcome.bytes_wanted.get(Medium.DRAM, 0)
             self.counters["hit_pages"] += outcome.pages
-            self.counters["bytes_delivered"] += outcome.pages * self.layers * self.page_bytes
+            self.counters["bytes_delivered"] += outcome.pages * config.layers * config.page_bytes
             for scope_id in outcome.bad_scopes:
-                self._quarantine(scope_id)
+                self._quarantine(catalog, scope_id)
 
-    def _quarantine(self, scope_id: int) -> None:
-        scope = self.catalog.scopes.get(scope_id)
+    def _quarantine(self, catalog: Catalog, scope_id: int) -> None:
+        scope = catalog.scopes.get(scope_id)
         if scope is None:
             return
         runs = [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs]
         self.counters["checksum_failures"] += 1
-        self.catalog.quarantine(scope_id)
+        catalog.quarantine(scope_id)
         if scope.medium is Medium.SSD:
             self.manifest.append({"t": "quarantine", "scope": scope_id, "runs": runs})
 
-    def gvas(self, keys: Keys, *, namespace: str | None = None) -> np.ndarray:
+    def gvas(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> np.ndarray:
         """The layer-0 GVA of each consecutive hit (per-layer GVAs follow the layout)."""
         digests = self._digests(keys, namespace)
         with self._lock:
-            segment_ids, pages = self.catalog.prefix(digests)
+            catalog = self.tenancy.catalog(tenant)
+            segment_ids, pages = catalog.prefix(digests)
             out = np.empty(len(pages), dtype=np.uint64)
             for i, (segment_id, page) in enumerate(zip(segment_ids, pages, strict=True)):
-                segment = self.catalog.segments[int(segment_id)]
+                segment = catalog.segments[int(segment_id)]
                 offset = segment.offset + int(page) * segment.layout.page_bytes
                 out[i] = encode_gva(segment.medium, self.config.node_id, offset)
         return out
 
     # ---- stats ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """Counters and use, summed over tenants, with each tenant's own under ``tenants``."""
         with self._lock:
-            catalog = self.catalog
-            pages = len(catalog.index)
-            key_copies = sum(s.digests.nbytes for s in catalog.segments.values())
-            index_bytes = catalog.index.nbytes + key_copies
-            ssd, dram = catalog.space[Medium.SSD], catalog.space[Medium.DRAM]
-            ssd_scopes = [s for s in catalog.scopes.values() if s.medium is Medium.SSD]
-            reserved = sum(s.runs.reserved_bytes for s in ssd_scopes)
-            used = sum(s.runs.used_bytes for s in ssd_scopes)
-            stats = {
-                **self.counters,
-                **catalog.counters,
-                **self.manifest.report.counters(),
-                "pages_indexed": pages,
-                "index_bytes": index_bytes,
-                "index_bytes_per_page": index_bytes / pages if pages else 0.0,
-                "scopes": len(catalog.scopes),
-                "sessions": len(catalog.sessions),
-                "segments": len(catalog.segments),
-                "dram_capacity": dram.capacity,
-                "dram_used": dram.capacity - dram.free_bytes,
-                "ssd_capacity": ssd.capacity,
-                "ssd_reserved": reserved,
-                "ssd_used": used,
-                "ssd_pool_utilisation": used / reserved if reserved else 1.0,
-                "placement_rules": dict(catalog.rule_counts),
-                "leases_open": len(catalog.leases),
-                "puts_open": len(self.puts),
-                "puts_expired": self.puts.expired,
-                "arena_path": self.arena.path,
-                "arena_hugepages": self.arena.huge,
-                "ssd_o_direct": self.pool.direct,
-            }
-            self.metrics.node_state(stats, catalog.scopes)
+            stats = store_stats(self)
+            scopes = [scope for catalog in self.tenancy for scope in catalog.scopes.values()]
+            self.metrics.node_state(stats, scopes)
         return {**stats, "metrics": self.metrics.snapshot()}
 
 

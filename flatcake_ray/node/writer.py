@@ -40,6 +40,7 @@ class WriteState:
     """One planned segment being written."""
 
     plan: PutPlan
+    catalog: Catalog  # the tenant's catalog the plan was made in
     keys: int  # keys of the put (pages written are the plan's new positions among them)
     received: np.ndarray  # per layer: new pages written so far
     checksums: np.ndarray  # uint64 [layers, blocks], the segment's, filled as layers finish
@@ -57,7 +58,6 @@ class WriteState:
 class SegmentWriter:
     def __init__(
         self,
-        catalog: Catalog,
         lock: threading.RLock,
         arena: DramArena,
         pool: SsdPool,
@@ -67,7 +67,6 @@ class SegmentWriter:
         fsync: bool,
         check_open: Callable[[], None],
     ) -> None:
-        self.catalog = catalog
         self._lock = lock  # the store's: the catalog and counters change under it
         self.arena = arena
         self.pool = pool
@@ -76,11 +75,11 @@ class SegmentWriter:
         self.fsync = fsync
         self._check_open = check_open
 
-    def start(self, plan: PutPlan, keys: int) -> WriteState:
+    def start(self, plan: PutPlan, catalog: Catalog, keys: int) -> WriteState:
         layers = plan.segment.layout.layers
         checksums = np.zeros((layers, plan.segment.layout.blocks), dtype=np.uint64)
         plan.segment.checksums = checksums
-        return WriteState(plan, keys, np.zeros(layers, dtype=np.int64), checksums)
+        return WriteState(plan, catalog, keys, np.zeros(layers, dtype=np.int64), checksums)
 
     def write_pages(self, state: WriteState, layer: int, first: int, pages: np.ndarray) -> None:
         """``pages``: uint8 [n, page_bytes] of keys ``[first, first + n)`` of ``layer``."""
@@ -142,7 +141,7 @@ class SegmentWriter:
                     self.manifest.append(self._record(state))
                     recorded = True
                 failpoint("store.publish", segment=segment.segment_id)
-                published = self.catalog.publish(plan)
+                published = state.catalog.publish(plan)
             except BaseException:
                 if recorded:  # the put is aborted: a restart must not bring the segment back
                     self._retract(segment.scope_id, segment.segment_id)
@@ -160,7 +159,7 @@ class SegmentWriter:
 
     def _record(self, state: WriteState) -> dict[str, Any]:
         segment = state.plan.segment
-        scope = self.catalog.scopes[segment.scope_id]
+        scope = state.catalog.scopes[segment.scope_id]
         return {
             "t": "seg",
             "scope": scope.scope_id,
@@ -171,6 +170,10 @@ class SegmentWriter:
             "digests": segment.digests.tobytes(),
             "checksums": state.checksums.tobytes(),
             "runs": [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs],
+            "tenant": state.catalog.tenant,
+            "layers": segment.layout.layers,
+            "page_bytes": segment.layout.page_bytes,
+            "check_pages": segment.layout.check_pages,
         }
 
     def abort(self, state: WriteState) -> None:
@@ -179,7 +182,7 @@ class SegmentWriter:
                 staging.close()
             state.staging.clear()
         with self._lock:
-            self.catalog.abort(state.plan)
+            state.catalog.abort(state.plan)
             self.counters["write_failures"] += 1
 
     def _count(self, **deltas: int) -> None:

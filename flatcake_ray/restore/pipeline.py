@@ -55,7 +55,7 @@ import torch
 
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.gva import encode as encode_gva
-from flatcake_ray.core.keys import KeyLike, PageKey, namespace_of
+from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import wanted_bytes
 from flatcake_ray.core.plan import RestorePlan
 from flatcake_ray.core.runs import align_up
@@ -188,26 +188,18 @@ class RestorePipeline:
         dest = self._check_dest(as_destination(dest, slot_ids, layout), len(keys))
         asked_at = self._clock()
         leased = self.source.lease(keys, namespace)
-        return self.submit_leased(
-            leased, dest, namespace=namespace_of(keys, namespace), asked_at=asked_at
-        )
+        return self.submit_leased(leased, dest, asked_at=asked_at)
 
     def submit_leased(
-        self,
-        leased: Leased,
-        dest: Destination,
-        *,
-        namespace: str | None = None,
-        asked_at: float | None = None,
+        self, leased: Leased, dest: Destination, *, asked_at: float | None = None
     ) -> RestoreHandle:
         """Queue the restore of a prefix already leased from this pipeline's source; the
-        restore now owns the lease (it is released when the restore ends). ``namespace`` and
-        ``asked_at`` (when the lease was asked for) are for the source's accounting."""
+        restore now owns the lease (it is released when the restore ends). ``asked_at`` (when
+        the lease was asked for) is for the source's accounting of the restore's latency."""
         handed_over = False
         try:
             self._check_open()
             job = self._job(leased, dest)
-            job.outcome.namespace = namespace
             job.outcome.asked_at = job.handle.submitted_at if asked_at is None else asked_at
             with self._lock:
                 self._check_open()
@@ -218,7 +210,9 @@ class RestorePipeline:
                 request_id = job.handle.request_id
                 gvas = [encode_gva(p.medium, 0, p.offset) for p in leased.parts]
                 kv_bytes = wanted_bytes(leased.parts, Medium.SSD)
-                self.scheduler.submit(request_id, job.handle.submitted_at, gvas, kv_bytes)
+                # The scheduler's clock never goes back: read it under the lock (a restore
+                # made on another thread a moment earlier may be queued a moment later).
+                self.scheduler.submit(request_id, self._clock(), gvas, kv_bytes)
                 self._jobs[request_id] = job
                 self._live += 1
                 handed_over = True

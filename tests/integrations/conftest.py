@@ -17,6 +17,10 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+# The harness is a one-process engine (scheduler and worker side by side); without this,
+# vLLM's CPU platform turns the uni executor into mp, under which the connector refuses an
+# in-process store.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],

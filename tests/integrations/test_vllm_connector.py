@@ -263,3 +263,28 @@ def test_configuration_dict_names_this_module():
     config = kv_transfer_config(store="ray", ray_namespace="flatcake")
     assert config["kv_connector_module_path"] == "flatcake_ray.integrations.vllm"
     assert config["kv_connector_extra_config"] == {"store": "ray", "ray_namespace": "flatcake"}
+
+
+def test_sha256_block_hashes_need_no_seed(base_model, local_store_options, monkeypatch):
+    """vLLM >= 0.32 seeds sha256 block hashes with a fixed value when PYTHONHASHSEED is unset,
+    so the connector starts; xxhash stays refused (test above)."""
+    from flatcake_ray.integrations._vllm_compat import hash_seed_problem
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert hash_seed_problem("sha256") is None
+    assert "xxhash" in hash_seed_problem("xxhash")
+    build_engine(base_model, local_store_options, hash_algo="sha256")
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_in_process_store_under_a_multiprocess_executor_names_store_ray(backend):
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+
+    from flatcake_ray.integrations._vllm_compat import check_store_layout
+
+    config = SimpleNamespace(parallel_config=ParallelConfig(distributed_executor_backend=backend))
+    with pytest.raises(ConfigError, match="store: ray"):
+        check_store_layout(config, "local")
+    check_store_layout(config, "ray")
