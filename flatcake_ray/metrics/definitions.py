@@ -140,6 +140,12 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("flatcake_reclaimed_bytes", _C, (NODE_ID,), "bytes reclaimed scopes gave back"),
     MetricDef("flatcake_quarantined_scopes", _C, (NODE_ID,), "scopes quarantined (bad checksum)"),
     MetricDef("flatcake_node_up", _G, (NODE_ID,), "1 while the storage node reports"),
+    MetricDef(
+        "flatcake_lost_scopes",
+        _C,
+        (NODE_ID, MEDIUM),
+        "scopes a node's death lost (its DRAM scopes; SSD scopes are recovered)",
+    ),
     MetricDef("flatcake_node_restarts", _G, (NODE_ID,), "times Ray restarted the node's actor"),
 )
 

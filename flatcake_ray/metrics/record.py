@@ -221,6 +221,16 @@ class Metrics:
                 nbytes = row[f"{medium_tag(medium)}_used"]
                 batch.set("flatcake_tenant_used_bytes", (*node, tenant, medium_tag(medium)), nbytes)
 
+    def restarted(self, restarts: int, lost_dram_scopes: int) -> None:
+        """This node's actor started for the ``restarts``-th time since the operator started
+        it, having lost ``lost_dram_scopes`` DRAM scopes (``actors/supervision.py``)."""
+        self.restarts = restarts
+        batch = Batch()
+        batch.inc(
+            "flatcake_lost_scopes", (str(self.node_id), medium_tag(Medium.DRAM)), lost_dram_scopes
+        )
+        self.recorder.apply(batch)
+
     # ---- reading -------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
         return self.recorder.samples()

@@ -129,6 +129,9 @@ def _node_only(samples: list[Sample], node: str) -> dict[str, Any]:
         "restarts": int(sum(restarts)) if restarts else None,  # None: not a storage node
         "quarantined_scopes": int(_total(samples, _series("flatcake_quarantined_scopes"), where)),
         "reclaimed_scopes": int(_total(samples, _series("flatcake_reclaimed_scopes"), where)),
+        "lost_dram_scopes": int(
+            _total(samples, _series("flatcake_lost_scopes"), where, medium="dram")
+        ),
     }
 
 
@@ -185,18 +188,23 @@ def _mib(nbytes: int) -> str:
 def format_view(view: Mapping[str, Any]) -> str:
     """Two plain-text tables: per node, then per tenant on each node."""
     head = (
-        f"{'node':>5} {'lookups':>8} {'hit dram':>9} {'hit ssd':>8} {'p50 ms':>8} "
-        f"{'p99 ms':>8} {'restarts':>8} {'quarant.':>8}"
+        f"{'node':>5} {'dram MiB':>9} {'ssd MiB':>9} {'lookups':>8} {'hit dram':>9} "
+        f"{'hit ssd':>8} {'p50 ms':>8} {'p99 ms':>8} {'restarts':>8} {'lost':>5} {'quarant.':>8}"
     )
     lines = ["metrics per node (node none: requests no node held)", head]
     for r in view["nodes"]:
         restarts = "-" if r["restarts"] is None else str(r["restarts"])
         lines.append(
-            f"{r[NODE_ID]:>5} {r['lookups']:>8} {_pct(r['hit_rate']['dram']):>9} "
-            f"{_pct(r['hit_rate']['ssd']):>8} {_ms(r['restore_p50_ms']):>8} "
-            f"{_ms(r['restore_p99_ms']):>8} {restarts:>8} {r['quarantined_scopes']:>8}"
+            f"{r[NODE_ID]:>5} {_mib(r['used_bytes']['dram']):>9} "
+            f"{_mib(r['used_bytes']['ssd']):>9} {r['lookups']:>8} "
+            f"{_pct(r['hit_rate']['dram']):>9} {_pct(r['hit_rate']['ssd']):>8} "
+            f"{_ms(r['restore_p50_ms']):>8} {_ms(r['restore_p99_ms']):>8} {restarts:>8} "
+            f"{r['lost_dram_scopes']:>5} {r['quarantined_scopes']:>8}"
         )
-    lines.append("restarts: 0 until storage nodes are supervised (not yet)")
+    lines.append(
+        "restarts: Ray restarted the node's actor; lost: DRAM scopes those restarts lost "
+        "(SSD scopes come back)"
+    )
     lines.append("metrics per tenant (node all: every node)")
     lines.append(
         f"{'tenant':<16} {'node':>5} {'dram MiB':>9} {'ssd MiB':>9} {'lookups':>8} "
