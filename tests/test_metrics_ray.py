@@ -212,3 +212,25 @@ def test_status_shows_each_node_and_tenant(workload, capsys):
     text = capsys.readouterr().out
     assert "metrics per tenant" in text
     assert any(line.split()[:2] == ["a", node] for line in text.splitlines())
+
+
+def test_a_restarted_node_shows_its_restart_and_lost_dram(service, workload, capsys):
+    """Runs last: kills the storage node; Ray restarts it, and the endpoint and status show
+    one restart and the one DRAM scope (tenant a's) that the death lost."""
+    clients, _ = service
+    url, node, *_ = workload
+    actor_name = clients["a"].nodes.require(int(node)).description.actor_name
+    ray.kill(ray.get_actor(actor_name, namespace=NAMESPACE), no_restart=False)
+    wanted = {
+        (BY_NAME["flatcake_node_restarts"].exported, (("node_id", node),)): 1.0,
+        (BY_NAME["flatcake_lost_scopes"].exported, (("medium", "dram"), ("node_id", node))): 1.0,
+    }
+    deadline = time.monotonic() + EXPORT_BOUND_S
+    while any(_scraped(url).get(k) != v for k, v in wanted.items()):
+        assert time.monotonic() < deadline, f"no restart seen: {_scraped(url)}"
+        time.sleep(1.0)
+    assert main(["status", "--json", "--namespace", NAMESPACE]) == 0
+    row = next(
+        r for r in json.loads(capsys.readouterr().out)["metrics"]["nodes"] if r["node_id"] == node
+    )
+    assert (row["restarts"], row["lost_dram_scopes"]) == (1, 1)

@@ -3,7 +3,8 @@
 - :meth:`Metrics.restore_ended`: a restore's release (``Source.release``) hands over its
   :class:`ReadOutcome` (per-path tallies, bytes read and wanted per medium, commands, timings)
   and its lease parts (the medium of every page): lookups, hits by medium, bytes by medium and
-  path, SSD commands, latency and queue wait, in one batch. Never per page.
+  path, SSD commands, latency and queue wait. Never per page, and not on the request's
+  path: the request queues what it holds (an append), folded into series in batches.
 - :meth:`Metrics.probed`: an ``exists``/``probe`` call.
 - :meth:`Metrics.put_committed`: a put's commit, on the node that wrote it.
 - :meth:`Metrics.node_state`: a node's gauges and its reclamation and quarantine counters,
@@ -29,7 +30,7 @@ from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import LeasePart
 from flatcake_ray.metrics.definitions import NO_NODE
 from flatcake_ray.metrics.prometheus import Sample
-from flatcake_ray.metrics.registry import Batch, Recorder
+from flatcake_ray.metrics.registry import Batch, Recorder, track
 from flatcake_ray.restore.source import ReadOutcome
 
 _DIFFED = {  # node counters: the store's running totals, exported as increments
@@ -38,6 +39,8 @@ _DIFFED = {  # node counters: the store's running totals, exported as increments
     "quarantined_scopes": "flatcake_quarantined_scopes",
 }
 
+
+FOLD_EVERY = 64  # queued requests folded at once, at the latest
 
 _MEDIUM_TAGS: dict[Medium | None, str] = {m: m.name.lower() for m in Medium}
 _MEDIUM_TAGS[None] = "none"
@@ -108,8 +111,14 @@ class Metrics:
         self._reported: dict[str, int] = dict.fromkeys(_DIFFED, 0)
         self._tenants: set[str] = set()  # tenants with use reported (a gone one reports 0)
         self.restarts = 0  # times this node's actor was restarted (its storage node sets it)
+        self._requests: list[tuple[Any, tuple[Any, ...]]] = []  # queued, not yet folded
+        self._fold_lock = threading.Lock()
+        track(self)
 
     # ---- requests ------------------------------------------------------------------------
+    # A request only queues what it already holds (one append under a lock); the breakdown
+    # by medium and path is made by :meth:`fold`: every FOLD_EVERY requests, whenever the
+    # figures are read (samples, snapshot), and every second by the Ray forwarder's thread.
     def restore_ended(
         self,
         parts: Sequence[LeasePart],
@@ -119,13 +128,47 @@ class Metrics:
         node_id: int | None = None,
     ) -> None:
         """A restore of ``tenant`` ended with ``pages`` verified (its release's answer);
-        ``node_id``: the node that leased the parts (default: this store's)."""
-        if not self.count_requests:
-            return
+        ``node_id``: the node that leased the parts (default: this store's). ``outcome`` is
+        complete at its release and never changed after."""
+        if self.count_requests:
+            self._queue((self._restore, (parts, outcome, pages, tenant, node_id)))
+
+    def probed(self, tenant: str, asked: int, found: int, node_id: int | None = None) -> None:
+        """An ``exists``/``probe`` of ``asked`` keys found ``found`` consecutive pages."""
+        if self.count_requests:
+            self._queue((self._probe, (tenant, asked, found, node_id)))
+
+    def _queue(self, request: tuple[Any, tuple[Any, ...]]) -> None:
+        with self._lock:
+            self._requests.append(request)
+            full = len(self._requests) >= FOLD_EVERY
+        if full:
+            self.fold()
+
+    def fold(self) -> None:
+        """Turn the queued requests into series (one batch for all of them)."""
+        with self._fold_lock:  # folds apply in the order their requests were queued
+            with self._lock:
+                requests, self._requests = self._requests, []
+            if not requests:
+                return
+            batch = Batch()
+            for record, args in requests:
+                record(batch, *args)
+            self.recorder.apply(batch)
+
+    def _restore(
+        self,
+        batch: Batch,
+        parts: Sequence[LeasePart],
+        outcome: ReadOutcome,
+        pages: int,
+        tenant: str,
+        node_id: int | None,
+    ) -> None:
         node = node_id if node_id is not None else self.node_id
         req = (str(node) if parts and node is not None else NO_NODE, tenant)
         asked = outcome.requested or outcome.pages
-        batch = Batch()
         batch.inc("flatcake_lookups", req)
         batch.inc("flatcake_lookup_pages", req, asked)
         batch.inc("flatcake_lookup_tokens", req, asked * self._page_tokens)
@@ -138,7 +181,15 @@ class Metrics:
             path = restore_path(parts, outcome)
             batch.observe("flatcake_restore_seconds", (*req, path), outcome.seconds)
             batch.observe("flatcake_restore_queue_seconds", (*req, path), outcome.queued_s)
-        self.recorder.apply(batch)
+
+    def _probe(
+        self, batch: Batch, tenant: str, asked: int, found: int, node_id: int | None
+    ) -> None:
+        node = node_id if node_id is not None else self.node_id
+        req = (str(node) if found and node is not None else NO_NODE, tenant)
+        batch.inc("flatcake_probes", req)
+        batch.inc("flatcake_probe_pages", req, asked)
+        batch.inc("flatcake_probe_hit_pages", req, found)
 
     def _reads(self, batch: Batch, req: tuple[str, str], outcome: ReadOutcome) -> None:
         paths = outcome.paths
@@ -153,18 +204,6 @@ class Metrics:
         for (medium, path), count in commands.items():
             if medium is Medium.SSD:
                 batch.inc("flatcake_ssd_read_commands", (*req, path), count)
-
-    def probed(self, tenant: str, asked: int, found: int, node_id: int | None = None) -> None:
-        """An ``exists``/``probe`` of ``asked`` keys found ``found`` consecutive pages."""
-        if not self.count_requests:
-            return
-        node = node_id if node_id is not None else self.node_id
-        req = (str(node) if found and node is not None else NO_NODE, tenant)
-        batch = Batch()
-        batch.inc("flatcake_probes", req)
-        batch.inc("flatcake_probe_pages", req, asked)
-        batch.inc("flatcake_probe_hit_pages", req, found)
-        self.recorder.apply(batch)
 
     # ---- the node ------------------------------------------------------------------------
     def put_committed(
@@ -233,7 +272,9 @@ class Metrics:
 
     # ---- reading -------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
+        self.fold()
         return self.recorder.samples()
 
     def snapshot(self) -> list[dict[str, Any]]:
+        self.fold()
         return self.recorder.snapshot()

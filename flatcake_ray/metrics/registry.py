@@ -17,6 +17,7 @@ import atexit
 import bisect
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,20 @@ from flatcake_ray.metrics.definitions import BY_NAME, Kind, MetricDef
 from flatcake_ray.metrics.prometheus import Sample
 
 FLUSH_S = 1.0
+# Everything that queues requests to fold later (``record.Metrics``): the forwarder folds
+# them before each flush, so queued requests reach Ray within a second too.
+_FOLDING: weakref.WeakSet[Any] = weakref.WeakSet()
+_FOLDING_LOCK = threading.Lock()
+
+
+def track(source: Any) -> None:
+    """Fold ``source`` (it has ``fold()``) before each flush to Ray; starts the forwarder
+    when Ray already runs in this process."""
+    with _FOLDING_LOCK:
+        _FOLDING.add(source)
+    RayForwarder.active()
+
+
 Key = tuple[str, tuple[str, ...]]  # (metric name, tag values in the definition's order)
 
 
@@ -139,7 +154,7 @@ class RayForwarder:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flatcake-metrics", daemon=True)
         self._thread.start()
-        atexit.register(self.flush)
+        atexit.register(self.fold_and_flush)
 
     @classmethod
     def active(cls) -> RayForwarder | None:
@@ -163,7 +178,14 @@ class RayForwarder:
     def _run(self) -> None:
         while True:
             self._wake.wait(FLUSH_S)
-            self.flush()
+            self.fold_and_flush()
+
+    def fold_and_flush(self) -> None:
+        with _FOLDING_LOCK:
+            sources = list(_FOLDING)
+        for source in sources:
+            source.fold()
+        self.flush()
 
     def flush(self) -> None:
         """Hand everything pending to Ray (dropped when Ray was shut down meanwhile: its
