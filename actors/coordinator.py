@@ -97,6 +97,7 @@ class CapacityCoordinator:
         self.sessions: OrderedDict[tuple[str, Any], int] = OrderedDict()
         self.started_at = time.time()
         self.counters = {"registrations": 0, "placements": 0, "rebuilt_nodes": 0, "reports": 0}
+        self.counters["placements_local"] = 0
         self._in_gcs = rebuild
         self.drained: frozenset[int] = frozenset()
         if rebuild:
@@ -189,8 +190,10 @@ class CapacityCoordinator:
         return record.node_id not in self.drained and self._alive(record, now)
 
     # ---- placement -------------------------------------------------------------------------
-    def place_scope(self, secret: object, session_id: Any = None) -> int:
-        """The NodeID that holds (or will hold) this session of the caller's tenant."""
+    def place_scope(self, secret: object, session_id: Any = None, prefer: Any = None) -> int:
+        """The NodeID that holds (or will hold) this session of the caller's tenant: where it
+        already is; else ``prefer`` (the writer's own node) while it has room; else the
+        capacity-weighted choice (docs/placement.md)."""
         tenant = self.gate.tenant(secret).name
         if session_id is not None:
             session_id = check_session_id(session_id)
@@ -205,13 +208,29 @@ class CapacityCoordinator:
             ):
                 self.sessions.move_to_end(key)
                 return known
-        node_id = self._choose(now)
+        node_id = self._local_first(prefer, now)
+        if node_id is None:
+            node_id = self._choose(now)
         if session_id is not None:
             self.sessions[key] = node_id
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
         self.counters["placements"] += 1
         return node_id
+
+    def _local_first(self, prefer: Any, now: float) -> int | None:
+        """``prefer`` if it takes scopes and has room: at least half the mean free bytes of
+        the live nodes (so the common put is local, and a full node sends its writers'
+        sessions where the room is)."""
+        record = self.nodes.get(prefer) if isinstance(prefer, int) else None
+        if record is None or record.usage is None or not self._placeable(record, now):
+            return None
+        live = [r for r in self.nodes.values() if self._placeable(r, now) and r.usage]
+        mean_free = sum(r.usage.free_bytes for r in live if r.usage) / max(1, len(live))
+        if record.usage.free_bytes * 2 < mean_free:
+            return None
+        self.counters["placements_local"] += 1
+        return record.node_id
 
     def _choose(self, now: float) -> int:
         live = [r for r in self.nodes.values() if self._placeable(r, now)]
@@ -302,7 +321,7 @@ class CapacityCoordinator:
         import ray
         from ray.exceptions import RayError
 
-        refs = []
+        refs: list[Any] = []
         for record in list(self.nodes.values()):
             try:
                 handle = ray.get_actor(record.actor_name, namespace=self.config.namespace)

@@ -47,7 +47,7 @@ class LeaseTable:
         counted, and nothing changes."""
         with self._lock:
             held = self._held.get(lease_id) if isinstance(lease_id, int) else None
-            if held is None:
+            if held is None or not isinstance(lease_id, int):
                 self.counters["releases_unknown"] += 1
                 return None
             if held[0].tenant != tenant:

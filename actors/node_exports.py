@@ -1,29 +1,34 @@
-"""What a storage node exports for one-sided access: its arena and ship buffer over NIXL (one
-agent, one progress thread), the NIXL buffers it pulls staged puts into, and its arena as an
-RDMA memory region. Each export is optional: NIXL or RDMA missing, or a node with no DRAM,
-leaves it out and says why (readers then take another path).
+"""What a storage node exports for one-sided access: its arena, ship buffer and landing area
+over NIXL (one agent, one progress thread; peers READ the first two and WRITE puts into the
+arena and the landing area), and its arena as an RDMA memory region. Each export is
+optional: NIXL or RDMA missing, or a node with no DRAM, leaves it out and says why (readers
+and writers then take another path).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from flatcake_ray.actors.shipping import PullArea, ShipBuffer
+from flatcake_ray.actors.landing import LandingArea
+from flatcake_ray.actors.shipping import ShipBuffer
 from flatcake_ray.errors import ServiceError
 from flatcake_ray.media.arena import DramArena
 
 
 class NodeExports:
-    def __init__(self, node_id: int, arena: DramArena, ship_buffer: ShipBuffer) -> None:
+    def __init__(
+        self, node_id: int, arena: DramArena, ship_buffer: ShipBuffer, landing: LandingArea
+    ) -> None:
         self._arena_exporter: Any = None
         self._agent: Any = None
-        self.pull: PullArea | None = None
         self.arena_peer: Any = None
         self.ship_peer: Any = None
-        self.nixl_reason = self._export_nixl(f"fc{node_id}", arena, ship_buffer)
+        self.nixl_reason = self._export_nixl(f"fc{node_id}", arena, ship_buffer, landing)
         self._rdma = self._export_rdma(arena)
 
-    def _export_nixl(self, tag: str, arena: DramArena, ship_buffer: ShipBuffer) -> str | None:
+    def _export_nixl(
+        self, tag: str, arena: DramArena, ship_buffer: ShipBuffer, landing: LandingArea
+    ) -> str | None:
         from flatcake_ray.actors.nixl_roles import exporter_agent
         from flatcake_ray.transports.nixl_dram import (
             NixlArenaExporter,
@@ -39,7 +44,7 @@ class NodeExports:
             self._arena_exporter = NixlArenaExporter(tag, arena.view, agent=self._agent)
             self.arena_peer = self._arena_exporter.peer_info()
         self.ship_peer = ship_buffer.export(self._agent)
-        self.pull = PullArea(unique_agent_name(f"{tag}-pull"))
+        landing.export(self._agent)
         return None
 
     @staticmethod
@@ -67,9 +72,6 @@ class NodeExports:
         if self._arena_exporter is not None:
             self._arena_exporter.close()
             self._arena_exporter = None
-        if self.pull is not None:
-            self.pull.close()
-            self.pull = None
 
     def close_agent(self) -> None:
         """The agent goes last: after the ship buffer's export it also serves."""

@@ -2,8 +2,8 @@
 
 Everything here is a frozen, picklable value: the service configuration, a storage node's
 self-description (how to reach its media), a lease reply (where a request's pages sit) and a
-staged put (where the bytes of a put wait). No bytes of a page ride in any of them, except
-in :class:`StagedPages` of kind ``inline`` (the object-store fallback, labelled as such).
+put ticket (where the owner wants a put's bytes written). No bytes of a page ride in any of
+them (a put of kind ``inline`` sends its layers in ``land`` calls, labelled as such).
 """
 
 from __future__ import annotations
@@ -98,38 +98,36 @@ class LeaseReply:
         return {part.medium.name for part in self.parts}
 
 
-class StagingKind(Enum):
-    """Where the bytes of a staged put wait for the owner."""
+class PutMemory(Enum):
+    """The memory a put's bytes go to (see :class:`PutTarget`)."""
 
-    SHM = "shm"  # a client's shared-memory staging buffer, mapped by the owner (same node)
-    NIXL = "nixl"  # the same buffer exported over NIXL, pulled by the owner (other node)
-    INLINE = "inline"  # LAST RESORT: in the call itself, through the Ray object store
-
-
-@dataclass(frozen=True)
-class StagedPiece:
-    """Pages of keys ``[first, first + count)`` of one layer, at ``offset`` of the staging."""
-
-    layer: int
-    first: int
-    count: int
-    offset: int
+    ARENA = "arena"
+    LANDING = "landing"
+    INLINE = "inline"  # LAST RESORT: in the ``land`` calls themselves
+    NONE = "none"  # nothing to write
 
 
 @dataclass(frozen=True)
-class StagedPages:
-    """Where the bytes of (part of) a put wait for the owner, and which pages they are."""
+class PutTarget:
+    """Where a client writes a put's new pages, as the owner handed it out.
 
-    kind: StagingKind
-    page_bytes: int
-    pieces: tuple[StagedPiece, ...]
-    offset: int = 0  # byte offset of the staged bytes in the staging buffer
-    nbytes: int = 0  # staged bytes from ``offset``
-    path: str = ""  # SHM: where the owner maps the staging memory (/proc/<pid>/fd/<fd>)
-    token: str = ""  # names that staging buffer (fd numbers are reused): the mapping's key
-    buffer_bytes: int = 0  # size of the whole staging buffer
-    peer: Any = None  # NIXL: NixlPeerInfo of the staging buffer
-    inline: np.ndarray | None = field(default=None, repr=False)
+    ``memory``: ``ARENA`` (a DRAM put: layer ``n`` goes to ``offsets[n]`` of the owner's
+    arena, in place), ``LANDING`` (an SSD put: layer ``n`` goes to slot
+    ``offsets[n % len(offsets)]`` of the owner's landing area, then ``land``; with a slot per
+    layer, landed at commit), ``INLINE`` (LAST RESORT, the landing area was full: each
+    layer's bytes in its ``land`` call) or ``NONE`` (every key is stored already). A client
+    on the owner's node maps ``path`` (``nbytes``) shared and writable; one on another node
+    WRITEs to ``peer`` over NIXL.
+    Only the put's new pages are written, in key order: ``new_positions`` of the put's keys.
+    """
+
+    memory: PutMemory
+    offsets: tuple[int, ...]
+    layer_bytes: int
+    new_positions: np.ndarray = field(repr=False)
+    path: str = ""
+    nbytes: int = 0
+    peer: Any = None
 
 
 @dataclass(frozen=True)
@@ -138,3 +136,4 @@ class PutTicket:
 
     put_id: int
     pages_new: int
+    target: PutTarget

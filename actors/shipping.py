@@ -1,29 +1,24 @@
-"""The owner's side of two data paths that need its CPU: shipped SSD reads and pulled puts.
+"""The owner's side of shipped SSD reads, and the region allocator the landing area shares.
 
 - :class:`ShipBuffer` ("remote-ssd-shipped"): a reader on another node, with no NVMe-oF view
   of this node's pool, asks for SSD ranges; the node reads them (coalesced O_DIRECT, the
   local-SSD transport's code) into a region of a NIXL-registered bounce buffer, and the
   reader fetches the region with one NIXL READ, then frees it. Regions expire after a TTL,
   so a reader that died does not hold the buffer.
-- :class:`PullArea` (remote puts): a client stages a put in its own NIXL-registered buffer;
-  the node READs it over NIXL into a reusable local buffer and writes it into the store.
 """
 
 from __future__ import annotations
 
-import queue
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from flatcake_ray.config import ALIGN
 from flatcake_ray.core.runs import align_up
-from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferError
+from flatcake_ray.errors import ReadRangeError, ShipBufferFullError
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.transports.base import ReadBatch
@@ -72,7 +67,7 @@ class RegionAllocator:
     def free(self, region_id: object, owner: str = "") -> bool:
         """Give back ``owner``'s region; False (nothing changes) for anyone else's."""
         held = self._held.get(region_id) if isinstance(region_id, int) else None
-        if held is None or held[3] != owner:
+        if held is None or held[3] != owner or not isinstance(region_id, int):
             return False
         del self._held[region_id]
         self._give_back(held[0], held[1])
@@ -150,79 +145,3 @@ class ShipBuffer:
             self.exporter.close()
             self.exporter = None
         self.reader.close()
-
-
-class PullArea:
-    """Reusable local buffers a node READs staged puts into, and one NIXL reader per peer."""
-
-    def __init__(self, agent_name: str, slots: int = 2, max_peers: int = 8) -> None:
-        from flatcake_ray.actors.nixl_roles import reader_agent
-
-        self.agent = reader_agent(agent_name)
-        self._slots: queue.SimpleQueue[AlignedBuffer] = queue.SimpleQueue()
-        for _ in range(slots):
-            self._slots.put(AlignedBuffer(ALIGN))
-        self._peers: OrderedDict[str, tuple[Any, threading.Lock]] = OrderedDict()
-        self._max_peers = max_peers
-        self._lock = threading.Lock()
-
-    def _reader(self, peer: Any) -> tuple[Any, threading.Lock]:
-        """The cached reader of ``peer``; one that broke (a failed READ removed its peer) or
-        that reaches an older export under the same name is closed and replaced."""
-        with self._lock:
-            known = self._peers.get(peer.agent_name)
-            if known is not None:
-                reader, lock = known
-                if not reader.broken and reader.peer == peer:
-                    self._peers.move_to_end(peer.agent_name)
-                    return known
-                del self._peers[peer.agent_name]
-                with lock:  # after any read still using it
-                    reader.close()
-            known = (self._connect(peer), threading.Lock())
-            self._peers[peer.agent_name] = known
-            while len(self._peers) > self._max_peers:
-                _, (old, old_lock) = self._peers.popitem(last=False)
-                with old_lock:
-                    old.close()
-            return known
-
-    def _connect(self, peer: Any) -> Any:
-        from flatcake_ray.transports.nixl_dram import NixlDramTransport
-
-        return NixlDramTransport(self.agent, peer)
-
-    def pull(self, peer: Any, offset: int, nbytes: int) -> tuple[AlignedBuffer, np.ndarray]:
-        """READ ``nbytes`` at ``offset`` of the peer's staging buffer; give the slot back with
-        :meth:`done` once its bytes are in the store."""
-        slot = self._slots.get()
-        try:
-            if slot.nbytes < nbytes:
-                slot = AlignedBuffer(nbytes)  # the old one's registration ages out of the cache
-            self._read(peer, ReadBatch([offset], [nbytes], [0]), slot.array)
-        except BaseException:
-            self._slots.put(slot)
-            raise
-        return slot, slot.array[:nbytes]
-
-    def _read(self, peer: Any, batch: ReadBatch, dst: np.ndarray) -> None:
-        for _ in range(3):
-            known = self._reader(peer)
-            reader, lock = known
-            with lock:
-                # Another pull may have broken or replaced this reader while we waited.
-                if reader.broken or self._peers.get(peer.agent_name) is not known:
-                    continue
-                reader.read(batch, dst)
-                return
-        raise TransferError(f"no working NIXL reader of {peer.agent_name}")
-
-    def done(self, slot: AlignedBuffer) -> None:
-        self._slots.put(slot)
-
-    def close(self) -> None:
-        with self._lock:
-            for reader, _ in self._peers.values():
-                reader.close()
-            self._peers.clear()
-        self.agent.close()

@@ -15,9 +15,9 @@ and its ship buffer over NIXL (``actors/node_exports.py``), and answers:
   request per node, whatever the page count. A lease pins the scopes of the hits until
   released or until ``lease_ttl_s``. ``release`` answers whether the lease was held and every
   scope it pinned is intact: only then is what its reader copied good.
-- ``begin_put`` / ``write_pages`` / ``commit_put`` / ``abort_put``: a layer-wise put (the
-  store's one put path, ``PutHandle``), a piece at a time; ``put_staged`` is the same put in
-  one call when all its layers fit one staging region (``actors/staged.py``).
+- ``begin_put`` / ``land`` / ``commit_put`` / ``abort_put``: a layer-wise put (the store's one
+  put path, ``PutHandle``) whose bytes the client writes into memory this node hands out: the
+  arena in place for DRAM, landing slots for SSD (``actors/node_puts.py``).
 - ``ship``/``unship`` and ``read_ranges`` (the labelled object-store fallback): bytes of
   ranges the caller's tenant holds a lease on, at most ``ship_bytes`` per call.
 
@@ -38,19 +38,20 @@ import numpy as np
 
 from flatcake_ray import failpoints
 from flatcake_ray.actors.auth import Gate, default_tenant
+from flatcake_ray.actors.homes import HomeDirectory, check_first
+from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.membership import Membership
 from flatcake_ray.actors.node_exports import NodeExports
+from flatcake_ray.actors.node_puts import NodePuts
 from flatcake_ray.actors.protocol import (
     LeaseReply,
     NodeDescription,
     NodeUsage,
     PutTicket,
-    StagedPages,
     node_actor_name,
 )
 from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
-from flatcake_ray.actors.staged import StagedReader
 from flatcake_ray.actors.supervision import DramHeld, Supervision
 from flatcake_ray.actors.wire import check_ranges, check_request, scope_ids
 from flatcake_ray.config import ServiceConfig
@@ -59,7 +60,7 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
-from flatcake_ray.errors import ReadRangeError, ServiceError
+from flatcake_ray.errors import ReadRangeError, ServiceError, ShapeError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.transports.base import ReadBatch
@@ -67,9 +68,9 @@ from flatcake_ray.transports.local_dram import LocalDramTransport
 
 log = logging.getLogger(__name__)
 _COUNTERS = (
-    *("lookups", "exists_calls", "releases", "puts", "puts_shm", "puts_nixl", "puts_inline"),
+    *("lookups", "exists_calls", "releases", "puts", "puts_arena", "puts_landing"),
+    *("puts_inline", "puts_none", "puts_layerwise", "puts_aborted", "tenants_removed"),
     *("fallback_reads", "lease_misses", "leased_pages", "leases_broken", "ranges_refused"),
-    *("puts_layerwise", "put_pieces", "puts_aborted", "tenants_removed"),
 )
 
 
@@ -103,10 +104,13 @@ class StorageNode:
         self._sync_lock = threading.Lock()
         self._sync_tenants()
         self.leases = LeaseTable(config.lease_ttl_s)
+        self.homes = HomeDirectory()
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
-        self.exports = NodeExports(self.node_id, self.store.arena, self.ship_buffer)
-        self._staged = StagedReader(self.exports.pull, self.exports.nixl_reason)
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        landing = LandingArea(config.landing_bytes, f"{config.namespace}-landing-{self.node_id}")
+        self.puts = NodePuts(self.store, landing, self.counters)
+        self.exports = NodeExports(self.node_id, self.store.arena, self.ship_buffer, landing)
+        self.puts.arena_peer = self.exports.arena_peer
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
@@ -130,6 +134,7 @@ class StorageNode:
                 self.store.set_tenant(tenant)
         for name in set(self._tenants) - set(table):
             self.leases.drop_tenant(name)
+            self.homes.drop_tenant(name)
             self.store.remove_tenant(name)
             self.counters["tenants_removed"] += 1
             log.info("tenant %s removed from the service: its pages here are freed", name)
@@ -273,6 +278,17 @@ class StorageNode:
         self.counters["exists_calls"] += 1
         return self.store.probe(keys, namespace=namespace, tenant=tenant)
 
+    def record_home(self, secret: object, first: object, owner: object) -> None:
+        """This node is home to the chain starting at ``first``, which ``owner`` holds."""
+        tenant = self._tenant(secret).name
+        if not isinstance(owner, int) or isinstance(owner, bool):
+            raise ShapeError(f"an owner is a NodeID, not {type(owner).__name__}")
+        self.homes.record(tenant, check_first(first), owner)
+
+    def home_of(self, secret: object, first: object) -> int | None:
+        """The NodeID recorded for the chain starting at ``first``, if any."""
+        return self.homes.owner(self._tenant(secret).name, check_first(first))
+
     def gvas(self, secret: object, keys: Any, namespace: Any = None) -> np.ndarray:
         tenant = self._tenant(secret).name
         check_request(keys, namespace)
@@ -304,7 +320,7 @@ class StorageNode:
         for lease in self.leases.expire(time.monotonic()):
             self.store.release(lease)
 
-    # ---- puts ------------------------------------------------------------------------------
+    # ---- puts (actors/node_puts.py) ------------------------------------------------------
     def begin_put(
         self,
         secret: object,
@@ -314,52 +330,21 @@ class StorageNode:
         parent: Any = None,
         hints: PutHints | None = None,
     ) -> PutTicket:
-        """Plan a layer-wise put and hold it open for ``write_pages`` pieces."""
+        """Plan a layer-wise put; the ticket says where its bytes go."""
         tenant = self._tenant(secret).name
         check_request(keys, namespace, hints)
         options = {"namespace": namespace, "session_id": session_id, "parent": parent}
-        handle = self.store.begin_put(keys, hints=hints, tenant=tenant, **options)
-        self.counters["puts_layerwise"] += 1
-        return PutTicket(handle.put_id, handle.pages_new)
+        return self.puts.begin(tenant, keys, {**options, "hints": hints})
 
-    def write_pages(self, secret: object, put_id: object, staged: StagedPages) -> None:
-        """Write the staged pieces of an open put; a failure aborts the whole put."""
-        handle = self.store.puts.get(put_id, self._tenant(secret).name)
-        try:
-            self._staged.write(handle, staged, self.counters)
-        except BaseException:
-            handle.abort()
-            self.counters["puts_aborted"] += 1
-            raise
+    def land(self, secret: object, put_id: object, layer: object, inline: Any = None) -> None:
+        """Layer ``layer`` of an SSD put is in its landing slot (or ``inline``)."""
+        self.puts.land(self._tenant(secret).name, put_id, layer, inline)
 
-    def commit_put(self, secret: object, put_id: object) -> PutResult:
-        result = self.store.puts.get(put_id, self._tenant(secret).name).commit()
-        self.counters["puts"] += 1
-        return result
+    def commit_put(self, secret: object, put_id: object, in_place: Any = ()) -> PutResult:
+        return self.puts.commit(self._tenant(secret).name, put_id, in_place)
 
     def abort_put(self, secret: object, put_id: object) -> None:
-        self.store.puts.get(put_id, self._tenant(secret).name).abort()
-        self.counters["puts_aborted"] += 1
-
-    def put_staged(
-        self,
-        secret: object,
-        keys: Any,
-        staged: StagedPages,
-        namespace: Any = None,
-        session_id: Any = None,
-        parent: Any = None,
-        hints: PutHints | None = None,
-    ) -> PutResult:
-        """A whole put whose every layer is staged at once: plan, write, commit, one call."""
-        tenant = self._tenant(secret).name
-        check_request(keys, namespace, hints)
-        options = {"namespace": namespace, "session_id": session_id, "parent": parent}
-        with self.store.begin_put(keys, hints=hints, tenant=tenant, **options) as handle:
-            self._staged.write(handle, staged, self.counters)
-            result = handle.commit()
-        self.counters["puts"] += 1
-        return result
+        self.puts.abort(self._tenant(secret).name, put_id)
 
     # ---- bytes of leased ranges: shipped SSD reads and the object-store fallback ------------
     def _leased(self, tenant: str, medium: Medium, offsets: Any, lengths: Any) -> ReadBatch:
@@ -403,7 +388,7 @@ class StorageNode:
         self.gate.service(service_secret)
         self._stop.set()
         self.exports.close()
-        self._staged.close()
+        self.puts.close()
         self.ship_buffer.close()
         self.exports.close_agent()
         self.store.close()

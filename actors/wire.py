@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.keys import as_digests
 from flatcake_ray.errors import InvalidKeyError, ReadRangeError, ShapeError
 
 MAX_KEYS = 1 << 20  # pages one call may name
@@ -19,8 +20,9 @@ MAX_RANGES = 1 << 20  # ranges one read call may name
 
 
 def check_request(keys: Any, namespace: Any, hints: Any = None) -> None:
-    if not isinstance(keys, list | tuple):
-        raise InvalidKeyError(f"keys are a list, not {type(keys).__name__}")
+    """Keys are a list of keys, or packed digests (``core.keys.request_digests``)."""
+    if as_digests(keys) is None and not isinstance(keys, list | tuple):
+        raise InvalidKeyError(f"keys are a list or packed digests, not {type(keys).__name__}")
     if not 0 < len(keys) <= MAX_KEYS:
         raise ShapeError(f"a call names 1 to {MAX_KEYS} keys, not {len(keys)}")
     if namespace is not None and not isinstance(namespace, str):

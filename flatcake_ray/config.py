@@ -44,14 +44,8 @@ ALIGN = 4096  # O_DIRECT and cuFile alignment
 DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
 GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
-STORE_FIELDS: tuple[str, ...] = (
-    *GEOMETRY_FIELDS,
-    "root",
-    "dram_bytes",
-    "ssd_dirs",
-    "ssd_files_per_dir",
-)
-STORE_FIELDS += ("ssd_file_bytes", "hugepages", "fsync")
+STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
+STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync")
 
 
 def _require(condition: bool, message: str, *names: str) -> None:
@@ -215,6 +209,9 @@ class ServiceConfig:
     hugepages: str = "auto"
     fsync: bool = True
     ship_bytes: int = 64 << 20  # each node's NIXL bounce buffer for shipped SSD reads
+    # Node memory clients write a put's SSD layers into (two layers per put in flight), which
+    # the node writes to its drive: a put that finds it full sends its bytes in the call.
+    landing_bytes: int = 64 << 20
     lease_ttl_s: float = 60.0  # a lease not released by then is dropped (its reader is gone)
     rpc_timeout_s: float = 10.0  # a client waits this long for a node before calling it down
     node_down_s: float = 5.0  # ... and skips that node this long before trying it again
@@ -235,16 +232,17 @@ class ServiceConfig:
         normalise(self)
         _require(bool(self.namespace), "namespace must be non-empty", "namespace")
         _require(bool(self.root), "root must be non-empty", "root")
+        for name in ("ship_bytes", "landing_bytes"):
+            _require(
+                getattr(self, name) >= ALIGN and getattr(self, name) % ALIGN == 0,
+                f"{name} must be a positive multiple of {ALIGN}",
+                name,
+            )
         for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
             _require(getattr(self, name) > 0, f"{name} must be positive", name)
         _require(self.node_down_s >= 0, "node_down_s must be >= 0", "node_down_s")
         _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0", "ramp_seconds")
         _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]", "ramp_floor")
-        _require(
-            self.ship_bytes >= ALIGN and self.ship_bytes % ALIGN == 0,
-            f"ship_bytes must be a positive multiple of {ALIGN}",
-            "ship_bytes",
-        )
         _require(
             self.node_concurrency >= 2, "node_concurrency must be at least 2", "node_concurrency"
         )
@@ -300,8 +298,7 @@ class ClientConfig:
 
     restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
     restore_slot_bytes: int = 16 << 20  # one staging slot of the restore pipeline
-    put_region_bytes: int = 32 << 20  # a put whose layers all fit is sent whole, in one call
-    staging_segment_bytes: int = 64 << 20  # the put staging arena grows by this much
+    staging_segment_bytes: int = 64 << 20  # NIXL put staging (remote owners) grows by this
     gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
     page_tokens: int = 256  # tokens a page holds (the engine's block size), for token metrics
     # The tenant this client acts for (``flatcake-ray tenant add`` printed it); empty: the
@@ -315,11 +312,6 @@ class ClientConfig:
             self.restore_slot_bytes % ALIGN == 0 and self.restore_slot_bytes >= 2 * ALIGN,
             f"restore_slot_bytes must be a multiple of {ALIGN}, at least {2 * ALIGN}",
             "restore_slot_bytes",
-        )
-        _require(
-            self.put_region_bytes >= ALIGN,
-            f"put_region_bytes must be >= {ALIGN}",
-            "put_region_bytes",
         )
         _require(
             self.staging_segment_bytes >= ALIGN,

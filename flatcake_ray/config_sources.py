@@ -31,9 +31,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from fractions import Fraction
-from functools import cache
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, TypeVar, cast, get_type_hints
 
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
@@ -140,9 +139,18 @@ def _shown(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-@cache
+_KINDS: dict[type, dict[str, Any]] = {}
+
+
 def field_kinds(cls: type) -> dict[str, Any]:
-    """Field name -> kind name, or the nested config class."""
+    """Field name -> kind name, or the nested config class (read once per class)."""
+    kinds = _KINDS.get(cls)
+    if kinds is None:
+        kinds = _KINDS[cls] = _field_kinds(cls)
+    return kinds
+
+
+def _field_kinds(cls: type) -> dict[str, Any]:
     hints = get_type_hints(cls)
     kinds: dict[str, Any] = {}
     for item in fields(cls):
@@ -324,7 +332,7 @@ def _construct(cls: type[T], merged: _Merged) -> T:
     values = dict(merged.values)
     for name, inner in merged.nested.items():
         values[name] = _construct(field_kinds(cls)[name], inner)
-    missing = [f.name for f in fields(cls) if f.name not in values and _required(f)]
+    missing = [f.name for f in fields(cast(Any, cls)) if f.name not in values and _required(f)]
     if missing:
         raise ConfigError(f"{cls.__name__} needs {', '.join(missing)}")
     try:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,7 @@ def config_for(root: str) -> ServiceConfig:
         ssd_files_per_dir=2,
         fsync=False,
         ship_bytes=8 << 20,
+        landing_bytes=8 << 20,  # SSD puts over 32 pages land two slots at a time
         rpc_timeout_s=8.0,
         node_down_s=2.0,
         report_interval_s=0.5,
@@ -185,6 +187,20 @@ def test_placement_is_capacity_proportional_and_ramps_a_new_node():
     )  # sessions stick
 
 
+def test_a_writers_own_node_is_preferred_while_it_has_room():
+    config = ServiceConfig(layers=1, page_bytes=4096, ramp_seconds=0.0)
+    coordinator = CapacityCoordinator(config, SERVICE_SECRET, rebuild=False)
+    a = coordinator.register(SERVICE_SECRET, "ray-a", "a", None, time.time() - 1000)
+    b = coordinator.register(SERVICE_SECRET, "ray-b", "b", None, time.time() - 1000)
+    coordinator.report(SERVICE_SECRET, a, "ray-a", usage(a, 100))
+    coordinator.report(SERVICE_SECRET, b, "ray-b", usage(b, 100))
+    assert {coordinator.place_scope(None, None, a) for _ in range(20)} == {a}
+    assert coordinator.place_scope(None, "s", b) == b == coordinator.place_scope(None, "s", a)
+    coordinator.report(SERVICE_SECRET, a, "ray-a", usage(a, 30))  # under half the mean free
+    assert coordinator.place_scope(None, None, a) == b
+    assert coordinator.place_scope(None, None, 4000) in (a, b)  # not a node: ignored
+
+
 def test_node_ids_are_kept_on_re_registration_and_12_bit():
     coordinator = CapacityCoordinator(
         ServiceConfig(layers=1, page_bytes=4096), SERVICE_SECRET, rebuild=False
@@ -248,6 +264,79 @@ def test_written_on_one_node_restored_on_the_other(
     # One lookup per node asked (all of them: this reader never saw the session), a release,
     # and for shipped SSD one ship and one unship per window: never per page.
     assert remote.nodes_asked <= 2 and remote.actor_calls <= remote.nodes_asked + 3
+
+
+def _put_counters(client) -> Counter:
+    total: Counter = Counter()
+    for node in client.stats()["nodes"].values():
+        total.update(
+            {k: v for k, v in node.items() if k.startswith(("puts_", "ssd_write", "layers"))}
+        )
+    return total
+
+
+@pytest.mark.parametrize(("medium", "hints"), [("DRAM", DRAM), ("SSD", SSD)])
+def test_puts_write_into_memory_the_owner_hands_out(deployment, medium, hints):
+    """Writers on the owner's node and off it (the driver: NIXL WRITE) put straight into the
+    arena (DRAM) or the owner's landing slots (SSD, two at a time for a big put), nothing in
+    the call; every reader gets the exact bytes; the owner counts the memory each put used."""
+    driver = deployment["driver"]
+    writer = next(iter(deployment["by_node_id"].values()))
+    before = _put_counters(driver)
+    name, pages = f"land-{medium}", 100  # 3.3 MB: DRAM has room; SSD takes two slots
+    driver.put(keys_for(name, pages), kv_for(pages, 11), session_id=name, hints=hints)
+    ray.get(writer.put.remote(f"{name}-w", pages, 12, hints))
+    for stored, seed in ((name, 11), (f"{name}-w", 12)):
+        for reader in deployment["by_node_id"].values():
+            report, exact, _ = ray.get(reader.restore.remote(stored, pages, seed))
+            assert exact and report.pages == pages
+    moved = _put_counters(driver) - before
+    memory = "arena" if medium == "DRAM" else "landing"
+    assert moved[f"puts_{memory}"] == 2 and moved["puts_inline"] == 0, moved
+    assert moved["layers_landed"] == 2 * LAYERS
+    if medium == "SSD":  # each layer one O_DIRECT write, straight from its slot
+        assert moved["ssd_write_commands"] == 2 * LAYERS
+
+
+def test_a_full_landing_area_sends_the_bytes_in_the_call_and_slots_come_back(deployment):
+    """Two open SSD puts of one session hold 6.6 of the owner's 8 MiB of landing slots: a third
+    put rides in its calls (exact all the same); once they abort, puts land again."""
+    driver = deployment["driver"]
+    pages, session = 200, "landing-full"
+    held = []
+    for i in range(2):
+        put = driver.begin_put(keys_for(f"held{i}", pages), session_id=session, hints=SSD)
+        put.write_layer(0, kv_for(pages, 20 + i)[0])
+        held.append(put)
+    before = _put_counters(driver)
+    driver.put(keys_for("squeezed", pages), kv_for(pages, 13), session_id=session, hints=SSD)
+    assert (_put_counters(driver) - before)["puts_inline"] == 1
+    for put in held:
+        put.abort()
+    driver.put(keys_for("roomy", pages), kv_for(pages, 14), session_id=session, hints=SSD)
+    moved = _put_counters(driver) - before
+    assert (moved["puts_inline"], moved["puts_landing"]) == (1, 1)
+    reader = next(iter(deployment["by_node_id"].values()))
+    for name, seed in (("squeezed", 13), ("roomy", 14)):
+        report, exact, _ = ray.get(reader.restore.remote(name, pages, seed))
+        assert exact and report.pages == pages
+
+
+def test_a_cold_lookup_asks_the_chains_home_not_every_node(deployment):
+    """A client that never saw a chain finds it through the chain's home (derived from the
+    first digest, told by the writer): no fan-out to every node, at most three calls."""
+    writer = next(iter(deployment["by_node_id"].values()))
+    for i in range(6):  # chains on both nodes, homes on both nodes
+        ray.get(writer.put.remote(f"home{i}", 8, 40 + i, DRAM))
+    reader = FlatCakeClient(NAMESPACE)
+    try:
+        for i in range(6):
+            reader.forget_locations()
+            report = reader.locate(keys_for(f"home{i}", 8))
+            assert report.pages == 8 and report.actor_calls <= 3
+        assert reader.stats(nodes=False)["client"]["fanouts"] == 0
+    finally:
+        reader.close()
 
 
 def test_routing_follows_the_gva_bits(deployment):

@@ -66,13 +66,13 @@ def ray_client(tmp_path_factory):
         ssd_files_per_dir=2,
         fsync=False,
         ship_bytes=4 << 20,
+        landing_bytes=1 << 20,  # SSD puts over 128 KiB land two slots at a time
         lease_ttl_s=PUT_TTL_S,
         report_interval_s=0.5,
         ramp_seconds=0.0,
     )
     deploy.start(config)
-    # Puts over 256 KiB go layer by layer to an open put on the owner; smaller ones whole.
-    client = FlatCakeClient(NAMESPACE, config=ClientConfig(put_region_bytes=256 << 10))
+    client = FlatCakeClient(NAMESPACE, config=ClientConfig())
     client.warm_up()
     yield client
     client.close()

@@ -63,6 +63,7 @@ def service(tmp_path_factory):
         ssd_files_per_dir=2,
         fsync=False,
         ship_bytes=1 << 20,
+        landing_bytes=4 << 20,
         report_interval_s=0.5,
         ramp_seconds=0.0,
         rpc_timeout_s=30.0,

@@ -374,75 +374,33 @@ def test_quiet_agents_read_from_a_pumped_owner_over_tcp(spawn_owner, monkeypatch
     assert not pump.is_alive()
 
 
-def test_pull_area_rebuilds_a_reader_whose_peer_died_and_came_back(spawn_owner, monkeypatch):
-    """A failed READ breaks the cached reader; the next pull from the peer, back under the
-    same agent name, gets a new reader instead of the dead one."""
-    from flatcake_ray.actors.shipping import PullArea
+def test_writes_land_in_the_owners_memory_and_stay_in_range(spawn_owner, reader_agent):
+    """A put's one-sided WRITE: the bytes are at the owner when write returns (read back over
+    the same agent), a range past the export is refused before posting, and a writer whose
+    owner died says so with a typed error."""
+    from flatcake_ray.transports.nixl_write import NixlDramWriter
 
-    monkeypatch.delenv("UCX_TLS", raising=False)
-    name = unique_agent_name("staging")
-    first = spawn_owner(size=1 << 20, seed=3, name=name)
-    area = PullArea(unique_agent_name("pull"))
-    try:
-        slot, got = area.pull(first.info, 100, 4096)
-        np.testing.assert_array_equal(got, first.arena[100:4196])
-        area.done(slot)
-        dead, _ = area._peers[name]
-        first.process.kill()
-        first.process.join(30)
-        with pytest.raises(TransferError):
-            area.pull(first.info, 0, 4096)
-        assert dead.broken
-        second = spawn_owner(size=1 << 20, seed=4, name=name)
-        slot, got = area.pull(second.info, 100, 4096)
-        np.testing.assert_array_equal(got, second.arena[100:4196])
-        area.done(slot)
-        assert area._peers[name][0] is not dead
-    finally:
-        area.close()
-
-
-class _FakeReader:
-    def __init__(self, peer) -> None:
-        self.peer, self.broken, self.closed, self.reads = peer, False, False, 0
-
-    def read(self, batch, dst) -> None:
-        assert not self.closed
-        self.reads += 1
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def test_pull_area_cache_replaces_broken_outdated_and_evicted_readers(monkeypatch):
-    from flatcake_ray.actors import nixl_roles
-    from flatcake_ray.actors.shipping import PullArea
-
-    class FakeAgent:
-        def close(self) -> None:
-            pass
-
-    monkeypatch.setattr(nixl_roles, "reader_agent", lambda name: FakeAgent())
-    monkeypatch.setattr(PullArea, "_connect", lambda self, peer: _FakeReader(peer))
-    area = PullArea("pull", max_peers=2)
-    a = NixlPeerInfo("a", b"meta-1", 0, 1 << 20)
-    slot, _ = area.pull(a, 0, 16)
-    area.done(slot)
-    first = area._peers["a"][0]
-    assert area._reader(a)[0] is first  # a healthy reader is reused
-    first.broken = True
-    second = area._reader(a)[0]
-    assert second is not first and first.closed
-    moved = NixlPeerInfo("a", b"meta-2", 0, 1 << 20)  # same name, a new export
-    third = area._reader(moved)[0]
-    assert third is not second and second.closed and third.peer == moved
-    others = [area._reader(NixlPeerInfo(n, b"m", 0, 1 << 20))[0] for n in "bc"]
-    assert third.closed and list(area._peers) == ["b", "c"]  # LRU: "a" was evicted
-    slot, _ = area.pull(NixlPeerInfo("b", b"m", 0, 1 << 20), 0, 16)
-    area.done(slot)
-    assert others[0].reads == 1
-    area.close()
-    assert all(r.closed for r in others)
+    target = spawn_owner(size=1 << 20, seed=5)
+    src = np.arange(8192, dtype=np.uint8) ^ 0x3C
+    writer = NixlDramWriter(reader_agent, target.info, timeout_s=30)
+    stats = writer.write(src[:4096], 12288)
+    assert (stats.bytes, stats.commands, stats.path) == (4096, 1, REMOTE_DRAM_NIXL)
+    back = np.zeros(4096, dtype=np.uint8)
+    with NixlDramTransport(reader_agent, target.info) as reader:
+        reader.read(ReadBatch([12288], [4096], [0]), back)
+        np.testing.assert_array_equal(back, src[:4096])
+        reader.read(ReadBatch([0], [4096], [0]), back)  # a neighbour is untouched
+        np.testing.assert_array_equal(back, target.arena[:4096])
+    with pytest.raises(ReadRangeError):
+        writer.write(src, (1 << 20) - 4096)
+    target.process.kill()
+    target.process.join(30)
+    with pytest.raises(TransferError):
+        for _ in range(50):  # UCX notices the dead peer within a few attempts
+            writer.write(src[:4096], 0)
+            time.sleep(0.1)
+    assert writer.broken
+    writer.close()
 
 
 def test_large_read_bandwidth(owner, reader_agent, request):

@@ -17,6 +17,10 @@ Who calls what:
 - The storage node (owner side) never reads through a remote transport: it exports its arena
   (e.g. ``NixlArenaExporter``) and hands the exported description to readers through a Ray
   call. That is one remote call per node touched, never one per block.
+- Writers (puts) are the other direction and not transports: the Ray client's put writes a
+  layer into memory the owner handed out, mapped on the owner's node or with
+  ``transports/nixl_write.py``'s ``NixlDramWriter`` (one one-sided WRITE per layer) from
+  another; the owner exports its arena and landing area for that (``actors/node_exports.py``).
 
 Abilities a transport declares (defaults in :class:`Transport`; callers read these, they
 never probe with ``getattr``):

@@ -213,35 +213,60 @@ class NixlAgent:
     ) -> None:
         """READ ``remote`` descriptors (N x 3: address/offset, length, device/fd) of ``peer``
         into ``local`` ones (inside ``dst``); returns when done, else raises TransferError."""
+        self._transfer("READ", peer, local, remote, remote_kind, timeout_s, dst)
+
+    def write(
+        self,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        *,
+        timeout_s: float,
+        src: np.ndarray,
+    ) -> None:
+        """WRITE ``local`` descriptors (inside ``src``) into ``peer``'s DRAM ``remote`` ones;
+        returns when the bytes are at the peer, else raises TransferError."""
+        self._transfer("WRITE", peer, local, remote, "DRAM", timeout_s, src)
+
+    def _transfer(
+        self,
+        op: str,
+        peer: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        remote_kind: str,
+        timeout_s: float,
+        buffer: np.ndarray,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         agent = self._live
         local_descs = agent.get_xfer_descs(local, "DRAM")
         remote_descs = agent.get_xfer_descs(remote, remote_kind)
         handle = self._call(
-            "create READ", agent.initialize_xfer, "READ", local_descs, remote_descs, peer
+            f"create {op}", agent.initialize_xfer, op, local_descs, remote_descs, peer
         )
         try:
-            state = self._call("post READ", agent.transfer, handle)
+            state = self._call(f"post {op}", agent.transfer, handle)
             state = self._wait(agent, handle, state, deadline)
         except TransferTimeoutError:
-            self._cancel(handle, dst)
+            self._cancel(handle, buffer)
             raise
         except BaseException:
-            self._call("release failed READ", handle.release)
+            self._call(f"release failed {op}", handle.release)
             raise
-        self._call("release READ", handle.release)
+        self._call(f"release {op}", handle.release)
         if state != "DONE":
-            raise TransferError(f"NIXL READ from {peer} failed (state {state})")
+            raise TransferError(f"NIXL {op} with {peer} failed (state {state})")
 
     def _wait(self, agent: Any, handle: Any, state: str, deadline: float) -> str:
         pause = 0.0
         while state == "PROC":
             if time.monotonic() > deadline:
-                raise TransferTimeoutError("NIXL READ did not complete before its deadline")
+                raise TransferTimeoutError("NIXL transfer did not complete before its deadline")
             if pause:  # spin first: small reads finish in microseconds
                 time.sleep(pause)
             pause = min(_POLL_SLEEP_MAX_S, pause * 2 or 1e-5)
-            state = self._call("check READ", agent.check_xfer_state, handle)
+            state = self._call("check transfer", agent.check_xfer_state, handle)
         return state
 
     def _cancel(self, handle: Any, dst: np.ndarray) -> None:
@@ -250,7 +275,9 @@ class NixlAgent:
         except _nixl_errors() as exc:
             # The NIC may still write: keep the request and its memory alive until close.
             self._stuck.append((handle, dst))
-            raise TransferTimeoutError("NIXL READ timed out and could not be cancelled") from exc
+            raise TransferTimeoutError(
+                "NIXL transfer timed out and could not be cancelled"
+            ) from exc
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
@@ -331,7 +358,7 @@ class NixlArenaExporter:
         self.close()
 
 
-def _descriptors(addresses: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray:
+def descriptors(addresses: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray:
     device_column = np.full(addresses.shape, device, dtype=np.uint64)
     return np.column_stack((addresses.astype(np.uint64), lengths.astype(np.uint64), device_column))
 
@@ -377,7 +404,7 @@ class _NixlReader(Transport):
         start = time.perf_counter()
         agent = self._live_agent
         if len(reads):
-            local = _descriptors(dst.ctypes.data + reads.dst_offsets, reads.lengths)
+            local = descriptors(dst.ctypes.data + reads.dst_offsets, reads.lengths)
             with agent.destinations.use(dst):
                 try:
                     agent.read(peer, local, remote, kind, timeout_s=self._timeout_s, dst=dst)
@@ -434,7 +461,7 @@ class NixlDramTransport(_NixlReader):
     def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
         source = f"the arena of {self.peer.agent_name}"
         reads = self._checked(reads, dst, self.peer.length, source)
-        remote = _descriptors(self.peer.base_address + reads.src_offsets, reads.lengths)
+        remote = descriptors(self.peer.base_address + reads.src_offsets, reads.lengths)
         if self._peer_name is None:
             raise TransportClosedError(f"{self.name} lost its peer; build a new one")
         return self._transfer(self._peer_name, reads, dst, remote, "DRAM")

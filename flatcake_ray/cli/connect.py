@@ -37,7 +37,7 @@ def resolve_address(address: str | None) -> str:
     from ray._private import services
 
     try:
-        return services.canonicalize_bootstrap_address_or_die(address)
+        return services.canonicalize_bootstrap_address_or_die(address)  # type: ignore[arg-type]  # None: the local cluster (Ray annotates str, accepts None)
     except (ConnectionError, ValueError) as exc:
         raise ServiceError(f"no Ray cluster to connect to ({address or 'auto'}): {exc}") from None
 

@@ -30,6 +30,7 @@ _SIZE_FLAGS = {
     "dram_bytes": "DRAM arena per node (e.g. 8GiB)",
     "ssd_file_bytes": "size of each pre-allocated SSD pool file",
     "ship_bytes": "NIXL bounce buffer per node for shipped SSD reads",
+    "landing_bytes": "node memory clients write puts' SSD layers into",
 }
 _CONFIG_FLAGS: tuple[str, ...] = (
     "namespace",

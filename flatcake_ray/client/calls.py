@@ -13,8 +13,8 @@ from typing import Any
 CLIENT_CALLS = frozenset(
     {
         *("describe", "service_config", "stats", "accept_rdma", "lookup", "exists", "probe"),
-        *("gvas", "release", "begin_put", "write_pages", "commit_put", "abort_put"),
-        *("put_staged", "ship", "unship", "read_ranges"),
+        *("gvas", "release", "begin_put", "land", "commit_put", "abort_put"),
+        *("ship", "unship", "read_ranges", "record_home", "home_of"),
     }
 )
 

@@ -30,12 +30,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from flatcake_ray.actors.protocol import StagingKind
 from flatcake_ray.client.locate import Locator, hits
 from flatcake_ray.client.nodes import NodeTable, process_paths
-from flatcake_ray.client.put import OwnerChooser, PutRoute, RemotePut, staging_kind
+from flatcake_ray.client.owners import OwnerChooser
+from flatcake_ray.client.put import PutRoute, RemotePut
+from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.client.report import RestoreReport
-from flatcake_ray.client.source import HeldLease, TransportSource, first_digest
+from flatcake_ray.client.source import HeldLease, TransportSource, digests_of, first_digest
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
@@ -105,6 +106,7 @@ class FlatCakeClient:
         self._closed = False
         self._agents: dict[str, Any] = {}
         self._staging = StagingArena(self.client_config.staging_segment_bytes)
+        self._targets = PutTargets(self._staging, self.config.rpc_timeout_s)
         self.source = TransportSource(
             self.nodes,
             self._locator,
@@ -177,9 +179,8 @@ class FlatCakeClient:
     def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
         """Consecutive hits from the first key and whether any lies on SSD (one call)."""
         self._check_open()
-        first = first_digest(keys, namespace)
         report = RestoreReport(len(keys))
-        link, answer = self._locator.ask("probe", list(keys), namespace, first, report)
+        link, answer = self._locator.ask("probe", digests_of(keys, namespace), report)
         self._count(exists=1, actor_calls=report.actor_calls)
         probe = answer if isinstance(answer, Probe) else Probe(0, False)
         node_id = None if link is None else link.node_id
@@ -192,12 +193,12 @@ class FlatCakeClient:
         a miss then, never wrong bytes)."""
         import ray
 
-        first = first_digest(keys, namespace)
+        digests = digests_of(keys, namespace)
         report = RestoreReport(len(keys))
-        link, found = self._locator.ask("exists", list(keys), namespace, first, report)
+        link, found = self._locator.ask("exists", digests, report)
         if link is None or not found:
             return np.zeros(0, dtype=np.uint64)
-        ref = link.handle.gvas.remote(list(keys), namespace)
+        ref = link.handle.gvas.remote(digests)
         return ray.get(ref, timeout=self.config.rpc_timeout_s)
 
     def locate(
@@ -207,10 +208,10 @@ class FlatCakeClient:
         (``node_id``) and how long it is (``pages``); with ``lease`` the lease is taken and
         released as a restore would. Its calls and time are in the report."""
         report = RestoreReport(len(keys))
-        first = first_digest(keys, namespace)
         started = time.monotonic()
+        digests = digests_of(keys, namespace)
         method = "lookup" if lease else "exists"
-        link, answer = self._locator.ask(method, list(keys), namespace, first, report)
+        link, answer = self._locator.ask(method, digests, report)
         if lease and link is not None and answer is not None and answer.hits:
             self._locator.release(link, answer, (), report)
         report.control_seconds = time.monotonic() - started
@@ -303,20 +304,15 @@ class FlatCakeClient:
         first = first_digest(keys, namespace)
         report = RestoreReport(len(keys))
         link = self._owners.owner(first, namespace, session_id, parent, report)
-        kind = staging_kind(link, self.allowed)
-        if kind is StagingKind.INLINE:
+        nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
+        if not link.local and not nixl:
             self._count(puts_object_store_fallback=1)
-        route = PutRoute(
-            link,
-            self.nodes,
-            kind,
-            self._staging,
-            self.client_config.put_region_bytes,
-            self.config.rpc_timeout_s,
-        )
+        route = PutRoute(link, self.nodes, self._targets, nixl, self.config.rpc_timeout_s)
         options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
         options.update(parent=parent, hints=hints)
         self._owners.remember(first, session_id, link.node_id)
+        if parent is None:  # a chain's head: its home learns where the chain lives
+            report.actor_calls += self._locator.record_home(first, link.node_id)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
             route, keys, layers=self.layers, page_bytes=self.page_bytes, options=options
@@ -387,6 +383,7 @@ class FlatCakeClient:
         for pipeline in pipelines:
             pipeline.close()
         self.nodes.close()
+        self._targets.close()
         self._staging.close()
         for agent in self._agents.values():
             agent.close()

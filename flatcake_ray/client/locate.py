@@ -3,10 +3,13 @@
 A session's pages live on the node the coordinator placed its scope on, contiguous from the
 chain's first page. The :class:`Locator` keeps a cache: first-page digest -> NodeID, filled by
 this client's puts and earlier hits. A request whose first key is cached costs one call to
-that node (``lookup``: index probe and lease; or ``exists``). Otherwise, or when the cached
-node no longer has the pages, every live node is asked once, in parallel, and the longest
-prefix wins (the others' leases are released): one round trip of N calls, then cached. A
-node that does not answer within the RPC timeout is marked down; its pages are misses.
+that node (``lookup``: index probe and lease; or ``exists``). Otherwise the chain's *home*
+(``core/homes.py``: rendezvous hashing of the first digest over the live nodes, computed
+here) is asked; if it is not the owner, one more call asks it which node the writer
+recorded, and that node is asked: at most three calls, whatever the cluster size. Only when
+all of that misses (the home changed with the node set, or restarted) is every live node
+asked once, in parallel, the longest prefix winning (the others' leases are released); the
+answer is cached. A node that does not answer in the RPC timeout is marked down.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ from flatcake_ray.actors.protocol import LeaseReply
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
+from flatcake_ray.core.homes import home_node
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 
@@ -57,26 +61,25 @@ class Locator:
                 self._where.popitem(last=False)
 
     def ask(
-        self,
-        method: str,
-        keys: Sequence[Any],
-        namespace: str | None,
-        first: bytes,
-        report: RestoreReport,
+        self, method: str, digests: np.ndarray, report: RestoreReport
     ) -> tuple[NodeLink | None, Any]:
-        """The node with the longest prefix for ``keys`` and its answer (see module doc)."""
+        """The node with the longest prefix for a request (its packed ``digests``) and its
+        answer (see module doc)."""
+        first = digests[:1].tobytes()
         tried: set[int] = set()
-        cached = self._where.get(first)
-        link = self.nodes.get(cached) if cached is not None else None
-        if link is not None and link.is_up(time.monotonic()):
-            answers = self.call_all([link], method, keys, namespace, report)
-            if answers and hits(answers[0][1]):
-                return answers[0]
-            tried.add(link.node_id)
+        found = self._try(self._where.get(first), method, digests, report, tried)
+        if found is not None:
+            return found
         self.nodes.refresh()
+        home = home_node(first, [link.node_id for link in self.nodes.up()])
+        for node_id in (home, self._recorded_owner(home, first, report)):
+            found = self._try(node_id, method, digests, report, tried)
+            if found is not None:
+                self.remember(first, found[0].node_id)
+                return found
         others = [n for n in self.nodes.up() if n.node_id not in tried]
         self.fanouts += 1
-        answers = self.call_all(others, method, keys, namespace, report)
+        answers = self.call_all(others, method, digests, report)
         if not answers:
             return None, None
         best = max(answers, key=lambda a: hits(a[1]))
@@ -87,12 +90,51 @@ class Locator:
             self.remember(first, best[0].node_id)
         return best
 
+    def _try(
+        self,
+        node_id: int | None,
+        method: str,
+        digests: np.ndarray,
+        report: RestoreReport,
+        tried: set[int],
+    ) -> tuple[NodeLink, Any] | None:
+        """``node_id``'s answer if it has the prefix (each node is asked once per request)."""
+        link = self.nodes.get(node_id) if node_id is not None else None
+        if link is None or node_id in tried or not link.is_up(time.monotonic()):
+            return None
+        tried.add(link.node_id)
+        answers = self.call_all([link], method, digests, report)
+        return answers[0] if answers and hits(answers[0][1]) else None
+
+    def _recorded_owner(self, home: int | None, first: bytes, report: RestoreReport) -> int | None:
+        """The owner the chain's home recorded (one call), or None."""
+        import ray
+        from ray.exceptions import RayError
+
+        link = self.nodes.get(home) if home is not None else None
+        if link is None or not link.is_up(time.monotonic()):
+            return None
+        report.actor_calls += 1
+        try:
+            return ray.get(link.handle.home_of.remote(first), timeout=self.rpc_timeout_s)
+        except RayError as exc:
+            self.nodes.mark_down(link, f"home_of failed: {exc}")
+            return None
+
+    def record_home(self, first: bytes, owner: int) -> int:
+        """Tell the chain's home which node owns it (not awaited); returns calls made."""
+        home = home_node(first, [link.node_id for link in self.nodes.up()])
+        link = self.nodes.get(home) if home is not None else None
+        if link is None or home == owner:
+            return 0
+        link.handle.record_home.remote(first, owner)
+        return 1
+
     def call_all(
         self,
         links: list[NodeLink],
         method: str,
-        keys: Sequence[Any],
-        namespace: str | None,
+        digests: np.ndarray,
         report: RestoreReport,
     ) -> list[tuple[NodeLink, Any]]:
         import ray
@@ -100,7 +142,7 @@ class Locator:
 
         if not links:
             return []
-        refs = {getattr(link.handle, method).remote(keys, namespace): link for link in links}
+        refs = {getattr(link.handle, method).remote(digests): link for link in links}
         report.actor_calls += len(refs)
         report.nodes_asked += len(refs)
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)

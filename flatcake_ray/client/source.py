@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from flatcake_ray.actors.protocol import LeaseReply
 from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
@@ -26,7 +28,14 @@ from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.gva import encode as encode_gva
-from flatcake_ray.core.keys import KeyLike, PageKey, check_keys, digest_keys, split_namespace
+from flatcake_ray.core.keys import (
+    KeyLike,
+    PageKey,
+    check_keys,
+    digest_keys,
+    request_digests,
+    split_namespace,
+)
 from flatcake_ray.core.plan import MediumAccess, SlotRead
 from flatcake_ray.errors import (
     PeerDisconnectedError,
@@ -69,6 +78,13 @@ def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> by
     return digest_keys(resolved, bare[:1]).tobytes()
 
 
+def digests_of(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> np.ndarray:
+    """A request's keys checked and hashed here, once: what every node call carries."""
+    if len(keys) == 0:
+        raise ShapeError("a call needs at least one key")
+    return request_digests(keys, namespace)
+
+
 def _read_errors() -> tuple[type[BaseException], ...]:
     """What a failed path may raise: a transfer error, or the owner's own error carried by
     Ray (object-store fallback, shipped SSD). Each turns that chunk into a miss."""
@@ -108,10 +124,9 @@ class TransportSource(Source):
         self._on_release = on_release
 
     def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased:
-        first = first_digest(keys, namespace)
         report = RestoreReport(len(keys))
         started = time.monotonic()
-        link, reply = self.locator.ask("lookup", list(keys), namespace, first, report)
+        link, reply = self.locator.ask("lookup", digests_of(keys, namespace), report)
         report.control_seconds = time.monotonic() - started
         if link is None or reply is None or not reply.hits:
             return Leased(0, (), HeldLease(None, None, report, started))

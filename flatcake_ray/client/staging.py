@@ -1,12 +1,10 @@
-"""Where a client's put bytes wait for the owner: regions of shared, exported staging memory.
+"""Where a client gathers a layer's new pages before one NIXL WRITE to a remote owner.
 
-A :class:`StagingArena` hands out regions of a few large segments of anonymous shared memory
-(memfd). The owner on this node maps a segment by the path ``/proc/<pid>/fd/<fd>``; an owner
-on another node pulls a region with one NIXL READ of the segment (exported once, on first
-use). A put holds a region from the moment its layers are copied in until the owner has
-taken them, then gives it back; the arena grows by a segment only when every segment is
-full of regions in flight, so its memory follows the puts in flight, not context lengths.
-Nothing is left behind when the client dies: memfd memory goes with the last mapping.
+A :class:`StagingArena` hands out regions of a few large segments of anonymous memory
+(memfd), each registered with NIXL on first use (and cached). A put holds a region only for
+the WRITE of one layer; the arena grows by a segment only when every segment is full of
+regions in flight, so its memory follows the puts in flight, not context lengths. Nothing is
+left behind when the client dies: memfd memory goes with the last mapping.
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -41,24 +38,8 @@ class SharedSegment:
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.token = uuid.uuid4().hex  # fd numbers are reused; this names this segment
         self.allocator = ExtentAllocator(0, self.nbytes)
-        self._exporter: Any = None
-        self._agent: Any = None
-
-    def peer(self) -> Any:
-        """The NIXL peer description of this segment (exported on first use)."""
-        if self._exporter is None:
-            from flatcake_ray.actors.nixl_roles import exporter_agent
-            from flatcake_ray.transports.nixl_dram import NixlArenaExporter, unique_agent_name
-
-            self._agent = exporter_agent(unique_agent_name("fc-stage"))
-            self._exporter = NixlArenaExporter(self._agent.name, self.view, agent=self._agent)
-        return self._exporter.peer_info()
 
     def close(self) -> None:
-        if self._exporter is not None:
-            self._exporter.close()
-            self._agent.close()
-            self._exporter = self._agent = None
         # Views may still be alive (a NIXL registration cache); dropping ours unmaps once
         # the last one goes, as mmap.close() would raise BufferError while they exist.
         self.view = np.zeros(0, dtype=np.uint8)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
+from flatcake_ray.core.put_checks import SessionId
 
 Keys = Sequence[KeyLike | PageKey]
 
@@ -40,7 +41,7 @@ class PutResult:
     pages_skipped: int  # already stored (write-once)
     medium: Medium | None  # None when nothing was written
     rule: str | None  # the placement rule that chose the medium
-    session_id: str | None
+    session_id: SessionId | None
 
 
 @dataclass(frozen=True)

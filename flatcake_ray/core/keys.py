@@ -108,6 +108,23 @@ def namespace_frame(namespace: str) -> bytes:
     return len(raw).to_bytes(4, "little") + raw
 
 
+def request_digests(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> np.ndarray:
+    """The digests of one request's keys (one namespace): what a client sends a node, one
+    packed array instead of the keys (16 bytes a page, hashed once, by the caller)."""
+    resolved, bare = split_namespace(keys, namespace)
+    return digest_keys(resolved, bare)
+
+
+def as_digests(value: Any) -> np.ndarray | None:
+    """``value`` as digests if it is a 1-D DIGEST_DTYPE array (a packed request); None when it
+    is something else (keys); InvalidKeyError for an array that no digest function made."""
+    if not isinstance(value, np.ndarray) or value.dtype != DIGEST_DTYPE:
+        return None
+    if value.ndim != 1 or not np.all(value["hi"] & HI_MARK):
+        raise InvalidKeyError("packed digests are a 1-D array made by request_digests")
+    return value
+
+
 def digest_keys(namespace: str, keys: Iterable[KeyLike]) -> np.ndarray:
     """An array of DIGEST_DTYPE, one row per key, in order."""
     prefix = namespace_frame(namespace)

@@ -16,6 +16,7 @@ checks that depend on how vLLM was configured rather than on the connector's opt
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from flatcake_ray.errors import ConfigError
@@ -38,10 +39,10 @@ def fixed_seed_without_env() -> bool:
     return hasattr(kv_cache_utils, "resolve_none_hash_seed")
 
 
-def hash_seed_problem(algo: str, env: dict[str, str] | None = None) -> str | None:
+def hash_seed_problem(algo: str, env: Mapping[str, str] | None = None) -> str | None:
     """Why block hashes would differ between processes, or None when they agree."""
-    env = os.environ if env is None else env
-    if env.get("PYTHONHASHSEED") is not None:
+    seen: Mapping[str, str] = os.environ if env is None else env
+    if seen.get("PYTHONHASHSEED") is not None:
         return None
     if algo in UNSEEDED_HASHES:
         return f"prefix_caching_hash_algo={algo} seeds block hashes at random per process"

@@ -12,8 +12,10 @@ Tags: ``node_id`` is FlatCake's NodeID of the storage node that held the pages (
 request no node held any page of), ``tenant`` the tenant that made the request or
 owns the pages (``flatcake-ray tenant``; ``default`` for the open default tenant),
 ``medium`` ``dram`` or ``ssd``, ``path`` the data path that moved the bytes (the transport
-names of ``transports/base.py`` for reads; ``in-process``, ``shm``, ``nixl`` or
-``object-store-fallback`` for how a put's bytes reached the node).
+names of ``transports/base.py`` for reads; for a put, where its bytes went: ``in-process``
+(an in-process store), or the memory a storage node handed out (``actors/protocol.py``
+``PutMemory``): ``arena`` (a DRAM put, in place), ``landing`` (an SSD put) or ``inline``
+(LAST RESORT, in the calls)).
 """
 
 from __future__ import annotations

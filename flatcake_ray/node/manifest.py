@@ -103,6 +103,7 @@ class Manifest:
             if frame.fault is not None:
                 self._drop_record(frame.fault, frame.nbytes, frame.scope)
                 continue
+            assert frame.scope is not None and frame.payload is not None  # intact frame
             try:
                 record = check_record(
                     msgpack.unpackb(frame.payload, raw=False), frame.scope, self.header

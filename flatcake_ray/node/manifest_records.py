@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 MAX_LAYERS = 1 << 16
 MAX_ID = 1 << (64 - PAGE_BITS)  # segment ids share a 64-bit index value with page numbers
-_MARK_BYTE = DIGEST_DTYPE.fields["hi"][1] + 7  # little-endian hi: its top bit (HI_MARK)
+_MARK_BYTE = DIGEST_DTYPE.fields["hi"][1] + 7  # type: ignore[index]  # little-endian hi: top bit
 
 
 class RecordError(FlatCakeError, ValueError):

@@ -17,6 +17,7 @@ import numpy as np
 
 from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.catalog import Catalog, PutPlan
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
 from flatcake_ray.node.puts import PutTable
@@ -48,6 +49,8 @@ class PutHandle:
         # a write into space already given back would land in someone else's segment.
         self._lock = threading.Lock()
         self._table = table
+        self.on_done: Callable[[], None] | None = None  # called once, when the put is over
+        self.slots: tuple[int, ...] = ()  # the owner's landing slots for this put's layers
         self.put_id = table.add(self)
 
     @property
@@ -57,6 +60,61 @@ class PutHandle:
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def medium(self) -> Medium | None:
+        """Where the new pages go (None: every key was stored already)."""
+        return None if self._state is None else self._state.plan.segment.medium
+
+    @property
+    def new_positions(self) -> np.ndarray:
+        """Which of the put's keys are written (in order); the rest were stored already."""
+        if self._state is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(self._state.plan.new_positions, dtype=np.int64)
+
+    @property
+    def layers(self) -> int:
+        return self._layers
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.pages_new * self._page_bytes
+
+    @property
+    def layer_stride(self) -> int:
+        return 0 if self._state is None else self._state.plan.segment.layout.layer_stride
+
+    def arena_offsets(self) -> tuple[int, ...]:
+        """Per layer, where its new pages go in the DRAM arena (a DRAM put only)."""
+        assert self._state is not None and self.medium is Medium.DRAM
+        return tuple(self._writer.layer_extent(self._state, n) for n in range(self._layers))
+
+    def land_layer(self, layer: int, source: np.ndarray | None) -> None:
+        """Layer ``layer``'s new pages are complete: in place in the arena (``source`` None,
+        a DRAM put) or in ``source`` (``layer_bytes`` bytes; for SSD an aligned buffer of
+        ``layer_stride``). A failure aborts the put."""
+        with self._lock:
+            self._land_layer(layer, source)
+        self._table.touch(self.put_id)
+
+    def _land_layer(self, layer: int, source: np.ndarray | None) -> None:
+        self._check_live()
+        if not isinstance(layer, int) or not 0 <= layer < self._layers:
+            raise ShapeError(f"layer {layer!r} outside 0..{self._layers - 1}")
+        if self._state is None:
+            return
+        if self._state.received[layer]:
+            raise StoreWriteError(f"layer {layer} was already written")
+        if source is None and self.medium is not Medium.DRAM:
+            raise StoreWriteError("only a DRAM put lands in place")
+        if source is not None and source.nbytes < self.layer_bytes:
+            raise ShapeError(f"layer {layer}: {source.nbytes} bytes, want {self.layer_bytes}")
+        try:
+            self._writer.land_layer(self._state, layer, source)
+        except OSError as exc:
+            self._abort()
+            raise StoreWriteError(f"writing layer {layer} failed: {exc}") from exc
 
     def write_layer(self, layer: int, pages: Any) -> None:
         """``pages``: ``[keys, page_elems]`` (numpy or torch) of one layer, every key's page."""
@@ -87,9 +145,11 @@ class PutHandle:
             raise StoreWriteError(f"writing layer {layer} failed: {exc}") from exc
 
     def commit(self) -> PutResult:
-        with self._lock:
-            result = self._commit()
-        self._table.forget(self.put_id)
+        try:
+            with self._lock:
+                result = self._commit()
+        finally:
+            self._finished()
         if self._on_commit is not None:
             self._on_commit(result, self.route)
         return result
@@ -118,7 +178,17 @@ class PutHandle:
     def abort(self) -> None:
         with self._lock:
             self._abort()
+        self._finished()
+
+    def _finished(self) -> None:
+        """Once the put is over: nothing left to expire; its owner's extras (a landing slot)
+        go back."""
+        if not self._done:
+            return
         self._table.forget(self.put_id)
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            on_done()
 
     def _abort(self) -> None:
         if self._done:

@@ -52,7 +52,11 @@ class PutTable:
         (``tenant`` given) another tenant's: the same error, so ids cannot be probed."""
         with self._lock:
             held = self._open.get(put_id) if isinstance(put_id, int) else None
-            if held is None or (tenant is not None and held[0].tenant != tenant):
+            if (
+                held is None
+                or not isinstance(put_id, int)
+                or (tenant is not None and held[0].tenant != tenant)
+            ):
                 raise StoreWriteError(f"no open put {put_id!r}: unknown, finished or expired")
             del self._open[put_id]
             self._open[put_id] = (held[0], time.monotonic() + self.ttl_s)

@@ -42,12 +42,19 @@ from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope, Segment
 from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.gva import encode as encode_gva
-from flatcake_ray.core.keys import DIGEST_DTYPE, KeyLike, PageKey, digest_keys, split_namespace
+from flatcake_ray.core.keys import (
+    DIGEST_DTYPE,
+    KeyLike,
+    PageKey,
+    as_digests,
+    digest_keys,
+    split_namespace,
+)
 from flatcake_ray.core.parts import LeasePart, lease_parts
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
-from flatcake_ray.errors import ShapeError, StoreClosedError, StoreInUseError
+from flatcake_ray.errors import InvalidKeyError, ShapeError, StoreClosedError, StoreInUseError
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
@@ -77,6 +84,7 @@ _COUNTERS = (
     "ssd_bytes_written",
     "dram_bytes_written",
     "ssd_write_commands",
+    "layers_landed",
     "hit_pages",
     "miss_pages",
     "checksum_failures",
@@ -224,9 +232,15 @@ class FlatCakeStore:
         if self._closed:
             raise StoreClosedError("the store is closed")
 
-    def _digests(self, keys: Keys, namespace: str | None) -> np.ndarray:
-        resolved, bare = split_namespace(keys, namespace)
-        return digest_keys(resolved, bare)
+    def _digests(self, keys: Keys | np.ndarray, namespace: str | None) -> np.ndarray:
+        """The digests of ``keys``, or ``keys`` themselves when already packed digests."""
+        packed = as_digests(keys)
+        if packed is None:
+            resolved, bare = split_namespace(keys, namespace)  # type: ignore[arg-type]
+            return digest_keys(resolved, bare)
+        if namespace is not None:
+            raise InvalidKeyError("packed digests carry their namespace; pass none")
+        return packed
 
     # ---- writes --------------------------------------------------------------------------
     def begin_put(

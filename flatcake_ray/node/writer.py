@@ -8,6 +8,10 @@ the plan to a :class:`PutHandle` (``put.py``), which calls this writer:
   page goes straight into the arena; an SSD layer is assembled in an aligned staging buffer
   and written with one O_DIRECT command once all its pages are in. A finished layer gets its
   per-block checksums.
+- ``land_layer(state, layer, source)``: a whole layer of the segment's new pages written by
+  someone else: in place in the arena (``source`` None: a client wrote its DRAM extent) or in
+  ``source`` (a landing slot of this node's, or the bytes of a call), copied to the arena or
+  written to the drive with one O_DIRECT command straight from ``source``.
 - ``commit(state)``: data on the drive (fdatasync when ``fsync``), the manifest record written,
   then the keys published: a reader never sees a key whose bytes or record are not there.
 - ``abort(state)``: the space goes back; nothing was published.
@@ -23,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from flatcake_ray.config import ALIGN
 from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import layer_checksums
@@ -95,6 +100,42 @@ class SegmentWriter:
             done = state.received[layer] == state.pages_new
         if done:
             self._finish_layer(state, layer)
+
+    def layer_extent(self, state: WriteState, layer: int) -> int:
+        """Where layer ``layer``'s new pages start on the segment's medium (a GVA offset)."""
+        segment = state.plan.segment
+        return segment.offset + segment.layout.layer_offset(layer)
+
+    def land_layer(self, state: WriteState, layer: int, source: np.ndarray | None) -> None:
+        """Layer ``layer`` complete (see the module docstring); ``source``: at least
+        ``layer_bytes`` (SSD: ``layer_stride``, aligned) bytes, or None for in-place DRAM."""
+        segment = state.plan.segment
+        layout = segment.layout
+        failpoint("store.write_layer", layer=layer, medium=segment.medium)
+        with state.lock:
+            state.received[layer] = state.pages_new
+        start = self.layer_extent(state, layer)
+        if segment.medium is Medium.DRAM:
+            if source is not None:
+                self.arena.write(start, source[: layout.layer_bytes])
+            extent = self.arena.view[start : start + layout.layer_bytes]
+            state.checksums[layer] = layer_checksums(extent, layout)
+            self._count(dram_bytes_written=layout.layer_bytes, layers_landed=1)
+            return
+        assert source is not None
+        aligned = source.nbytes >= layout.layer_stride and source.ctypes.data % ALIGN == 0
+        staging = None if aligned else AlignedBuffer(layout.layer_stride)
+        block = source[: layout.layer_stride] if staging is None else staging.array
+        try:
+            if staging is not None:  # bytes of a call: O_DIRECT needs an aligned buffer
+                block[: layout.layer_bytes] = source[: layout.layer_bytes]
+            block[layout.layer_bytes :] = 0
+            state.checksums[layer] = layer_checksums(block, layout)
+            self.pool.write(start, block)
+        finally:
+            if staging is not None:
+                staging.close()
+        self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1, layers_landed=1)
 
     def _place(self, state: WriteState, layer: int, first_new: int, pages: np.ndarray) -> None:
         """Put new pages ``[first_new, first_new + n)`` of ``layer`` where they belong."""

@@ -1,0 +1,134 @@
+"""The owner's side of the Ray client's puts: where a put's bytes go, and landing them.
+
+``begin`` plans the put (the store's one put path, ``PutHandle``) and answers with a
+:class:`~flatcake_ray.actors.protocol.PutTarget`: a DRAM put's extents in the arena, written
+in place by the client (mapped on this node, NIXL WRITE from another; no copy by the owner);
+an SSD put's two landing slots (``actors/landing.py``), each layer written from its slot to
+the drive by ``land``; or, when the landing area is full, ``inline`` (LAST RESORT: the bytes
+ride in ``land`` calls). ``commit`` lands the DRAM layers written in place (their checksums),
+then publishes: keys become visible only after the last layer is in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.actors.landing import LandingArea
+from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
+from flatcake_ray.core.api import PutResult
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.errors import ShapeError
+from flatcake_ray.node.put import PutHandle
+from flatcake_ray.node.store import FlatCakeStore
+
+SLOTS = 2  # landing slots per SSD put: the client fills one while the node writes the other
+# An SSD put of at most this share of the landing area gets a slot per layer: written in
+# place, landed at commit, no calls per layer.
+WHOLE_SHARE = 8
+
+
+class NodePuts:
+    def __init__(
+        self, store: FlatCakeStore, landing: LandingArea, counters: dict[str, int]
+    ) -> None:
+        self.store = store
+        self.landing = landing
+        self.counters = counters
+        self.arena_peer: Any = None  # the node's exports, set once made (NodeExports)
+
+    def begin(self, tenant: str, keys: Any, options: dict[str, Any]) -> PutTicket:
+        handle = self.store.begin_put(keys, tenant=tenant, **options)
+        try:
+            target = self._target(handle, tenant)
+            handle.route = target.memory.value  # the put's metrics say where its bytes went
+        except BaseException:
+            handle.abort()
+            raise
+        self.counters["puts_layerwise"] += 1
+        self.counters[f"puts_{target.memory.value}"] += 1
+        return PutTicket(handle.put_id, handle.pages_new, target)
+
+    def _target(self, handle: PutHandle, tenant: str) -> PutTarget:
+        positions = handle.new_positions
+        if handle.medium is None:
+            return PutTarget(PutMemory.NONE, (), 0, positions)
+        if handle.medium is Medium.DRAM:
+            arena = self.store.arena
+            offsets = handle.arena_offsets()
+            return PutTarget(
+                PutMemory.ARENA, offsets, handle.layer_bytes, positions, arena.path, arena.nbytes,
+                self.arena_peer,
+            )  # fmt: skip
+        layers = handle.layers
+        whole = layers * handle.layer_stride * WHOLE_SHARE <= self.landing.nbytes
+        slots = layers if whole else min(SLOTS, layers)
+        taken = self.landing.take(slots * handle.layer_stride, tenant)
+        if taken is None:
+            return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)
+        region_id, start = taken
+        handle.on_done = lambda: self.landing.give(region_id, tenant)
+        offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
+        handle.slots = offsets
+        landing = self.landing
+        return PutTarget(
+            PutMemory.LANDING, offsets, handle.layer_bytes, positions, landing.path, landing.nbytes,
+            landing.peer,
+        )  # fmt: skip
+
+    def land(self, tenant: str, put_id: object, layer: object, inline: Any) -> None:
+        """Layer ``layer`` is in its slot (or ``inline``): write it out. A failure aborts."""
+        handle = self.store.puts.get(put_id, tenant)
+        number = _layer(layer)
+        try:
+            handle.land_layer(number, self._source(handle, number, inline))
+        except BaseException:
+            handle.abort()
+            self.counters["puts_aborted"] += 1
+            raise
+
+    def _source(self, handle: PutHandle, layer: int, inline: Any) -> np.ndarray | None:
+        if inline is not None:
+            data = np.asarray(inline)
+            if data.dtype != np.uint8 or data.ndim != 1:
+                raise ShapeError(f"inline layer bytes must be 1-D uint8, got {data.dtype}")
+            return data
+        if not handle.slots:
+            return None  # a DRAM put, written in place
+        slot = handle.slots[layer % len(handle.slots)]
+        return self.landing.view(slot, handle.layer_stride)
+
+    def commit(self, tenant: str, put_id: object, in_place: Any) -> PutResult:
+        """Land the layers ``in_place`` (written into the arena or their own landing slots,
+        with no ``land`` call), then publish."""
+        handle = self.store.puts.get(put_id, tenant)
+        try:
+            for layer in _layers(in_place):
+                handle.land_layer(layer, self._source(handle, layer, None))
+            result = handle.commit()
+        except BaseException:
+            handle.abort()
+            self.counters["puts_aborted"] += 1
+            raise
+        self.counters["puts"] += 1
+        return result
+
+    def abort(self, tenant: str, put_id: object) -> None:
+        self.store.puts.get(put_id, tenant).abort()
+        self.counters["puts_aborted"] += 1
+
+    def close(self) -> None:
+        self.landing.close()
+
+
+def _layer(layer: object) -> int:
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise ShapeError(f"a layer is an int, got {type(layer).__name__}")
+    return layer
+
+
+def _layers(in_place: Any) -> list[int]:
+    if not isinstance(in_place, (list, tuple)) or len(in_place) > 1 << 16:
+        raise ShapeError("in_place must be a list of layer numbers")
+    return [_layer(layer) for layer in in_place]
