@@ -42,6 +42,7 @@ class NodePuts:
         handle = self.store.begin_put(keys, tenant=tenant, **options)
         try:
             target = self._target(handle, tenant)
+            handle.route = target.memory.value  # the put's metrics say where its bytes went
         except BaseException:
             handle.abort()
             raise

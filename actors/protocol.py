@@ -89,6 +89,9 @@ class LeaseReply:
     lease_id: int
     hits: int
     parts: tuple[LeasePart, ...] = ()
+    # The answering node's ``started_at`` (NodeDescription): a reader whose description of
+    # the node has another one holds a restarted node's old mappings and must not read.
+    epoch: float = 0.0
 
     @property
     def media(self) -> set[str]:

@@ -52,6 +52,7 @@ from flatcake_ray.actors.protocol import (
     node_actor_name,
 )
 from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
+from flatcake_ray.actors.supervision import DramHeld, Supervision
 from flatcake_ray.actors.wire import check_ranges, check_request, scope_ids
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
@@ -95,6 +96,10 @@ class StorageNode:
         root.mkdir(parents=True, exist_ok=True)
         self.node_id = self.membership.join(root)
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
+        self.store.metrics.count_requests = False  # its clients count the requests they make
+        reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+        self.supervision = Supervision(root, reconstructed)
+        self.store.metrics.restarted(self.supervision.restarts, self.supervision.lost.scopes)
         self._tenants: dict[str, Tenant] = {}
         self._sync_lock = threading.Lock()
         self._sync_tenants()
@@ -151,6 +156,7 @@ class StorageNode:
                 log.info("report to the coordinator failed: %s", exc)
 
     def report_now(self) -> bool:
+        self.supervision.note(DramHeld.of(self.store))
         return self.membership.report(NodeUsage.from_stats(self.node_id, self.store.stats()))
 
     # ---- views -----------------------------------------------------------------------------
@@ -208,6 +214,7 @@ class StorageNode:
             **self.ship_buffer.counters,
             **self.leases.counters,
             **self.gate.counters,
+            **self.supervision.stats(),
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
             "leases_held": len(self.leases),
@@ -253,10 +260,11 @@ class StorageNode:
         lease = self.store.lease(keys, namespace=namespace, tenant=tenant)
         if lease.hits == 0:
             self.store.release(lease)
-            return LeaseReply(self.node_id, 0, 0)
+            return LeaseReply(self.node_id, 0, 0, epoch=self.started_at)
         lease_id = self.leases.add(lease)
         self.counters["leased_pages"] += lease.hits
-        return LeaseReply(self.node_id, lease_id, lease.hits, lease_parts(lease))
+        parts = lease_parts(lease)
+        return LeaseReply(self.node_id, lease_id, lease.hits, parts, epoch=self.started_at)
 
     def exists(self, secret: object, keys: Any, namespace: Any = None) -> int:
         tenant = self._tenant(secret).name

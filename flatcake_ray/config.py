@@ -300,11 +300,13 @@ class ClientConfig:
     restore_slot_bytes: int = 16 << 20  # one staging slot of the restore pipeline
     staging_segment_bytes: int = 64 << 20  # NIXL put staging (remote owners) grows by this
     gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
+    page_tokens: int = 256  # tokens a page holds (the engine's block size), for token metrics
     # The tenant this client acts for (``flatcake-ray tenant add`` printed it); empty: the
     # service's open default tenant. Never printed.
     tenant_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
+        _require(self.page_tokens > 0, "page_tokens must be positive", "page_tokens")
         _require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
         _require(
             self.restore_slot_bytes % ALIGN == 0 and self.restore_slot_bytes >= 2 * ALIGN,

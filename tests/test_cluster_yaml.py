@@ -105,6 +105,14 @@ def test_its_token_authentication_is_on_with_a_token_it_ships(spec):
     assert mount_source(spec, token_dir) == "~/.ray"  # where `ray get-auth-token` writes
 
 
+def test_every_node_exports_metrics_on_the_port_it_documents(spec):
+    documented = re.search(r"Prometheus text on port (\d+)", CLUSTER_YAML.read_text())
+    assert documented, "the file says where the metrics are"
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        (start,) = [c for c in spec[key] if " ray start " in f" {c}"]
+        assert f"--metrics-export-port={documented.group(1)}" in start.split(), start
+
+
 def test_the_service_config_it_mounts_is_valid_and_outlives_the_container(spec):
     from flatcake_ray.cli import build_parser
     from flatcake_ray.cli.service import config_from_args

@@ -123,9 +123,17 @@ def _add_start(subparsers: Any) -> None:
 
 
 def _add_status_stop(subparsers: Any) -> None:
-    status = subparsers.add_parser("status", help="nodes, NodeIDs, capacity, use, hits")
+    status = subparsers.add_parser(
+        "status", help="nodes, capacity and use; hit rates, latency, quarantines per tenant"
+    )
     _add_connection_flags(status)
     status.add_argument("--json", action="store_true")
+    status.add_argument(
+        "--metrics-timeout",
+        type=_seconds,
+        default=3.0,
+        help="seconds to wait for each Ray node's metrics endpoint",
+    )
     status.set_defaults(handler=cmd_status)
     stop = subparsers.add_parser("stop", help="stop the storage nodes and the coordinator")
     _add_connection_flags(stop)
@@ -210,8 +218,14 @@ def _start_local_ray(cpus: int) -> None:
 
 def _print_status(info: dict[str, Any], as_json: bool) -> None:
     from flatcake_ray.client.deploy import format_status
+    from flatcake_ray.metrics.view import format_view
 
-    print(json.dumps(info, indent=2, default=str) if as_json else format_status(info))
+    if as_json:
+        print(json.dumps(info, indent=2, default=str))
+        return
+    print(format_status(info))
+    if "metrics" in info:
+        print(format_view(info["metrics"]))
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -225,9 +239,13 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import status
+    from flatcake_ray.metrics.view import cluster_status
 
     connect_cli(args, namespace_of(args))
     info = status(namespace_of(args), operator_secret(args))
+    # Hit rates and latency are measured where requests are made (clients): read them all
+    # from Ray's metrics agents, as Prometheus does.
+    info["metrics"] = cluster_status(args.metrics_timeout)
     _print_status(info, args.json)
     return 0 if info["nodes"] else 1
 

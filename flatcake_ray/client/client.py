@@ -46,6 +46,7 @@ from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
 from flatcake_ray.media.buffers import as_page_bytes
+from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.restore.dest import PagedPool, as_destination
 from flatcake_ray.restore.handle import RestoreHandle
 from flatcake_ray.restore.pipeline import RestorePipeline
@@ -120,6 +121,7 @@ class FlatCakeClient:
         self._pipelines: dict[torch.device, RestorePipeline] = {}
         self.paths: dict[str, PathTally] = {}
         self.counters = dict.fromkeys((*_COUNTERS, *_FAILURES), 0)
+        self.metrics = Metrics(node_id=None, page_tokens=self.client_config.page_tokens)
 
     @property
     def layers(self) -> int:
@@ -179,9 +181,12 @@ class FlatCakeClient:
         self._check_open()
         digests = digests_of(keys, namespace)  # typed errors first: keys may be anything
         report = RestoreReport(len(keys))
-        _, answer = self._locator.ask("probe", digests, report)
+        link, answer = self._locator.ask("probe", digests, report)
         self._count(exists=1, actor_calls=report.actor_calls)
-        return answer if isinstance(answer, Probe) else Probe(0, False)
+        probe = answer if isinstance(answer, Probe) else Probe(0, False)
+        node_id = None if link is None else link.node_id
+        self.metrics.probed(self.tenant, len(keys), probe.hits, node_id)
+        return probe
 
     def gvas(self, keys: Keys, *, namespace: str | None = None) -> np.ndarray:
         """The layer-0 GVA of each consecutive hit, from the node holding them. GVAs are
@@ -273,6 +278,9 @@ class FlatCakeClient:
         report.failures = outcome.failures
         report.actor_calls += outcome.actor_calls
         report.data_seconds = sum(tally.seconds for tally in outcome.paths.values())
+        parts = () if held.reply is None else held.reply.parts
+        node_id = None if held.link is None else held.link.node_id
+        self.metrics.restore_ended(parts, outcome, pages, self.tenant, node_id)
         with self._lock:
             self.counters["gets"] += 1
             self.counters["hit_pages"] += pages
@@ -354,6 +362,7 @@ class FlatCakeClient:
                 "local_node_id": self.nodes.local_node_id,
                 "staging_bytes": self._staging.nbytes,
             }
+        out["metrics"] = self.metrics.snapshot()
         if nodes:
             links = self.nodes.up()
             refs = [link.handle.stats.remote() for link in links]

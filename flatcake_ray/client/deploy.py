@@ -81,6 +81,9 @@ def start_storage_node(config: ServiceConfig, ray_node_id: str, secret: str) -> 
             namespace=config.namespace,
             lifetime="detached",
             get_if_exists=True,
+            # A death restarts it on its node and root: SSD scopes come back from the manifest
+            # (actors/supervision.py says what DRAM it lost); readers see its new epoch.
+            max_restarts=-1,
             num_cpus=0,
             max_concurrency=config.node_concurrency,
             scheduling_strategy=_affinity(ray_node_id, soft=False),

@@ -155,7 +155,19 @@ class Locator:
             except RayError as exc:
                 self.nodes.mark_down(refs[ref], f"{method} failed: {exc}")
                 report.failures.append(f"node {refs[ref].node_id}: {type(exc).__name__}")
-        return answers
+        return [answer for answer in answers if self._current(*answer, report)]
+
+    def _current(self, link: NodeLink, answer: Any, report: RestoreReport) -> bool:
+        """False for a lease from a node that restarted since ``link`` described it: the
+        link's mappings are the dead process's (its old arena), so nothing is read through
+        it. The lease is given back, the node described anew, and the request misses there."""
+        if not isinstance(answer, LeaseReply) or answer.epoch == link.description.started_at:
+            return True
+        if answer.hits:
+            self.release(link, answer, (), report)
+        report.failures.append(f"node {link.node_id}: restarted (epoch {answer.epoch:.3f})")
+        self.nodes.renew(link)
+        return False
 
     def release(
         self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport

@@ -245,6 +245,14 @@ class NodeTable:
             link.down_until = time.monotonic() + link.config.node_down_s
         log.warning("storage node %d marked down: %s", link.node_id, reason)
 
+    def renew(self, link: NodeLink) -> None:
+        """Describe ``link``'s node again now (it restarted): its new link replaces this one,
+        whose transports are closed, so no read goes through the old process's mappings."""
+        self.mark_down(link, "restarted")
+        with self._lock:
+            names = [name for name, node_id in self._names.items() if node_id == link.node_id]
+            self._describe_all(set(names), self.config.rpc_timeout_s if self.config else 10.0)
+
     def up(self) -> list[NodeLink]:
         now = time.monotonic()
         return [link for link in list(self.links.values()) if link.is_up(now)]

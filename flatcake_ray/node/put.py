@@ -35,8 +35,11 @@ class PutHandle:
         catalog: Catalog,
         keys: int,
         table: PutTable,
+        on_commit: Callable[[PutResult, str], None] | None = None,
     ) -> None:
         self._writer = writer
+        self._on_commit = on_commit  # the store's metrics: (result, route)
+        self.route = "in-process"  # how the bytes reach the store (a storage node says)
         self._state = writer.start(plan, catalog, keys) if plan is not None else None
         self._keys = keys
         self._layers, self._page_bytes = catalog.config.layers, catalog.config.page_bytes
@@ -147,6 +150,8 @@ class PutHandle:
                 result = self._commit()
         finally:
             self._finished()
+        if self._on_commit is not None:
+            self._on_commit(result, self.route)
         return result
 
     def _commit(self) -> PutResult:

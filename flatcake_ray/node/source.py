@@ -75,6 +75,9 @@ class NodeSource(Source):
 
     def release(self, leased: Leased, outcome: ReadOutcome) -> int:
         self._store.account_read(outcome, self._catalog)
+        self._store.metrics.restore_ended(
+            leased.parts, outcome, outcome.pages, self._catalog.tenant
+        )
         self._store.release(leased.token)
         return outcome.pages
 

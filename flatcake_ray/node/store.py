@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ from flatcake_ray.errors import InvalidKeyError, ShapeError, StoreClosedError, S
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.puts import PutTable
@@ -97,6 +99,7 @@ class FlatCakeStore:
         self.config = config
         self.tenancy = Tenancy(config, on_free=self._log_free)
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.metrics = Metrics(node_id=config.node_id, page_tokens=config.placement.page_tokens)
         self._lock = threading.RLock()
         self._closed = False
         self._pipelines: dict[tuple[str, torch.device], RestorePipeline] = {}
@@ -268,7 +271,9 @@ class FlatCakeStore:
             plan = catalog.plan_put(
                 digests[: len(keys)], session_id=session_id, parent=parent_digest, hints=hints
             )
-        return PutHandle(self.writer, plan, catalog, len(keys), self.puts)
+        page_all_layers = catalog.config.layers * catalog.config.page_bytes
+        on_commit = partial(self.metrics.put_committed, tenant, page_all_layers)
+        return PutHandle(self.writer, plan, catalog, len(keys), self.puts, on_commit)
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
         check_key_list(keys)
@@ -292,12 +297,15 @@ class FlatCakeStore:
         self._check_open()
         digests = self._digests(keys, namespace)
         with self._lock:
-            return self.tenancy.catalog(tenant).index.prefix_length(digests)
+            hits = self.tenancy.catalog(tenant).index.prefix_length(digests)
+        self.metrics.probed(tenant, len(keys), hits)
+        return hits
 
     def probe(
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
     ) -> Probe:
         found = self.gvas(keys, namespace=namespace, tenant=tenant)
+        self.metrics.probed(tenant, len(keys), len(found))
         return Probe(len(found), bool(len(found)) and int(found.max()) >= SSD_FLOOR)
 
     def lease(
@@ -458,7 +466,10 @@ class FlatCakeStore:
     def stats(self) -> dict[str, Any]:
         """Counters and use, summed over tenants, with each tenant's own under ``tenants``."""
         with self._lock:
-            return store_stats(self)
+            stats = store_stats(self)
+            scopes = [scope for catalog in self.tenancy for scope in catalog.scopes.values()]
+            self.metrics.node_state(stats, scopes)
+        return {**stats, "metrics": self.metrics.snapshot()}
 
 
 def _with_positions(part: LeasePart, positions: np.ndarray) -> LeasePart:

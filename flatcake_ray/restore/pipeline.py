@@ -186,16 +186,21 @@ class RestorePipeline:
         lease (a local index probe, or one call to the node holding the prefix)."""
         self._check_open()
         dest = self._check_dest(as_destination(dest, slot_ids, layout), len(keys))
+        asked_at = self._clock()
         leased = self.source.lease(keys, namespace)
-        return self.submit_leased(leased, dest)
+        return self.submit_leased(leased, dest, asked_at=asked_at)
 
-    def submit_leased(self, leased: Leased, dest: Destination) -> RestoreHandle:
+    def submit_leased(
+        self, leased: Leased, dest: Destination, *, asked_at: float | None = None
+    ) -> RestoreHandle:
         """Queue the restore of a prefix already leased from this pipeline's source; the
-        restore now owns the lease (it is released when the restore ends)."""
+        restore now owns the lease (it is released when the restore ends). ``asked_at`` (when
+        the lease was asked for) is for the source's accounting of the restore's latency."""
         handed_over = False
         try:
             self._check_open()
             job = self._job(leased, dest)
+            job.outcome.asked_at = job.handle.submitted_at if asked_at is None else asked_at
             with self._lock:
                 self._check_open()
                 if leased.hits == 0:
@@ -224,11 +229,12 @@ class RestorePipeline:
         plan = RestorePlan(leased.parts, self.slot_bytes, access)
         medium = Medium.SSD if Medium.SSD in media else Medium.DRAM
         handle = RestoreHandle(next(self._ids), self.source.layers, leased, medium, self._clock())
-        outcome = ReadOutcome(leased.hits)
+        outcome = ReadOutcome(leased.hits, requested=dest.pages)
         return Job(handle, leased, plan, dest, self.source, mapped, outcome)
 
     def _finish_empty(self, job: Job) -> None:
         job.outcome.pages = 0
+        job.outcome.seconds = self._clock() - job.outcome.asked_at
         self.source.release(job.leased, job.outcome)
         job.handle._finish(self._clock(), None, job.outcome)
 
@@ -277,6 +283,9 @@ class RestorePipeline:
     def _finish(self, lane: Lane, job: Job) -> None:
         """The lane is done with ``job``; never raises (a lane thread must survive it)."""
         outcome = job.outcome
+        handle, now = job.handle, self._clock()
+        outcome.queued_s = (handle.started_at or now) - handle.submitted_at
+        outcome.seconds = now - outcome.asked_at
         try:
             outcome.pages = job.handle.pages if job.error is None else 0
             job.handle._shrink(self.source.release(job.leased, outcome))

@@ -113,6 +113,11 @@ class ReadOutcome:
     commands: dict[Medium, int] = field(default_factory=dict)
     bytes_wanted: dict[Medium, int] = field(default_factory=dict)  # delivered page bytes
     actor_calls: int = 0
+    # Set by the pipeline, for the source's accounting (metrics): what was asked, and when.
+    requested: int = 0  # pages the request asked for (hits and misses)
+    asked_at: float = 0.0  # pipeline clock: submit() called, before the lease
+    queued_s: float = 0.0  # leased -> dispatched to a window or the DRAM lane
+    seconds: float = 0.0  # submit() -> ended (set just before release)
 
     def tally(self, path: str) -> PathTally:
         return self.paths.setdefault(path, PathTally())
