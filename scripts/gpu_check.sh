@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # GPU check of the page-scatter kernel: build it, run the scatter tests (their GPU half runs
-# only here) and any other test marked gpu, then benchmarks/scatter_bench.py. Five minutes at
-# most, on a bare machine with python3, torch (CUDA build) and nvcc.
+# only here) and any other test marked gpu, then benchmarks/scatter_bench.py and
+# benchmarks/gpu_restore.py (a store's DRAM and SSD prefixes restored through the restore
+# pipeline into CUDA KV tensors laid out as vLLM's, byte-exact against the torch reference,
+# GB/s beside a raw host-to-device copy; GDS through kvikio when it is installed). Five
+# minutes at most, on a bare machine with python3, torch (CUDA build), nvcc, numpy, msgpack
+# and xxhash.
 #
 # Installs into build/gpu-venv (a venv that sees the machine's torch; or into $PYTHON's venv
 # when it is one): this package without its dependencies, plus pytest and hypothesis. Offline, put their wheels in
@@ -21,6 +25,9 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-300}
 START=$(date +%s)
 FAILED=()
 mkdir -p "$RESULTS"
+# The store's SSD files (O_DIRECT) go on a local disk, not into $RESULTS (which comes back).
+RESULTS_TMP=$(mktemp -d "${TMPDIR:-/tmp}/flatcake-gpu-check.XXXXXX")
+trap 'rm -rf "$RESULTS_TMP"' EXIT
 
 step() { echo "== [$(($(date +%s) - START))s] $*"; }
 seconds_left() { echo $((START + BUDGET_S - $(date +%s))); }
@@ -131,6 +138,9 @@ fi
 
 step "scatter benchmark"
 timed scatter_bench "$PY" benchmarks/scatter_bench.py --json "$RESULTS/scatter_bench.json"
+
+step "restore into CUDA KV memory through the pipeline"
+timed gpu_restore "$PY" benchmarks/gpu_restore.py --root "$RESULTS_TMP" --json "$RESULTS/gpu_restore.json"
 
 step "done"
 if ((${#FAILED[@]})); then

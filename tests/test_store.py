@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,9 +231,15 @@ def test_torn_manifest_tail_is_dropped(tmp_path):
 
 
 def test_changed_geometry_is_refused(tmp_path):
-    FlatCakeStore(small_config(tmp_path)).close()
+    first = FlatCakeStore(small_config(tmp_path))
+    arena = Path(first.arena.path)
+    first.close()
     with pytest.raises(ConfigError):
         FlatCakeStore(small_config(tmp_path, page_bytes=4096))
+    # The refused open created an arena of its own before reading the manifest: it must be
+    # gone with the error, or every refused open leaves one in /dev/shm (or hugetlbfs).
+    this_root = arena.name[: arena.name.rindex("-") + 1]  # flatcake-<root>-<node>-, any pid
+    assert sorted(arena.parent.glob(this_root + "*")) == []
 
 
 def test_chat_that_turns_agentic_keeps_old_blocks_and_moves_new_turns(make_store):
@@ -444,7 +451,6 @@ def test_another_process_reads_the_arena_and_cannot_change_it(make_store, tmp_pa
 def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     config = small_config(tmp_path)
     script = (

@@ -58,24 +58,57 @@ def tiny_model(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
+# The service cluster (``ray_service``) lives across the modules that use it; set while it runs.
+_CLUSTER_SHM: list[ShmTracker] = []
+RAY_SERVICE_NAMESPACE = "fc-e2e"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The modules that use the shared Ray service run last, back to back, so the cluster
+    (started by the first of them) is shut down at the end of the session, right after the
+    last one, and never idles beside the other engines."""
+    items.sort(key=lambda item: "ray_service" in getattr(item, "fixturenames", ()))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def shm_left_clean():
     """Removes every shared-memory segment the module's processes mapped and left behind.
 
     FlatCake's own segments (arenas, staging) left behind fail the module: releasing them is
     the connector's job. The engines' (vLLM's message queues, which its engine core and
-    workers unlink only when they exit cleanly) are removed and listed in the output.
+    workers unlink only when they exit cleanly) are removed and listed in the output. Segments
+    of the shared service cluster, still running, are checked when it stops (``ray_service``).
     """
     tracker = ShmTracker(period=1.0)
     yield tracker
     tracker.stop()
-    left = tracker.leftovers()
+    in_use = _CLUSTER_SHM[0].snapshot() if _CLUSTER_SHM else set()
+    remove_leftovers(tracker.leftovers(ignore=in_use))
+
+
+def remove_leftovers(left: list[str]) -> None:
     for path in left:
         Path(path).unlink(missing_ok=True)
     ours = [path for path in left if os.path.basename(path).startswith("flatcake-")]
     if left:
         print(f"\nremoved shared memory the engines left in /dev/shm: {left}")
     assert not ours, f"FlatCake left shared memory in /dev/shm: {ours}"
+
+
+@pytest.fixture(scope="session")
+def ray_service(tmp_path_factory):
+    """One local 2-node Ray cluster with the FlatCake service on it, for every module that
+    needs one (cross-node vLLM, Ray Serve LLM): a cluster and a service start once."""
+    tracker = ShmTracker(period=1.0)
+    _CLUSTER_SHM.append(tracker)
+    try:
+        root = tmp_path_factory.mktemp("svc")
+        with two_node_cluster(root, RAY_SERVICE_NAMESPACE) as info:
+            yield info
+    finally:
+        _CLUSTER_SHM.clear()
+        tracker.stop()
+    remove_leftovers(tracker.leftovers())
 
 
 def store_options(root: Path, **overrides: object) -> dict[str, object]:

@@ -1,11 +1,13 @@
 """Runs SGLang's real Engine on the tiny model in a process of its own (the CPU shims stay out
 of the test process) and prints one JSON line with what it saw. Run by test_sglang_hicache.py:
 
-    python tests/e2e/sglang_run.py MODEL_DIR STORE_ROOT
+    python tests/e2e/sglang_run.py hicache MODEL_DIR STORE_ROOT NCCL_PORT
+    python tests/e2e/sglang_run.py reference MODEL_DIR NCCL_PORT
 
-Two engines, one after the other: with HiCache and FlatCake as its L3 backend (request 1 =
-the prefix, ``flush_cache()`` once it is backed up, request 2 = prefix + new tokens), then
-without HiCache (request 2 alone, the reference).
+``hicache``: an engine with HiCache and FlatCake as its L3 backend (request 1 = the prefix,
+``flush_cache()`` once it is backed up, request 2 = prefix + new tokens). ``reference``: an
+engine without HiCache (request 2 alone). The test runs the two at once, one process each
+(each engine is a process tree of its own; most of its cost is starting it).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ PROMPT = PREFIX + words(20, 4321)
 SAMPLING = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 
-def engine_kwargs(model: str) -> dict:
-    """The CPU settings SGLang 0.5.23 needs for the tiny model (no CUDA kernels anywhere)."""
+def engine_kwargs(model: str, nccl_port: int) -> dict:
+    """The CPU settings SGLang 0.5.23 needs for the tiny model (no CUDA kernels anywhere);
+    ``nccl_port`` (its torch.distributed rendezvous) is chosen by the test, so two engines
+    started at once never race for the same free port."""
     return {
         "model_path": model,
+        "nccl_port": nccl_port,
         "device": "cpu",
         "attention_backend": "torch_native",
         "sampling_backend": "pytorch",
@@ -68,14 +73,16 @@ def hicache_kwargs(store_root: str) -> dict:
         "hicache_mem_layout": "layer_first",
         "hicache_io_backend": "direct",
         "hicache_write_policy": "write_through",
-        "hicache_size": 1,
+        "hicache_ratio": 2.0,  # host pool = 2x the device pool: about 12 MB for the tiny model
         "hicache_storage_backend": "dynamic",
         "hicache_storage_backend_extra_config": json.dumps(backend),
     }
 
 
 def flush(engine, timeout_s: float = 120.0) -> None:
-    """flush_cache refuses while requests (or their backups) are pending: retry until done."""
+    """flush_cache refuses until the scheduler is fully idle, which for HiCache includes no
+    write-through, backup to the L3 or prefetch in flight (``Scheduler.is_fully_idle``), so
+    retrying it until it succeeds is the wait for the prefix to reach FlatCake."""
     deadline = time.monotonic() + timeout_s
     while not engine.flush_cache().success:
         if time.monotonic() > deadline:
@@ -83,50 +90,60 @@ def flush(engine, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def with_hicache(model: str, store_root: str) -> dict:
+def with_hicache(model: str, store_root: str, nccl_port: int) -> dict:
     import sglang
 
-    engine = sglang.Engine(**engine_kwargs(model), **hicache_kwargs(store_root))
+    build_native_hash()
+    engine = sglang.Engine(**engine_kwargs(model, nccl_port), **hicache_kwargs(store_root))
     try:
         engine.generate(input_ids=PREFIX, sampling_params=SAMPLING)
-        # The write-through backup to the L3 and the prefetch probe run on threads of their
-        # own; a flush while they are busy fails SGLang 0.5.23 ("Failed to stop HiCache
-        # storage threads cleanly"), so let them go idle first.
-        time.sleep(10.0)
-        flush(engine)
+        flush(engine)  # waits for the write-through backup of the prefix to the L3
         return engine.generate(input_ids=PROMPT, sampling_params=SAMPLING)
     finally:
         engine.shutdown()
 
 
-def without_hicache(model: str) -> dict:
+def without_hicache(model: str, nccl_port: int) -> dict:
     import sglang
 
-    engine = sglang.Engine(**engine_kwargs(model))
+    engine = sglang.Engine(**engine_kwargs(model, nccl_port))
     try:
         return engine.generate(input_ids=PROMPT, sampling_params=SAMPLING)
     finally:
         engine.shutdown()
+
+
+def build_native_hash() -> None:
+    """SGLang hashes HiCache pages with a C++ extension it JIT-builds (torch cpp_extension,
+    ninja) on first use, on the prefetch thread of the first request. That build takes
+    minutes on a loaded 2-core machine, and a flush meanwhile fails SGLang 0.5.23 ("Failed to
+    stop HiCache storage threads cleanly": it joins that thread for 10 s). Build (or load the
+    cached build, under TORCH_EXTENSIONS_DIR) here, before any engine starts."""
+    from sglang.srt.mem_cache.cpp_utils import native_hash
+
+    if not hasattr(native_hash, "_load_native_hash_module"):
+        raise sglang_shims.ShimError("sglang's native_hash._load_native_hash_module moved")
+    native_hash._load_native_hash_module()
 
 
 def main() -> None:
-    model, store_root = sys.argv[1], sys.argv[2]
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    restored = with_hicache(model, store_root)
-    reference = without_hicache(model)
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "prefix_tokens": PREFIX_TOKENS,
-                "restored_ids": restored["output_ids"],
-                "restored_details": restored["meta_info"].get("cached_tokens_details"),
-                "restored_cached": restored["meta_info"].get("cached_tokens"),
-                "reference_ids": reference["output_ids"],
-            }
-        ),
-        flush=True,
-    )
+    mode, model, *rest = sys.argv[1:]
+    if mode == "hicache":
+        store_root, port = rest
+        restored = with_hicache(model, store_root, int(port))
+        result = {
+            "prefix_tokens": PREFIX_TOKENS,
+            "restored_ids": restored["output_ids"],
+            "restored_details": restored["meta_info"].get("cached_tokens_details"),
+            "restored_cached": restored["meta_info"].get("cached_tokens"),
+        }
+    elif mode == "reference":
+        (port,) = rest
+        result = {"reference_ids": without_hicache(model, int(port))["output_ids"]}
+    else:
+        raise SystemExit(f"unknown mode {mode!r}: hicache or reference")
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

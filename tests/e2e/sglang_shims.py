@@ -1,7 +1,8 @@
 """Test-only shims that let SGLang 0.5.23's real ``sglang.Engine`` run HiCache on CPU.
 
-PyPI's SGLang wheels assume CUDA in three places a CPU run reaches; each shim says what it
-replaces, and each fails loudly (ShimError) when SGLang moves the names it patches:
+PyPI's SGLang wheels assume CUDA (or a large server) in four places a CPU run reaches; each
+shim says what it replaces, and each fails loudly (ShimError) when SGLang moves the names it
+patches:
 
 1. ``sgl_kernel``: PyPI's kernel wheel has no CPU ops. SGLang imports it (and looks up
    ``torch.ops.sgl_kernel.*_cpu``) at import time even on paths that never call it; this
@@ -10,6 +11,10 @@ replaces, and each fails loudly (ShimError) when SGLang moves the names it patch
    modules import it at package import. A stub package whose attributes raise if used.
 3. The host KV pool: ``cudaHostRegister`` pinning and the host<->device KV copy kernels are
    CUDA-only; pure-torch replacements (no pinning; index_copy between tensors).
+4. The host pool's memory check keeps 10 GiB of the machine's available RAM for others
+   (``HICACHE_HOST_MEMORY_RESERVE_BYTES``, sized for GPU servers): on a shared 24 GiB test
+   machine it refuses even the tiny model's 12 MB pool whenever others use over 14 GiB.
+   Lowered to 512 MiB.
 
 The engine's subprocesses (scheduler, detokenizer) are spawned, so ``install`` also runs in
 them: ``sglang_boot/sitecustomize.py`` calls it when FLATCAKE_E2E_SGLANG_SHIMS=1.
@@ -22,6 +27,8 @@ import importlib.machinery
 import sys
 import types
 from typing import Any
+
+HOST_MEMORY_RESERVE_BYTES = 512 << 20
 
 
 class ShimError(RuntimeError):
@@ -126,6 +133,12 @@ def _patch_host_pool() -> None:
     _patch(mha, "transfer_kv_direct", transfer_kv_direct, must_exist=False)
 
 
+def _patch_host_memory_reserve() -> None:
+    from sglang.srt.mem_cache.pool_host import base
+
+    _patch(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", HOST_MEMORY_RESERVE_BYTES)
+
+
 def _source(module: Any) -> str:
     import inspect
 
@@ -136,3 +149,4 @@ def install() -> None:
     _settle_transformers()
     sys.meta_path.insert(0, _StubFinder(("sgl_kernel", "torchvision")))
     _patch_host_pool()
+    _patch_host_memory_reserve()

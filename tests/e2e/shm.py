@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Set
 from pathlib import Path
 
 SHM = "/dev/shm/"
@@ -62,6 +63,7 @@ class ShmTracker:
         self.period = period
         self.before = set(os.listdir(SHM))
         self.seen: set[str] = set()
+        self._seen_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shm-tracker", daemon=True)
         self._thread.start()
@@ -71,19 +73,39 @@ class ShmTracker:
             self.sample()
 
     def sample(self) -> None:
-        self.seen |= mapped_segments(descendants(os.getpid()))
+        found = mapped_segments(descendants(os.getpid()))
+        with self._seen_lock:
+            self.seen |= found
+
+    def snapshot(self) -> set[str]:
+        with self._seen_lock:
+            return set(self.seen)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def leftovers(self, grace_s: float = 10.0) -> list[str]:
-        """Segments the test's processes mapped that still exist ``grace_s`` after teardown
-        (processes that were told to exit get that long to unlink theirs)."""
-        ours = {p for p in self.seen if os.path.basename(p) not in self.before}
+    def leftovers(self, grace_s: float = 10.0, ignore: Set[str] = frozenset()) -> list[str]:
+        """Segments the test's processes mapped (less ``ignore``) that still exist
+        ``grace_s`` after teardown: processes that were told to exit get that long to unlink
+        theirs, and no longer once none of the test's processes is left to do it."""
+        ours = {p for p in self.snapshot() - ignore if os.path.basename(p) not in self.before}
         deadline = time.monotonic() + grace_s
         while True:
             left = sorted(p for p in ours if os.path.exists(p))
-            if not left or time.monotonic() > deadline:
+            if not left or time.monotonic() > deadline or not _live_children():
                 return left
             time.sleep(0.25)
+
+
+def _live_children() -> set[int]:
+    """The test process's descendants still running (zombies have no one left to unlink)."""
+    alive = set()
+    for pid in descendants(os.getpid()) - {os.getpid()}:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if state[state.rindex(")") + 2] != "Z":
+            alive.add(pid)
+    return alive

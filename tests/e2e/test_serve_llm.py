@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import require_vllm, two_node_cluster
+from tests.e2e.conftest import RAY_SERVICE_NAMESPACE, require_vllm
 
 require_vllm()
 
@@ -25,7 +25,7 @@ import requests  # noqa: E402
 from tests.e2e.engines import BLOCK, MAX_TOKENS, TOP_LOGPROBS  # noqa: E402
 from tests.e2e.tiny_model import words  # noqa: E402
 
-NAMESPACE = "fc-e2e-serve"
+NAMESPACE = RAY_SERVICE_NAMESPACE  # the shared service cluster (conftest.ray_service)
 APP = "flatcake-e2e"
 MODEL_ID = "tiny"
 PREFIX_BLOCKS = 12
@@ -60,22 +60,21 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny_model):
+def served(ray_service, tiny_model):
     from ray import serve
 
     example = load_example()
     argv = ["--model", tiny_model, "--model-id", MODEL_ID, "--namespace", NAMESPACE, "--cpu"]
     argv += ["--engine-kwargs", json.dumps(ENGINE_KWARGS)]
-    with two_node_cluster(tmp_path_factory.mktemp("svc"), NAMESPACE) as cluster:
-        port = free_port()
-        # One proxy, on the head: every node's proxy would bind the same port on this machine.
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        try:
-            serve.run(example.build_app(example.parser().parse_args(argv)), name=APP)
-            yield {"url": f"http://127.0.0.1:{port}", "cluster": cluster}
-        finally:
-            serve.delete(APP)
-            serve.shutdown()
+    port = free_port()
+    # One proxy, on the head: every node's proxy would bind the same port on this machine.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(example.build_app(example.parser().parse_args(argv)), name=APP)
+        yield {"url": f"http://127.0.0.1:{port}", "cluster": ray_service}
+    finally:
+        serve.delete(APP)
+        serve.shutdown()
 
 
 def complete(url: str, prompt: list[int], hints: dict | None = None) -> dict:

@@ -6,14 +6,19 @@ device and host caches, request 2 shares the prefix: SGLang's own ``cached_token
 must report the prefix as ``storage`` tokens from this backend, and the output ids must equal
 an engine's without HiCache. The engines run in a child process (``sglang_run.py``), where
 the three CPU shims of ``sglang_shims.py`` are installed, spawned subprocesses included.
+The two engines (with HiCache, and the reference without) start at once, in two processes.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import pkgutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,20 +38,76 @@ def result(tiny_model, tmp_path_factory):
             "FLATCAKE_E2E_SGLANG_SHIMS": "1",
             # the shims reach SGLang's spawned scheduler and detokenizer through this folder
             "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE / "sglang_boot")]),
+            # SGLang's JIT-built page hash, cached with this venv rather than in ~/.cache,
+            # where every venv on the machine that builds it invalidates the others' build
+            "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),
+            "SGLANG_DISABLED_MODEL_ARCHS": ",".join(unused_model_modules()),
         }
     )
-    store_root = str(tmp_path_factory.mktemp("sgl") / "store")
-    run = subprocess.run(
-        [sys.executable, str(HERE / "sglang_run.py"), tiny_model, store_root],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    reopen_and_close(store_root)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, f"SGLang run failed:\n{run.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    folder = tmp_path_factory.mktemp("sgl")
+    store_root = str(folder / "store")
+    hicache_port, reference_port = free_ports(2)
+    runs = {
+        "hicache": ["hicache", tiny_model, store_root, str(hicache_port)],
+        "reference": ["reference", tiny_model, str(reference_port)],
+    }
+    try:
+        outputs = run_at_once(runs, env, folder, timeout_s=1200)
+    finally:
+        reopen_and_close(store_root)
+    return {key: value for output in outputs.values() for key, value in output.items()}
+
+
+def run_at_once(runs: dict[str, list[str]], env: dict, folder: Path, timeout_s: float) -> dict:
+    """Each run is ``sglang_run.py`` in a process of its own, all started at once; returns
+    each run's RESULT line, parsed. Output goes to files (no pipe fills up while waiting)."""
+    deadline = time.monotonic() + timeout_s
+    procs = {}
+    for name, argv in runs.items():
+        out, err = (open(folder / f"{name}.{kind}", "w") for kind in ("out", "err"))  # noqa: SIM115
+        with out, err:
+            command = [sys.executable, str(HERE / "sglang_run.py"), *argv]
+            procs[name] = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = {}
+    for name, proc in procs.items():
+        lines = (folder / f"{name}.out").read_text().splitlines()
+        found = [line for line in lines if line.startswith("RESULT ")]
+        stderr = (folder / f"{name}.err").read_text()
+        assert proc.returncode == 0 and found, f"SGLang {name} run failed:\n{stderr[-6000:]}"
+        results[name] = json.loads(found[-1][len("RESULT ") :])
+    return results
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def unused_model_modules(needed: tuple[str, ...] = ("llama",)) -> list[str]:
+    """SGLang's model registry imports every module of ``sglang.srt.models`` (about 250) in
+    each engine's scheduler process, about a minute of a loaded 2-core machine per engine;
+    the tiny model needs only ``llama`` (LlamaForCausalLM). Listed without importing SGLang."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.origin is not None
+    models = Path(spec.origin).parent / "srt" / "models"
+    names = [module.name for module in pkgutil.iter_modules([str(models)]) if not module.ispkg]
+    missing = set(needed) - set(names)
+    assert not missing, f"sglang.srt.models has no {sorted(missing)}"
+    return sorted(set(names) - set(needed))
 
 
 def reopen_and_close(store_root: str) -> None:

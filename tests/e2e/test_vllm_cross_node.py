@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import require_vllm, two_node_cluster
+from tests.e2e.conftest import RAY_SERVICE_NAMESPACE, require_vllm
 
 require_vllm()
 
@@ -19,9 +19,9 @@ from flatcake_ray.integrations.vllm import kv_transfer_config  # noqa: E402
 from flatcake_ray.transports import base  # noqa: E402
 from tests.e2e import engines  # noqa: E402
 from tests.e2e.engines import BLOCK  # noqa: E402
-from tests.e2e.tiny_model import words  # noqa: E402
+from tests.e2e.tiny_model import LAYERS, words  # noqa: E402
 
-NAMESPACE = "fc-e2e-xnode"
+NAMESPACE = RAY_SERVICE_NAMESPACE  # the shared service cluster (conftest.ray_service)
 PREFIX_BLOCKS = 12
 PREFIX_TOKENS = PREFIX_BLOCKS * BLOCK
 PREFIX = words(PREFIX_TOKENS, 77)
@@ -37,23 +37,18 @@ REMOTE_PATHS = {
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with two_node_cluster(tmp_path_factory.mktemp("svc"), NAMESPACE) as info:
-        yield info
-
-
-@pytest.fixture(scope="module")
-def runs(cluster, tiny_model):
+def runs(ray_service, tiny_model):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     from vllm import LLM
 
     ray_options = {"store": "ray", "ray_namespace": NAMESPACE}
+    address = ray_service["address"]
     llm_a = LLM(
         **engines.engine_args(
             tiny_model,
             enable_prefix_caching=True,
-            kv_transfer_config=kv_transfer_config(**ray_options, ray_address=cluster["address"]),
+            kv_transfer_config=kv_transfer_config(**ray_options, ray_address=address),
         )
     )
     try:
@@ -61,7 +56,7 @@ def runs(cluster, tiny_model):
         reference = engines.generate(llm_a, PROMPT, HINTS)
     finally:
         llm_a.llm_engine.engine_core.shutdown()
-    on_worker = NodeAffinitySchedulingStrategy(cluster["worker"], soft=False)
+    on_worker = NodeAffinitySchedulingStrategy(ray_service["worker"], soft=False)
     actor = (
         ray.remote(engines.EngineActor)
         .options(num_cpus=1, scheduling_strategy=on_worker)
@@ -98,4 +93,5 @@ def test_pages_travelled_node_2_from_node_1_over_a_remote_path(runs):
     moved = {path: tally["pages"] for path, tally in runs["paths"].items() if tally["pages"]}
     assert moved, "engine B's client read nothing"
     assert set(moved) <= REMOTE_PATHS, f"B read locally: {moved}"
-    assert sum(moved.values()) == PREFIX_BLOCKS
+    # a path's tally counts page-layers (one page of one layer), as the pipeline delivers them
+    assert sum(moved.values()) == PREFIX_BLOCKS * LAYERS
