@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LAYERS, PAGE_BYTES, random_kv, small_config
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.tenants import Tenant, secret_hash
