@@ -77,18 +77,28 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+DRAM_POLICIES = ("replica", "table2", "admit")
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Write-time placement thresholds (paper Table 2); the paper gives no values."""
+    """Write-time placement (paper Table 2; the paper gives no thresholds) and how DRAM is
+    used beyond it (``core/placement.py`` states the rules; ``docs/placement.md`` the
+    measurements behind the default)."""
 
     page_tokens: int = 256
     tau_tokens: int = 1024  # a prior reply shorter than this marks a short-turn chat
     l_agent_tokens: int = 32768  # a context at least this long marks an agentic session
+    # replica: SSD segments also keep a droppable DRAM read replica while DRAM has room;
+    # table2: the paper's rules only; admit: SSD-bound later turns go to DRAM (no SSD copy)
+    # while DRAM stays under its low watermark.
+    dram_policy: str = "replica"
 
     def __post_init__(self) -> None:
         _require(self.page_tokens > 0, "page_tokens must be positive")
         _require(self.tau_tokens > 0, "tau_tokens must be positive")
         _require(self.l_agent_tokens > 0, "l_agent_tokens must be positive")
+        _require(self.dram_policy in DRAM_POLICIES, f"dram_policy must be one of {DRAM_POLICIES}")
 
 
 @dataclass(frozen=True)

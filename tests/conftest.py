@@ -11,7 +11,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np
 import pytest
 
-from flatcake_ray.config import StoreConfig
+from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.node.store import FlatCakeStore
 
 LAYERS = 4
@@ -28,6 +28,9 @@ def small_config(root, **overrides) -> StoreConfig:
         ssd_files_per_dir=2,
         ssd_min_run_bytes=256 << 10,
         fsync=False,
+        # These stores test the SSD paths, so SSD-homed pages are read from SSD: no DRAM
+        # read replicas unless a test asks for them (tests/test_replicas.py does).
+        placement=PlacementConfig(dram_policy="table2"),
     )
     base.update(overrides)
     return StoreConfig(**base)

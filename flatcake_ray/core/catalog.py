@@ -5,9 +5,13 @@ model pairs one with modeled devices and a virtual clock. Not thread-safe: calle
 
 Lifecycle of a put: :meth:`Catalog.plan_put` resolves the session, places the batch (paper
 Table 2), allocates its segment (the address exists before the write) and pins the scope;
-the caller writes the bytes; :meth:`Catalog.publish` then makes the keys visible, or
-:meth:`Catalog.abort` gives the space back. A reader takes a :class:`Lease` (scope refcounts
-up) and releases it; reclamation frees only unreferenced scopes, oldest first, whole.
+an SSD segment may also get a DRAM read replica (``core/placement.py``), allocated from DRAM
+that no home scope needs; the caller writes the bytes (to both places); :meth:`Catalog.publish`
+then makes the keys visible, or :meth:`Catalog.abort` gives the space back. A reader takes a
+:class:`Lease` (scope refcounts up; a segment with a live replica is handed out as its
+replica) and releases it; reclamation frees only unreferenced scopes, oldest first, whole.
+DRAM reclamation drops replica scopes (no write-back: the SSD copy stays) before any home
+scope.
 """
 
 from __future__ import annotations
@@ -15,83 +19,19 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.core.extents import MediumSpace, ScopeRuns
+from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
 from flatcake_ray.core.layout import SegmentLayout
-from flatcake_ray.core.placement import PlacementInputs, PlacementPolicy
+from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
+from flatcake_ray.core.records import Lease, PutHints, PutPlan, Scope, Segment, Session
 from flatcake_ray.errors import MediumFullError
 
-
-@dataclass(frozen=True)
-class PutHints:
-    """Placement signals an engine may know better than the store can infer."""
-
-    prefix_refcount: int | None = None
-    turn: int | None = None
-    prior_reply_tokens: int | None = None
-    context_tokens: int | None = None
-
-
-@dataclass
-class Segment:
-    segment_id: int
-    scope_id: int
-    medium: Medium
-    offset: int  # medium-local byte offset of layer 0, page 0
-    layout: SegmentLayout
-    digests: np.ndarray  # one per page, in page order
-    checksums: np.ndarray | None = None  # one per layer, set when written
-    continuations: int = 0  # later puts that continued from this segment's last page
-
-
-@dataclass
-class Scope:
-    scope_id: int
-    session_id: str
-    medium: Medium
-    runs: ScopeRuns = field(default_factory=ScopeRuns)
-    segments: list[int] = field(default_factory=list)
-    refs: int = 0  # leases plus in-flight puts
-    pages: int = 0
-
-
-@dataclass
-class Session:
-    session_id: str
-    turns: int = 0
-    context_pages: int = 0
-    scopes: dict[Medium, int] = field(default_factory=dict)
-
-
-@dataclass
-class PutPlan:
-    segment: Segment
-    new_positions: np.ndarray  # positions in the caller's key list of the pages written
-    session_id: str
-    rule: str
-    turn: int
-    parent_segment: int | None
-
-
-@dataclass
-class Lease:
-    """The located prefix of a request; its scopes cannot be reclaimed until release."""
-
-    lease_id: int
-    segment_ids: np.ndarray  # per page
-    pages: np.ndarray  # per page: index inside its segment
-    scope_ids: tuple[int, ...]
-    segments: dict[int, Segment]  # held here so a quarantine mid-read cannot pull them away
-
-    @property
-    def hits(self) -> int:
-        return len(self.pages)
+__all__ = ["Catalog", "Lease", "PutHints", "PutPlan", "Scope", "Segment", "Session"]
 
 
 class Catalog:
@@ -108,14 +48,22 @@ class Catalog:
         self.scopes: dict[int, Scope] = {}
         self.sessions: dict[str, Session] = {}
         self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
+        self._replica_age: OrderedDict[int, None] = OrderedDict()
         self._ids = itertools.count(1)
         self.leases: dict[int, Lease] = {}
-        self.counters = {
-            "reclaimed_scopes": 0,
-            "reclaimed_bytes": 0,
-            "quarantined_scopes": 0,
-            "forks": 0,
-        }
+        self.counters = dict.fromkeys(
+            (
+                "reclaimed_scopes",
+                "reclaimed_bytes",
+                "quarantined_scopes",
+                "forks",
+                "replicas_written",
+                "replicas_refused",
+                "replica_scopes_dropped",
+                "replica_bytes_dropped",
+            ),
+            0,
+        )
         self.rule_counts: dict[str, int] = {}
         self.on_free: Callable[[Scope], None] | None = None  # the store logs SSD frees
 
@@ -129,12 +77,16 @@ class Catalog:
 
     def lease(self, digests: np.ndarray) -> Lease:
         segment_ids, pages = self.prefix(digests)
-        unique_segments = np.unique(segment_ids)
-        scope_ids = tuple(sorted({self.segments[int(s)].scope_id for s in unique_segments}))
-        for scope_id in scope_ids:
+        segments: dict[int, Segment] = {}
+        scope_ids: set[int] = set()
+        for segment_id in np.unique(segment_ids).tolist():
+            segment = self.segments[segment_id]
+            view = segment.replica or segment  # readers prefer the DRAM replica
+            segments[segment_id] = view
+            scope_ids.update((segment.scope_id, view.scope_id))  # both pinned while read
+        for scope_id in sorted(scope_ids):
             self._touch(self.scopes[scope_id], +1)
-        segments = {int(s): self.segments[int(s)] for s in unique_segments}
-        lease = Lease(next(self._ids), segment_ids, pages, scope_ids, segments)
+        lease = Lease(next(self._ids), segment_ids, pages, tuple(sorted(scope_ids)), segments)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -183,11 +135,12 @@ class Catalog:
         # shared (its radix-tree refcount), so only its hint fires the shared rule.
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
         layout = SegmentLayout(len(new_positions), self.config.layers, self.config.page_bytes)
-        placement = self.policy.decide(inputs)
-        scope, offset = self._allocate(session, placement.medium, layout.nbytes)
+        placement = self.policy.decide(inputs, dram_headroom=self._dram_headroom(layout.nbytes))
+        scope, offset = self._allocate(session, placement, layout.nbytes)
         rule = placement.rule
         if scope is None and placement.medium is Medium.DRAM:
-            scope, offset, rule = (*self._allocate(session, Medium.SSD, layout.nbytes), "spill")
+            rule = "spill"
+            scope, offset = self._allocate(session, Placement(Medium.SSD, rule), layout.nbytes)
         if scope is None:
             raise MediumFullError(
                 f"no room for {layout.nbytes} bytes on DRAM or SSD and nothing reclaimable"
@@ -196,7 +149,12 @@ class Catalog:
         segment = Segment(
             next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
         )
-        return PutPlan(segment, new_positions, session.session_id, rule, turn, parent_segment)
+        replica = None
+        if self.policy.replicate(Placement(scope.medium, rule)):
+            replica = self._plan_replica(scope, segment)
+        return PutPlan(
+            segment, new_positions, session.session_id, rule, turn, parent_segment, replica
+        )
 
     def _parent_value(self, parent: np.ndarray | None) -> np.ndarray:
         if parent is None:
@@ -234,23 +192,36 @@ class Catalog:
             session.context_pages = self.sessions[inherited].context_pages
         return session, refcount, parent_segment
 
-    def _allocate(self, session: Session, medium: Medium, nbytes: int) -> tuple[Scope | None, int]:
+    def _dram_headroom(self, nbytes: int) -> bool:
+        space = self.space[Medium.DRAM]
+        return bool(space.capacity) and (
+            space.used_fraction + nbytes / space.capacity <= self.config.low_watermark
+        )
+
+    def _allocate(
+        self, session: Session, placement: Placement, nbytes: int
+    ) -> tuple[Scope | None, int]:
+        medium = placement.medium
         space = self.space[medium]
         if space.capacity < nbytes:
             return None, 0
         scope = self._scope_for(session, medium)
+        # Space held ahead keeps a session's turns together in one run; a first turn is
+        # mostly never continued (69% of Mooncake sessions), so it takes only what it needs:
+        # held-ahead space of one-shot scopes filled 43% of the SSD the Mooncake replay had
+        # reserved, and SSD reclamation then dropped sessions that were coming back.
+        reserve_ahead = placement.rule != "one-shot"
         scope.refs += 1  # keep reclamation away from the scope we are growing
         try:
             if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:
                 self.reclaim(medium, target=self.config.low_watermark)
-            offset = space.place(scope.runs, nbytes)
+            offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
             while offset is None and self._reclaim_oldest(medium):
-                offset = space.place(scope.runs, nbytes)
+                offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
         finally:
             scope.refs -= 1
         if offset is None:
-            if not scope.segments and not scope.runs.runs:
-                self._drop_scope(scope)
+            self._drop_if_unused(scope)
             return None, 0
         return scope, offset
 
@@ -264,6 +235,59 @@ class Catalog:
         self._age[medium][scope.scope_id] = None
         return scope
 
+    # ---- DRAM read replicas --------------------------------------------------------------
+    def _plan_replica(self, home: Scope, segment: Segment) -> Segment | None:
+        """A DRAM place for a copy of ``segment`` (in a replica scope of its own), taken only
+        from free DRAM or from less recently read replicas, never from a home scope; None
+        when there is none."""
+        space = self.space[Medium.DRAM]
+        nbytes = segment.layout.nbytes
+        if nbytes > space.capacity * self.config.high_watermark:
+            self.counters["replicas_refused"] += 1
+            return None
+        scope = Scope(next(self._ids), home.session_id, Medium.DRAM, replica_of=home.scope_id)
+        self.scopes[scope.scope_id] = scope
+        self._replica_age[scope.scope_id] = None
+        scope.refs += 1  # not dropped while we make room for it
+        try:
+            offset = None
+            while offset is None:
+                if space.used_fraction + nbytes / space.capacity <= self.config.high_watermark:
+                    offset = space.place(scope.runs, nbytes, reserve_ahead=False)
+                if offset is None and self._drop_oldest_replica() is None:
+                    break
+        finally:
+            scope.refs -= 1
+        if offset is None:
+            self.counters["replicas_refused"] += 1
+            self._drop_if_unused(scope)
+            return None
+        scope.refs += 1  # an in-flight write pins its replica scope too
+        return Segment(
+            segment.segment_id, scope.scope_id, Medium.DRAM, offset, segment.layout, segment.digests
+        )
+
+    def _drop_oldest_replica(self) -> Scope | None:
+        for scope_id in self._replica_age:
+            scope = self.scopes[scope_id]
+            if scope.refs == 0:
+                self._free_replicas(scope)
+                return scope
+        return None
+
+    def _free_replicas(self, scope: Scope) -> int:
+        """Drop a replica scope: its segment is read from SSD again; nothing is written."""
+        for segment_id in scope.segments:
+            segment = self.segments.get(segment_id)
+            if segment is not None:
+                segment.replica = None
+        freed = self.space[Medium.DRAM].release(scope.runs)
+        self.counters["replica_scopes_dropped"] += 1
+        self.counters["replica_bytes_dropped"] += freed
+        self._drop_scope(scope)
+        return freed
+
+    # ---- publish and abort ---------------------------------------------------------------
     def publish(self, plan: PutPlan) -> np.ndarray:
         """Make a written segment's keys visible; returns the mask of pages published."""
         segment = plan.segment
@@ -276,6 +300,8 @@ class Catalog:
         )
         inserted = self.index.insert(segment.digests, values)
         scope.pages += int(inserted.sum())
+        if plan.replica is not None:
+            self._publish_replica(plan.replica, segment)
         session = self.sessions[plan.session_id]
         session.turns = max(session.turns, plan.turn)
         session.context_pages += segment.layout.pages
@@ -283,27 +309,50 @@ class Catalog:
         self._touch(scope, 0)
         return inserted
 
+    def _publish_replica(self, replica: Segment, segment: Segment) -> None:
+        scope = self.scopes[replica.scope_id]
+        scope.refs -= 1
+        replica.checksums = segment.checksums  # the same bytes
+        segment.replica = replica
+        scope.segments.append(segment.segment_id)
+        scope.pages += segment.layout.pages
+        self.counters["replicas_written"] += 1
+        self._touch(scope, 0)
+
     def abort(self, plan: PutPlan) -> None:
         """Give back an unwritten segment's space (exactly when it is still the run's tail)."""
-        segment = plan.segment
-        scope = self.scopes[segment.scope_id]
-        scope.refs -= 1
         if plan.parent_segment in self.segments:
             parent = self.segments[plan.parent_segment]
             parent.continuations = max(0, parent.continuations - 1)
+        if plan.replica is not None:
+            self._give_back(plan.replica)
+        self._give_back(plan.segment)
+
+    def _give_back(self, segment: Segment) -> None:
+        scope = self.scopes[segment.scope_id]
+        scope.refs -= 1
         last = scope.runs.runs[-1] if scope.runs.runs else None
         if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
             last.used -= segment.layout.nbytes
-        if not scope.segments:
+        self._drop_if_unused(scope)
+
+    def _drop_if_unused(self, scope: Scope) -> None:
+        """A scope that never got a segment and that no put is writing gives its runs back."""
+        if not scope.segments and scope.refs == 0:
+            self.space[scope.medium].release(scope.runs)
             self._drop_scope(scope)
 
     # ---- reclamation ---------------------------------------------------------------------
+    def _ages(self, scope: Scope) -> OrderedDict[int, None]:
+        return self._replica_age if scope.is_replica else self._age[scope.medium]
+
     def _touch(self, scope: Scope, ref_delta: int) -> None:
         scope.refs += ref_delta
-        self._age[scope.medium].move_to_end(scope.scope_id)
+        self._ages(scope).move_to_end(scope.scope_id)
 
     def reclaim(self, medium: Medium, target: float) -> list[Scope]:
-        """Free the oldest unreferenced scopes until ``medium`` is at most ``target`` full."""
+        """Free the oldest unreferenced scopes until ``medium`` is at most ``target`` full
+        (on DRAM, replica scopes first)."""
         freed = []
         while self.space[medium].used_fraction > target:
             scope = self._reclaim_oldest(medium)
@@ -313,6 +362,10 @@ class Catalog:
         return freed
 
     def _reclaim_oldest(self, medium: Medium) -> Scope | None:
+        if medium is Medium.DRAM:
+            replica = self._drop_oldest_replica()
+            if replica is not None:
+                return replica
         for scope_id in self._age[medium]:
             scope = self.scopes[scope_id]
             if scope.refs == 0:
@@ -322,10 +375,14 @@ class Catalog:
         return None
 
     def free_scope(self, scope: Scope) -> int:
-        """Drop a scope whole: its keys leave the index at once, its runs return to the pool."""
+        """Drop a scope whole: its keys leave the index at once, its runs return to the pool,
+        and its replicas go with it."""
+        if scope.is_replica:
+            return self._free_replicas(scope)
         for segment_id in scope.segments:
             segment = self.segments.pop(segment_id)
             self.index.delete(segment.digests)
+            self._free_replicas_of(segment)
         freed = self.space[scope.medium].release(scope.runs)
         self.counters["reclaimed_bytes"] += freed
         self._drop_scope(scope)
@@ -333,20 +390,35 @@ class Catalog:
             self.on_free(scope)
         return freed
 
+    def _free_replicas_of(self, segment: Segment) -> None:
+        if segment.replica is not None and segment.replica.scope_id in self.scopes:
+            self._free_replicas(self.scopes[segment.replica.scope_id])
+
     def _drop_scope(self, scope: Scope) -> None:
         self.scopes.pop(scope.scope_id, None)
-        self._age[scope.medium].pop(scope.scope_id, None)
+        self._ages(scope).pop(scope.scope_id, None)
+        if scope.is_replica:
+            return
         session = self.sessions.get(scope.session_id)
         if session is not None and session.scopes.get(scope.medium) == scope.scope_id:
             del session.scopes[scope.medium]
 
     def quarantine(self, scope_id: int) -> None:
-        """A scope with a bad checksum: its keys go at once; its space is never reused."""
+        """A scope with a bad checksum: its keys go at once; its space is never reused. A bad
+        replica takes only itself: its segments are read from SSD again."""
         scope = self.scopes.get(scope_id)
         if scope is None:
             return
-        for segment_id in scope.segments:
-            self.index.delete(self.segments.pop(segment_id).digests)
+        if scope.is_replica:
+            for segment_id in scope.segments:
+                segment = self.segments.get(segment_id)
+                if segment is not None:
+                    segment.replica = None
+        else:
+            for segment_id in scope.segments:
+                segment = self.segments.pop(segment_id)
+                self.index.delete(segment.digests)
+                self._free_replicas_of(segment)
         scope.segments.clear()
         scope.runs.runs.clear()  # the runs stay allocated: suspect media is not handed out again
         self._drop_scope(scope)

@@ -145,8 +145,12 @@ class MediumSpace:
     def region_of(self, offset: int) -> int:
         return offset // self.region_bytes
 
-    def place(self, scope: ScopeRuns, nbytes: int) -> int | None:
-        """Medium offset for a new segment of ``nbytes`` appended to ``scope``, or None."""
+    def place(self, scope: ScopeRuns, nbytes: int, *, reserve_ahead: bool = True) -> int | None:
+        """Medium offset for a new segment of ``nbytes`` appended to ``scope``, or None.
+
+        ``reserve_ahead=False`` takes exactly what the segment needs (DRAM read replicas:
+        they gain nothing from contiguity, and space held ahead would be space they take
+        from other replicas)."""
         if scope.runs:
             last = scope.runs[-1]
             if last.room < nbytes and self.allocators[last.allocator].extend(
@@ -158,7 +162,8 @@ class MediumSpace:
                 last.used += nbytes
                 return offset
         grown = 2 * scope.runs[-1].length if scope.runs else 2 * nbytes
-        for want in (max(grown, self.min_run), nbytes):
+        wants = (max(grown, self.min_run), nbytes) if reserve_ahead else (nbytes,)
+        for want in wants:
             run = self._new_run(min(align_up(want), self.region_bytes))
             if run is not None and run.length >= nbytes:
                 run.used = nbytes

@@ -195,6 +195,9 @@ class FlatCakeStore:
         self.pool.write(start, staging.array[: layout.layer_stride])
         self.counters["ssd_bytes_written"] += layout.layer_stride
         self.counters["ssd_write_commands"] += 1
+        if plan.replica is not None:  # a DRAM read replica of the same bytes (placement.py)
+            self.arena.write(plan.replica.offset + layout.layer_offset(layer), chosen)
+            self.counters["dram_bytes_written"] += layout.layer_bytes
 
     def _commit(self, plan: PutPlan) -> PutResult:
         segment = plan.segment

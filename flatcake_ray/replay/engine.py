@@ -10,8 +10,11 @@ A request's life on the virtual clock:
    (a sibling's prefill may have brought the prefix meanwhile); DRAM pages (and host-staged
    SSD pages) cross the H2D link layer by layer, overlapped with compute; compute is the
    profile's prefill time of the uncached tokens.
-4. *done*: all its pages enter HBM; storage stores the new ones (FlatCake: plan_put now,
-   publish when the modelled write completes); the TTFT is recorded.
+4. *done*: all its pages enter HBM; storage stores the new ones; the TTFT is recorded.
+   FlatCake saves layer-wise, as the live store's ``begin_put``/``write_layer`` let an
+   engine do: the put is planned when the prefill starts, its writes run alongside it, and
+   its keys are published when both the writes and the prefill are done. Tiered systems
+   write through to DRAM, which the model makes visible when the prefill ends.
 
 Attribution of a request's reusable pages (those an infinite cache would hold), each to
 exactly one of: HBM, DRAM, SSD, miss. Pages in HBM past the reusable prefix (brought by a
@@ -21,6 +24,7 @@ part of the hit rate, whose denominator they are not in.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable
@@ -70,6 +74,8 @@ class Replay:
     ) -> None:
         self.pages, self.arrivals, self.profile, self.spec = pages, arrivals, profile, spec
         placement = placement or PlacementConfig(page_tokens=profile.page_tokens)
+        if spec.dram_policy is not None:
+            placement = dataclasses.replace(placement, dram_policy=spec.dram_policy)
         self.storage: Storage = (
             FlatStorage(profile, spec, pages, placement, arrivals)
             if spec.storage == "flat"
@@ -229,6 +235,9 @@ class Replay:
         self.records.dispatch[request] = now
         self.records.compute_s[request] = compute
         self._push(now + service, PREFILL_DONE, request)
+        if self.storage.saves_during_prefill:  # layer-wise puts: each layer saved as computed
+            digests = self.pages.digests_for(request)
+            self._run_transfers(self.storage.store(request, digests, now), now, now + service)
         if flight.staged_bytes:
             self._push(now + copy, STAGING_FREE, flight.staged_bytes)
 
@@ -284,14 +293,19 @@ class Replay:
         self.hbm.insert(digests)
         self.hbm.pin(flight.hbm_slots, -1)
         transfers = self.storage.release(request, flight.located, flight.used)
-        transfers += self.storage.store(request, digests, now)
+        if not self.storage.saves_during_prefill:
+            transfers += self.storage.store(request, digests, now)
         self._run_transfers(transfers, now)
         self.records.done[request] = now
         self.records.arrival[request] = flight.arrival
         self._dispatch(now)
 
     # ---- background transfers ------------------------------------------------------------
-    def _run_transfers(self, transfers: list[Transfer], now: float) -> None:
+    def _run_transfers(
+        self, transfers: list[Transfer], now: float, not_before: float = 0.0
+    ) -> None:
+        """Start ``transfers``; one with a token completes when its I/O is done, and not
+        before ``not_before`` (a put's keys never appear before its prefill has ended)."""
         for transfer in transfers:
             if transfer.kind == "ssd-write":
                 done = self.ssd.submit(now, transfer.lengths, write=True)
@@ -305,7 +319,7 @@ class Replay:
             else:
                 done = self.d2h.submit(now, int(transfer.lengths.sum()))
             if transfer.token is not None:
-                self._push(done, TRANSFER_DONE, transfer)
+                self._push(max(done, not_before), TRANSFER_DONE, transfer)
 
     def _transfer_done(self, transfer: Transfer, now: float) -> None:
         self.storage.complete(transfer)

@@ -36,8 +36,11 @@ class OraclePlacement:
         self._inner = PlacementPolicy(config)
         self.pending = Placement(Medium.SSD, "oracle-ssd")
 
-    def decide(self, inputs: PlacementInputs, dram_has_room: bool = True) -> Placement:
+    def decide(self, inputs: PlacementInputs, **room: bool) -> Placement:
         return self.pending
+
+    def replicate(self, home: Placement) -> bool:
+        return False  # the oracle puts a page where it will be read; it needs no copies
 
     def infer_prior_reply(self, turn: int, appended_tokens: int) -> int | None:
         return self._inner.infer_prior_reply(turn, appended_tokens)
@@ -66,6 +69,7 @@ def store_config_for(
 
 
 class FlatStorage:
+    saves_during_prefill = True
     def __init__(
         self,
         profile: Profile,
@@ -101,7 +105,7 @@ class FlatStorage:
             | node
             | (bases + lease.pages.astype(np.uint64) * np.uint64(self.profile.page_bytes))
         )
-        self._check_never_moved(segments)
+        self._check_never_moved(unique.tolist())
         return Located(media, gvas, lease)
 
     def ssd_reads(self, located: Located) -> np.ndarray:
@@ -123,9 +127,19 @@ class FlatStorage:
         return split_to_slots(reads.lengths, self.profile.slot_bytes)
 
     def release(self, request: int, located: Located, used: slice) -> list[Transfer]:
-        if located.handle is not None:
-            self.catalog.release(located.handle)
+        lease = located.handle
+        if lease is not None:
+            if used.stop > used.start:
+                self.counters.add("replica_hit_pages", self._replica_pages(lease, used))
+            self.catalog.release(lease)
         return []
+
+    def _replica_pages(self, lease: Any, used: slice) -> int:
+        replicas = [s for s, v in lease.segments.items() if v.scope_id != self._home_scope(s)]
+        return int(np.isin(lease.segment_ids[used], replicas).sum()) if replicas else 0
+
+    def _home_scope(self, segment_id: int) -> int:
+        return self.catalog.segments[segment_id].scope_id
 
     # ---- writes --------------------------------------------------------------------------
     def store(self, request: int, digests: np.ndarray, now: float) -> list[Transfer]:
@@ -144,10 +158,14 @@ class FlatStorage:
             return []
         layout = plan.segment.layout
         self.counters.add("puts_planned")
-        if plan.segment.medium is Medium.SSD:
-            lengths = np.full(layout.layers, layout.layer_stride, dtype=np.int64)
-            return [Transfer("ssd-write", lengths, plan, plan.segment.digests)]
-        return [Transfer("d2h", np.array([layout.nbytes]), plan, medium=Medium.DRAM)]
+        if plan.segment.medium is Medium.DRAM:
+            return [Transfer("d2h", np.array([layout.nbytes]), plan, medium=Medium.DRAM)]
+        lengths = np.full(layout.layers, layout.layer_stride, dtype=np.int64)
+        transfers = [Transfer("ssd-write", lengths, plan, plan.segment.digests)]
+        if plan.replica is not None:  # the bytes land in DRAM on their way to the drive
+            self.counters.add("pages_replicated", len(plan.new_positions))
+            transfers.insert(0, Transfer("d2h", np.array([layout.nbytes]), medium=Medium.DRAM))
+        return transfers
 
     def complete(self, transfer: Transfer) -> None:
         plan = transfer.token
@@ -185,9 +203,10 @@ class FlatStorage:
         )
         return digests[:keep]
 
-    def _check_never_moved(self, segments: list[Any]) -> None:
-        for segment in segments:
-            known = self.media_at_publish.get(segment.segment_id)
+    def _check_never_moved(self, segment_ids: list[int]) -> None:
+        for segment_id in segment_ids:
+            segment = self.catalog.segments[segment_id]  # the home copy, not a replica
+            known = self.media_at_publish.get(segment_id)
             if known is not None and known != (segment.medium, segment.offset):
                 self.counters.add("migrations")
 

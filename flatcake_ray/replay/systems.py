@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from flatcake_ray.config import DRAM_POLICIES
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ConfigError
 
@@ -65,6 +66,7 @@ class SystemSpec:
     oracle: bool = False
     oracle_horizon_s: float = 60.0
     fifo_buckets: int = 64
+    dram_policy: str | None = None  # flat: overrides PlacementConfig.dram_policy
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_KINDS:
@@ -75,6 +77,8 @@ class SystemSpec:
             raise ConfigError("host_staging, oracle_horizon_s >= 0 and fifo_buckets >= 1")
         if self.storage == "flat" and (self.host_staging or self.promote):
             raise ConfigError("flat storage has no host staging and never promotes")
+        if self.dram_policy is not None and self.dram_policy not in DRAM_POLICIES:
+            raise ConfigError(f"dram_policy must be one of {DRAM_POLICIES}")
 
 
 SYSTEMS: dict[str, SystemSpec] = {
@@ -88,6 +92,12 @@ SYSTEMS: dict[str, SystemSpec] = {
         "tiered-tuned", "tiered", ssd_read="objects", host_staging=4.0, promote=True
     ),
     "flatcake": SystemSpec("flatcake", "flat", bounded_prefetch=True),
+    "flatcake-table2": SystemSpec(
+        "flatcake-table2", "flat", bounded_prefetch=True, dram_policy="table2"
+    ),
+    "flatcake-admit": SystemSpec(
+        "flatcake-admit", "flat", bounded_prefetch=True, dram_policy="admit"
+    ),
     "flatcake-fcfs": SystemSpec("flatcake-fcfs", "flat", scheduler="fcfs", bounded_prefetch=True),
     "oracle": SystemSpec("oracle", "flat", bounded_prefetch=True, oracle=True),
 }
@@ -143,6 +153,7 @@ class StorageCounters:
 
 class Storage(Protocol):
     counters: StorageCounters
+    saves_during_prefill: bool  # store() is called as the prefill starts, not as it ends
 
     def locate(self, request: int, digests: np.ndarray, start: int) -> Located: ...
 
