@@ -70,6 +70,7 @@ def store_config_for(
 
 class FlatStorage:
     saves_during_prefill = True
+
     def __init__(
         self,
         profile: Profile,
