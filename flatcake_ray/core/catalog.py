@@ -136,11 +136,12 @@ class Catalog:
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
         layout = SegmentLayout(len(new_positions), self.config.layers, self.config.page_bytes)
         placement = self.policy.decide(inputs, dram_headroom=self._dram_headroom(layout.nbytes))
-        scope, offset = self._allocate(session, placement, layout.nbytes)
+        ahead = turn > 1
+        scope, offset = self._allocate(session, placement.medium, layout.nbytes, ahead)
         rule = placement.rule
         if scope is None and placement.medium is Medium.DRAM:
             rule = "spill"
-            scope, offset = self._allocate(session, Placement(Medium.SSD, rule), layout.nbytes)
+            scope, offset = self._allocate(session, Medium.SSD, layout.nbytes, ahead)
         if scope is None:
             raise MediumFullError(
                 f"no room for {layout.nbytes} bytes on DRAM or SSD and nothing reclaimable"
@@ -199,18 +200,16 @@ class Catalog:
         )
 
     def _allocate(
-        self, session: Session, placement: Placement, nbytes: int
+        self, session: Session, medium: Medium, nbytes: int, reserve_ahead: bool
     ) -> tuple[Scope | None, int]:
-        medium = placement.medium
+        """Space held ahead keeps a session's turns together in one run; a first turn is
+        mostly never continued (69% of Mooncake sessions), so it takes only what it needs:
+        held-ahead space of first turns was 43% of the SSD the Mooncake replay had reserved,
+        and SSD reclamation then dropped sessions that were coming back."""
         space = self.space[medium]
         if space.capacity < nbytes:
             return None, 0
         scope = self._scope_for(session, medium)
-        # Space held ahead keeps a session's turns together in one run; a first turn is
-        # mostly never continued (69% of Mooncake sessions), so it takes only what it needs:
-        # held-ahead space of one-shot scopes filled 43% of the SSD the Mooncake replay had
-        # reserved, and SSD reclamation then dropped sessions that were coming back.
-        reserve_ahead = placement.rule != "one-shot"
         scope.refs += 1  # keep reclamation away from the scope we are growing
         try:
             if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:

@@ -18,10 +18,15 @@ tiered-gds     the same tiers, SSD hits read by GDS straight into HBM page slots
                per (page, layer), because the eviction-ordered page-major layout puts a
                layer's pages far apart. No host staging, no promotion.
 tiered-tuned   tiered with 4x the staging pool, restores queued (never revoked) for it.
+tiered-aware   tiered-tuned whose DRAM evicts and admits by predicted reuse (a Bidaw-like
+               workload-aware tiered cache, ``aware.py``).
 flatcake       the live :class:`~flatcake_ray.catalog.Catalog` (placement, extents,
                reclamation), its reads laid out by the live reader's descriptor function and
                merged by the live ``coalesce``, per layer as the live restore pipeline does,
                at most ``prefetch_windows`` restores at once, FC-MAS HRRN order.
+               Its DRAM policy is the placement module's default (``replica``).
+flatcake-table2  flatcake with the paper's Table 2 only (no DRAM read replicas).
+flatcake-admit   flatcake admitting SSD-bound later turns to DRAM while it has headroom.
 flatcake-fcfs  flatcake with the scheduler's ``fcfs`` policy (paper's w/o FC-MAS ablation).
 oracle         flatcake whose placement knows each page's next use (from the trace): pages
                never used again are not stored; a put whose next use is within
@@ -67,6 +72,7 @@ class SystemSpec:
     oracle_horizon_s: float = 60.0
     fifo_buckets: int = 64
     dram_policy: str | None = None  # flat: overrides PlacementConfig.dram_policy
+    dram_order: str = "lru"  # tiered: lru | predicted (eviction and admission, aware.py)
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_KINDS:
@@ -77,6 +83,8 @@ class SystemSpec:
             raise ConfigError("host_staging, oracle_horizon_s >= 0 and fifo_buckets >= 1")
         if self.storage == "flat" and (self.host_staging or self.promote):
             raise ConfigError("flat storage has no host staging and never promotes")
+        if self.dram_order not in ("lru", "predicted"):
+            raise ConfigError("dram_order must be lru or predicted")
         if self.dram_policy is not None and self.dram_policy not in DRAM_POLICIES:
             raise ConfigError(f"dram_policy must be one of {DRAM_POLICIES}")
 
@@ -90,6 +98,14 @@ SYSTEMS: dict[str, SystemSpec] = {
     "tiered-gds": SystemSpec("tiered-gds", "tiered", ssd_read="page-layer"),
     "tiered-tuned": SystemSpec(
         "tiered-tuned", "tiered", ssd_read="objects", host_staging=4.0, promote=True
+    ),
+    "tiered-aware": SystemSpec(
+        "tiered-aware",
+        "tiered",
+        ssd_read="objects",
+        host_staging=4.0,
+        promote=True,
+        dram_order="predicted",
     ),
     "flatcake": SystemSpec("flatcake", "flat", bounded_prefetch=True),
     "flatcake-table2": SystemSpec(
