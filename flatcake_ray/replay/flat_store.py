@@ -159,6 +159,8 @@ class FlatStorage:
             return []
         layout = plan.segment.layout
         self.counters.add("puts_planned")
+        if self.oracle is None:
+            self._score_against_oracle(request, plan, now)
         if plan.segment.medium is Medium.DRAM:
             return [Transfer("d2h", np.array([layout.nbytes]), plan, medium=Medium.DRAM)]
         lengths = np.full(layout.layers, layout.layer_stride, dtype=np.int64)
@@ -203,6 +205,23 @@ class FlatStorage:
             Medium.DRAM if near else Medium.SSD, "oracle-dram" if near else "oracle-ssd"
         )
         return digests[:keep]
+
+    def _score_against_oracle(self, request: int, plan: Any, now: float) -> None:
+        """Count the put's pages that sit where the oracle would not put them: homed on DRAM
+        but not read again within the oracle's horizon, or only on SSD (no replica) though
+        read again within it. Pages never read again are counted apart (the oracle does not
+        store them at all)."""
+        first = self.pages.offsets[request]
+        next_use = self.pages.next_use[first + plan.new_positions]
+        reused = next_use >= 0
+        soon = np.zeros(len(next_use), dtype=bool)
+        soon[reused] = self.arrivals[next_use[reused]] - now <= self.spec.oracle_horizon_s
+        in_dram = plan.segment.medium is Medium.DRAM
+        dram_copy = in_dram or plan.replica is not None
+        self.counters.add("pages_scored", len(next_use))
+        self.counters.add("pages_never_reused", int((~reused).sum()))
+        self.counters.add("pages_dram_not_soon", int((~soon).sum()) if in_dram else 0)
+        self.counters.add("pages_ssd_only_soon", 0 if dram_copy else int(soon.sum()))
 
     def _check_never_moved(self, segment_ids: list[int]) -> None:
         for segment_id in segment_ids:
