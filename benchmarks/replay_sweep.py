@@ -33,7 +33,7 @@ import platform
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -202,9 +202,10 @@ def main() -> int:
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [pool.submit(run_section, name, args.quick) for name, *_ in chosen]
         done = {}
-        for future in futures:
+        for future in as_completed(futures):
             name, result, seconds = future.result()
             done[name] = (result, seconds)
+            write_outputs(result, Path(args.out) / name)  # usable before the sweep ends
             print(f"{name}: {len(result['runs'])} runs, {seconds:.0f} s", flush=True)
     total = time.perf_counter() - started
     Path(args.md).write_text(compose(chosen, done, args, total))
@@ -249,7 +250,7 @@ def compose(chosen, done, args, total: float) -> str:
 
 
 def publish_figure(result: dict[str, Any], name: str, args: argparse.Namespace) -> str:
-    paths = write_outputs(result, Path(args.out) / name)
+    paths = write_outputs(result, Path(args.out) / name)  # again: merged tables differ
     if not args.figures:
         return ""
     target = Path(args.figures) / f"{name}.png"
