@@ -29,6 +29,7 @@ smoke run).
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import shutil
 import sys
@@ -52,8 +53,12 @@ from flatcake_ray.replay.report import CLASS_COLUMNS, merge_results
 from flatcake_ray.traces.records import Trace
 from flatcake_ray.traces.synth import SyntheticTrace, SynthOptions
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl.gz"
+REPO = Path(__file__).resolve().parents[1]
+TRACE_NAME = "shared/traces/mooncake_conversation_trace.jsonl.gz"
+# Beside the checkout (/work/main -> /work/shared) or beside a worktree's parent folder.
+MOONCAKE = next(
+    (path for path in (REPO.parent / TRACE_NAME, REPO.parents[1] / TRACE_NAME) if path.exists()),
+    REPO.parent / TRACE_NAME,
 )
 PROFILE = "deepseek-v4-flash-b200"
 GOAL_SYSTEMS = (
@@ -196,21 +201,45 @@ def main() -> int:
     parser.add_argument("--out", default="bench_out/replay")
     parser.add_argument("--figures", default="docs/figures/replay", help="'' to skip")
     parser.add_argument("--only", help="comma-separated section names")
+    parser.add_argument(
+        "--reuse", action="store_true", help="load sections whose result.json is in --out"
+    )
     args = parser.parse_args()
     chosen = [s for s in sections(args.quick) if not args.only or s[0] in args.only.split(",")]
+    wants_mooncake = any(name.endswith("mooncake") for name, *_ in chosen)
+    if wants_mooncake and not MOONCAKE.exists():
+        parser.error(f"the Mooncake trace is not at {MOONCAKE}")
     started = time.perf_counter()
+    done = load_saved(chosen, Path(args.out)) if args.reuse else {}
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_section, name, args.quick) for name, *_ in chosen]
-        done = {}
+        todo = [name for name, *_ in chosen if name not in done]
+        todo.sort(key=lambda name: not name.endswith("mooncake"))  # the longest ones first
+        futures = [pool.submit(run_section, name, args.quick) for name in todo]
         for future in as_completed(futures):
-            name, result, seconds = future.result()
+            try:
+                name, result, seconds = future.result()
+            except Exception as exc:  # one broken section must not cost the others' hours
+                print(f"a section failed: {exc!r}", file=sys.stderr, flush=True)
+                continue
             done[name] = (result, seconds)
+            result["config"]["section_seconds"] = seconds
             write_outputs(result, Path(args.out) / name)  # usable before the sweep ends
             print(f"{name}: {len(result['runs'])} runs, {seconds:.0f} s", flush=True)
-    total = time.perf_counter() - started
+    total = sum(seconds for _, seconds in done.values())
+    chosen = [section for section in chosen if section[0] in done]
     Path(args.md).write_text(compose(chosen, done, args, total))
-    print(f"wrote {args.md} ({total:.0f} s)")
+    print(f"wrote {args.md} ({total:.0f} s of sections, {time.perf_counter() - started:.0f} s)")
     return 0
+
+
+def load_saved(chosen, out: Path) -> dict[str, tuple[dict[str, Any], float]]:
+    saved = {}
+    for name, *_ in chosen:
+        path = out / name / "result.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            saved[name] = (result, result["config"].get("section_seconds", 0.0))
+    return saved
 
 
 def compose(chosen, done, args, total: float) -> str:
@@ -218,7 +247,8 @@ def compose(chosen, done, args, total: float) -> str:
     parts = [
         "# Replay model: FlatCake vs tiered baselines\n\n",
         f"Command: `{command}` ({platform.node()}, {time.strftime('%Y-%m-%d')}; "
-        f"{len(chosen)} sections in {total / 60:.0f} min with {args.jobs} jobs). "
+        f"{len(chosen)} sections, {total / 60:.0f} min of section time, run {args.jobs} "
+        "at a time on a shared 2-core VM). "
         "Hit rate = delivered / reusable pages; ± = sample std over seeds (arrival jitter). "
         "The model is described in `flatcake_ray/replay/`; the placement rule in "
         "`docs/placement.md`.\n",
