@@ -29,12 +29,13 @@ from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
 from flatcake_ray.core.layout import SegmentLayout
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.core.records import Lease, PutHints, PutPlan, Scope, Segment, Session
+from flatcake_ray.core.replicas import ReplicaMixin
 from flatcake_ray.errors import MediumFullError
 
 __all__ = ["Catalog", "Lease", "PutHints", "PutPlan", "Scope", "Segment", "Session"]
 
 
-class Catalog:
+class Catalog(ReplicaMixin):
     def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
         self.config = config
         self.policy = policy or PlacementPolicy(config.placement)
@@ -234,58 +235,6 @@ class Catalog:
         self._age[medium][scope.scope_id] = None
         return scope
 
-    # ---- DRAM read replicas --------------------------------------------------------------
-    def _plan_replica(self, home: Scope, segment: Segment) -> Segment | None:
-        """A DRAM place for a copy of ``segment`` (in a replica scope of its own), taken only
-        from free DRAM or from less recently read replicas, never from a home scope; None
-        when there is none."""
-        space = self.space[Medium.DRAM]
-        nbytes = segment.layout.nbytes
-        if nbytes > space.capacity * self.config.high_watermark:
-            self.counters["replicas_refused"] += 1
-            return None
-        scope = Scope(next(self._ids), home.session_id, Medium.DRAM, replica_of=home.scope_id)
-        self.scopes[scope.scope_id] = scope
-        self._replica_age[scope.scope_id] = None
-        scope.refs += 1  # not dropped while we make room for it
-        try:
-            offset = None
-            while offset is None:
-                if space.used_fraction + nbytes / space.capacity <= self.config.high_watermark:
-                    offset = space.place(scope.runs, nbytes, reserve_ahead=False)
-                if offset is None and self._drop_oldest_replica() is None:
-                    break
-        finally:
-            scope.refs -= 1
-        if offset is None:
-            self.counters["replicas_refused"] += 1
-            self._drop_if_unused(scope)
-            return None
-        scope.refs += 1  # an in-flight write pins its replica scope too
-        return Segment(
-            segment.segment_id, scope.scope_id, Medium.DRAM, offset, segment.layout, segment.digests
-        )
-
-    def _drop_oldest_replica(self) -> Scope | None:
-        for scope_id in self._replica_age:
-            scope = self.scopes[scope_id]
-            if scope.refs == 0:
-                self._free_replicas(scope)
-                return scope
-        return None
-
-    def _free_replicas(self, scope: Scope) -> int:
-        """Drop a replica scope: its segment is read from SSD again; nothing is written."""
-        for segment_id in scope.segments:
-            segment = self.segments.get(segment_id)
-            if segment is not None:
-                segment.replica = None
-        freed = self.space[Medium.DRAM].release(scope.runs)
-        self.counters["replica_scopes_dropped"] += 1
-        self.counters["replica_bytes_dropped"] += freed
-        self._drop_scope(scope)
-        return freed
-
     # ---- publish and abort ---------------------------------------------------------------
     def publish(self, plan: PutPlan) -> np.ndarray:
         """Make a written segment's keys visible; returns the mask of pages published."""
@@ -307,16 +256,6 @@ class Catalog:
         self.rule_counts[plan.rule] = self.rule_counts.get(plan.rule, 0) + 1
         self._touch(scope, 0)
         return inserted
-
-    def _publish_replica(self, replica: Segment, segment: Segment) -> None:
-        scope = self.scopes[replica.scope_id]
-        scope.refs -= 1
-        replica.checksums = segment.checksums  # the same bytes
-        segment.replica = replica
-        scope.segments.append(segment.segment_id)
-        scope.pages += segment.layout.pages
-        self.counters["replicas_written"] += 1
-        self._touch(scope, 0)
 
     def abort(self, plan: PutPlan) -> None:
         """Give back an unwritten segment's space (exactly when it is still the run's tail)."""
@@ -388,10 +327,6 @@ class Catalog:
         if self.on_free is not None:
             self.on_free(scope)
         return freed
-
-    def _free_replicas_of(self, segment: Segment) -> None:
-        if segment.replica is not None and segment.replica.scope_id in self.scopes:
-            self._free_replicas(self.scopes[segment.replica.scope_id])
 
     def _drop_scope(self, scope: Scope) -> None:
         self.scopes.pop(scope.scope_id, None)
