@@ -227,7 +227,9 @@ def main() -> int:
             print(f"{name}: {len(result['runs'])} runs, {seconds:.0f} s", flush=True)
     total = sum(seconds for _, seconds in done.values())
     chosen = [section for section in chosen if section[0] in done]
-    Path(args.md).write_text(compose(chosen, done, args, total))
+    md = Path(args.md)
+    findings = kept_findings(md.read_text() if md.exists() else "")
+    md.write_text(compose(chosen, done, args, total, findings))
     print(f"wrote {args.md} ({total:.0f} s of sections, {time.perf_counter() - started:.0f} s)")
     return 0
 
@@ -242,7 +244,16 @@ def load_saved(chosen, out: Path) -> dict[str, tuple[dict[str, Any], float]]:
     return saved
 
 
-def compose(chosen, done, args, total: float) -> str:
+FINDINGS = ("<!-- findings: written by hand, kept by reruns -->", "<!-- /findings -->")
+
+
+def kept_findings(text: str) -> str:
+    """The hand-written findings block of an earlier ``--md``, markers included."""
+    start, end = (text.find(marker) for marker in FINDINGS)
+    return text[start : end + len(FINDINGS[1])] + "\n" if 0 <= start < end else ""
+
+
+def compose(chosen, done, args, total: float, findings: str = "") -> str:
     command = "python benchmarks/replay_sweep.py" + (" --quick" if args.quick else "")
     parts = [
         "# Replay model: FlatCake vs tiered baselines\n\n",
@@ -253,6 +264,7 @@ def compose(chosen, done, args, total: float) -> str:
         "The model is described in `flatcake_ray/replay/`; the placement rule in "
         "`docs/placement.md`.\n",
     ]
+    parts.append("\n" + findings if findings else "")
     goal = [row for name, _, role, _ in chosen if role == "goal" for row in
             goal_rows(name, done[name][0])]  # fmt: skip
     if goal:
