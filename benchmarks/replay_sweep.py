@@ -98,9 +98,9 @@ def sections(quick: bool) -> list[tuple[str, str, str, Any]]:
     chat = partial(synthetic, "chat", 0.1)
 
     def compare(trace, overrides, loads, systems=GOAL_SYSTEMS, **options):
-        return lambda: run_comparison(
+        return lambda keep: run_comparison(
             trace() if callable(trace) else trace,
-            systems,
+            tuple(filter(keep, systems)),
             PROFILE,
             loads,
             seeds,
@@ -110,8 +110,8 @@ def sections(quick: bool) -> list[tuple[str, str, str, Any]]:
         )
 
     def placement(trace, parameter, values, load, overrides):
-        return lambda: run_placement_sweep(
-            trace(), parameter, values, FLAT_PAIR, PROFILE, load, seeds,
+        return lambda keep: run_placement_sweep(
+            trace(), parameter, values, tuple(filter(keep, FLAT_PAIR)), PROFILE, load, seeds,
             profile_overrides=overrides, progress=False,
         )  # fmt: skip
 
@@ -133,8 +133,9 @@ def sections(quick: bool) -> list[tuple[str, str, str, Any]]:
         ("mixed", "Mixed: agentic, chat, and chat turning agentic", "goal",
          compare(mixed, TIGHT, pick((0.25, 1.0), (0.5,)))),
         ("context", "Context length (Figure 10), Llama-3.1-70B on A100 TP4", "goal",
-         lambda: run_context_sweep(
-             pick((8192, 32768, 131072), (32768,)), ("recompute", *GOAL_SYSTEMS),
+         lambda keep: run_context_sweep(
+             pick((8192, 32768, 131072), (32768,)),
+             tuple(filter(keep, ("recompute", *GOAL_SYSTEMS))),
              "llama-3.1-70b-a100", seeds, progress=False)),
         ("alternatives-tight", "DRAM policies tried, agentic-tight", "alternatives",
          compare(agentic, TIGHT, pick((0.5, 1.0), (1.0,)), ALTERNATIVES)),
@@ -153,11 +154,21 @@ def sections(quick: bool) -> list[tuple[str, str, str, Any]]:
     ]  # fmt: skip
 
 
-def run_section(name: str, quick: bool) -> tuple[str, dict[str, Any], float]:
+def run_section(
+    name: str, quick: bool, only: tuple[str, ...] | None = None
+) -> tuple[str, dict[str, Any], float]:
+    """Run a section; ``only``: just these of its systems."""
     runner = next(run for n, _, _, run in sections(quick) if n == name)
     start = time.perf_counter()
-    result = runner()
+    result = runner(lambda system: only is None or system in only)
     return name, result, time.perf_counter() - start
+
+
+def with_saved(result: dict[str, Any], saved: dict[str, Any], rerun: tuple[str, ...]):
+    """A section rerun for ``rerun`` systems, completed by the saved runs of the others."""
+    runs = [r for r in saved["runs"] if r["system"] not in rerun] + result["runs"]
+    summary = [r for r in saved["summary"] if r["system"] not in rerun] + result["summary"]
+    return {**saved, "runs": runs, "summary": summary}
 
 
 def capacity_text(profile: dict[str, Any]) -> str:
@@ -204,23 +215,36 @@ def main() -> int:
     parser.add_argument(
         "--reuse", action="store_true", help="load sections whose result.json is in --out"
     )
+    parser.add_argument(
+        "--rerun",
+        help="comma-separated systems: sections saved in --out rerun only these and keep the "
+        "saved runs of the others (after a change that only they see)",
+    )
     args = parser.parse_args()
     chosen = [s for s in sections(args.quick) if not args.only or s[0] in args.only.split(",")]
     wants_mooncake = any(name.endswith("mooncake") for name, *_ in chosen)
     if wants_mooncake and not MOONCAKE.exists():
         parser.error(f"the Mooncake trace is not at {MOONCAKE}")
     started = time.perf_counter()
-    done = load_saved(chosen, Path(args.out)) if args.reuse else {}
+    saved = load_saved(chosen, Path(args.out)) if args.reuse or args.rerun else {}
+    rerun = tuple(args.rerun.split(",")) if args.rerun else None
+    done = {} if rerun else saved
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         todo = [name for name, *_ in chosen if name not in done]
         todo.sort(key=lambda name: not name.endswith("mooncake"))  # the longest ones first
-        futures = [pool.submit(run_section, name, args.quick) for name in todo]
+        futures = [
+            pool.submit(run_section, name, args.quick, rerun if name in saved else None)
+            for name in todo
+        ]
         for future in as_completed(futures):
             try:
                 name, result, seconds = future.result()
             except Exception as exc:  # one broken section must not cost the others' hours
                 print(f"a section failed: {exc!r}", file=sys.stderr, flush=True)
                 continue
+            if rerun and name in saved:
+                old, old_seconds = saved[name]
+                result, seconds = with_saved(result, old, rerun), seconds + old_seconds
             done[name] = (result, seconds)
             result["config"]["section_seconds"] = seconds
             write_outputs(result, Path(args.out) / name)  # usable before the sweep ends
