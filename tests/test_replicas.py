@@ -100,6 +100,19 @@ def test_replicas_are_dropped_least_recently_read_first_and_never_while_leased()
     assert read_media(catalog, 200, 4) == [Medium.DRAM] * 4
 
 
+def test_a_put_that_reuses_a_prefix_makes_its_replicas_recent():
+    catalog = Catalog(config(dram_pages=8))
+    put(catalog, 0, 4, "a")
+    put(catalog, 100, 4, "b")  # DRAM full; a is the least recently used
+    # a's next turn: its prefix came from the engine's own cache (no lease), yet it was used
+    hints = PutHints(turn=2, prior_reply_tokens=5000)  # agentic: homed on SSD
+    plan = catalog.plan_put(digests_of(np.arange(6)), session_id="a", hints=hints)
+    catalog.publish(plan)
+    assert plan.replica is not None
+    assert read_media(catalog, 0, 4) == [Medium.DRAM] * 4
+    assert read_media(catalog, 100, 4) == [Medium.SSD] * 4  # b made room
+
+
 def test_reclaiming_an_ssd_scope_frees_its_replicas_and_abort_gives_space_back():
     catalog = Catalog(config(dram_pages=16))
     put(catalog, 0, 4, "a")
