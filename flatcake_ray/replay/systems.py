@@ -4,36 +4,36 @@ Every system runs the same engine loop (``engine.py``) with the same GPU HBM pre
 the same devices and the live FC-MAS :class:`~flatcake_ray.scheduler.Scheduler`. What
 differs is the storage behind HBM and a few switches:
 
-============== ============================================================================
-recompute      HBM only: every page not in HBM is recomputed.
-dram-only      HBM + a host DRAM LRU (SGLang HiCache L2): new pages are written through to
-               DRAM, evicted pages are dropped.
-tiered         Mooncake-like: DRAM LRU first; DRAM evictions go to SSD in FIFO buckets
-               shared by all sessions (a recycled bucket drops every page in it); an SSD hit
-               is read as page objects into host staging that is held for the whole in-flight
-               prefix until its H2D copy is done; a restore that finds the staging pool full
-               is revoked and its pages recomputed; SSD hits are promoted into DRAM (re-read
-               from SSD, paper Figure 5(c)(i)).
-tiered-gds     the same tiers, SSD hits read by GDS straight into HBM page slots: one command
-               per (page, layer), because the eviction-ordered page-major layout puts a
-               layer's pages far apart. No host staging, no promotion.
-tiered-tuned   tiered with 4x the staging pool, restores queued (never revoked) for it.
-tiered-aware   tiered-tuned whose DRAM evicts and admits by predicted reuse (a Bidaw-like
-               workload-aware tiered cache, ``aware.py``).
-flatcake       the live :class:`~flatcake_ray.catalog.Catalog` (placement, extents,
-               reclamation), its reads laid out by the live reader's descriptor function and
-               merged by the live ``coalesce``, per layer as the live restore pipeline does,
-               at most ``prefetch_windows`` restores at once, FC-MAS HRRN order.
-               Its DRAM policy is the placement module's default (``replica``).
-flatcake-table2  flatcake with the paper's Table 2 only (no DRAM read replicas).
-flatcake-admit   flatcake admitting SSD-bound later turns to DRAM while it has headroom.
-flatcake-fcfs  flatcake with the scheduler's ``fcfs`` policy (paper's w/o FC-MAS ablation).
-oracle         flatcake whose placement knows each page's next use (from the trace): pages
-               never used again are not stored; a put whose next use is within
-               ``oracle_horizon_s`` goes to DRAM while DRAM stays under its low watermark
-               (so reclamation never drops what will be reused), the rest to SSD. A
-               reference point, not an optimum: capacity is still reclaimed oldest-first.
-============== ============================================================================
+=============== ===========================================================================
+recompute       HBM only: every page not in HBM is recomputed.
+dram-only       HBM + a host DRAM LRU (SGLang HiCache L2): new pages are written through to
+                DRAM, evicted pages are dropped.
+tiered          Mooncake-like: DRAM LRU first; DRAM evictions go to SSD in FIFO buckets
+                shared by all sessions (a recycled bucket drops every page in it); an SSD hit
+                is read as page objects into host staging that is held for the whole in-flight
+                prefix until its H2D copy is done; a restore that finds the staging pool full
+                is revoked and its pages recomputed; SSD hits are promoted into DRAM (re-read
+                from SSD, paper Figure 5(c)(i)).
+tiered-gds      the same tiers, SSD hits read by GDS straight into HBM page slots: one command
+                per (page, layer), because the eviction-ordered page-major layout puts a
+                layer's pages far apart. No host staging, no promotion.
+tiered-tuned    tiered with 4x the staging pool, restores queued (never revoked) for it.
+tiered-aware    tiered-tuned whose DRAM evicts and admits by predicted reuse (a Bidaw-like
+                workload-aware tiered cache, ``aware.py``).
+flatcake        the live :class:`~flatcake_ray.catalog.Catalog` (placement, extents,
+                reclamation), its reads laid out by the live reader's descriptor function and
+                merged by the live ``coalesce``, per layer as the live restore pipeline does,
+                at most ``prefetch_windows`` restores at once, FC-MAS HRRN order.
+                Its DRAM policy is the placement module's default (``replica``).
+flatcake-table2 flatcake with the paper's Table 2 only (no DRAM read replicas).
+flatcake-admit  flatcake admitting SSD-bound later turns to DRAM while it has headroom.
+flatcake-fcfs   flatcake with the scheduler's ``fcfs`` policy (paper's w/o FC-MAS ablation).
+oracle          flatcake whose placement knows each page's next use (from the trace): pages
+                never used again are not stored; a put whose next use is within
+                ``oracle_horizon_s`` goes to DRAM while DRAM stays under its low watermark
+                (so reclamation never drops what will be reused), the rest to SSD. A
+                reference point, not an optimum: capacity is still reclaimed oldest-first.
+=============== ===========================================================================
 
 Dispatch. The tiered systems dispatch whichever requests have their data, oldest first, and
 start every restore at arrival (SGLang's wait-for-prefetch behaviour): the shared scheduler
