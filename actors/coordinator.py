@@ -5,14 +5,19 @@ the nodes' periodic reports, and places each new session scope on a node. It is 
 read path: clients find pages by asking storage nodes (see ``flatcake_ray/client.py``), so a
 dead or restarting coordinator delays only the first put of new sessions.
 
-Placement is smooth weighted round-robin over the live nodes, weight = free bytes (DRAM + SSD)
-x ramp, where ramp grows linearly from ``ramp_floor`` to 1 over ``ramp_seconds`` after a node
-joins. Proportional shares (not "pick the emptiest") keep one empty node from taking every new
-scope between two reports, and the ramp keeps a node that just joined from being flooded.
+Placement is smooth weighted round-robin over the live, undrained nodes, weight = free bytes
+(DRAM + SSD) x ramp, where ramp grows linearly from ``ramp_floor`` to 1 over ``ramp_seconds``
+after a node joins. Proportional shares (not "pick the emptiest") keep one empty node from
+taking every new scope between two reports, and the ramp keeps a node that just joined from
+being flooded.
+
+An operator drains a node before removing it (``drain``): it gets no new scopes, a session
+placed there is placed anew, and its pages stay readable until it goes. The drained set is
+kept in Ray's GCS (``actors/drain.py``), so a restarted coordinator finds it again.
 
 State is soft: on (re)start the coordinator asks every storage node it finds by name for its
 NodeID, start time, usage and sessions, and carries on from that. Nodes keep their NodeIDs.
-This is a plain class; ``flatcake_ray/service.py`` wraps it with ``ray.remote``.
+This is a plain class; ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from flatcake_ray.actors.auth import Gate, default_tenant
+from flatcake_ray.actors.drain import read_drained, write_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage
+from flatcake_ray.actors.tenant_admin import TenantAdmin
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import MAX_NODE_ID
-from flatcake_ray.errors import ServiceError
+from flatcake_ray.core.put_checks import check_session_id
+from flatcake_ray.errors import ServiceError, UnknownNodeError
 
 log = logging.getLogger(__name__)
 MAX_SESSIONS = 1 << 20  # session -> node entries kept (oldest forgotten first)
@@ -70,20 +79,42 @@ def ramp(record: NodeRecord, now: float, config: ServiceConfig) -> float:
 
 
 class CapacityCoordinator:
-    def __init__(self, config: ServiceConfig, *, rebuild: bool = True) -> None:
+    def __init__(self, config: ServiceConfig, service_secret: str, *, rebuild: bool = True) -> None:
+        """``rebuild``: take the cluster's state (storage nodes, drained set, tenants) from
+        Ray and keep the drained set and tenants there; False for a coordinator used as a
+        plain object, without Ray."""
         self.config = config
+        default = default_tenant(config.layers, config.page_bytes)
+        self.gate = Gate(
+            config.namespace,
+            service_secret,
+            default if config.open_default else None,
+            in_gcs=rebuild,
+        )
+        self.tenants = TenantAdmin(self.gate, service_secret, in_gcs=rebuild)
+        self._service_secret = service_secret
         self.nodes: dict[int, NodeRecord] = {}
-        self.sessions: OrderedDict[str, int] = OrderedDict()
+        self.sessions: OrderedDict[tuple[str, Any], int] = OrderedDict()
         self.started_at = time.time()
         self.counters = {"registrations": 0, "placements": 0, "rebuilt_nodes": 0, "reports": 0}
+        self._in_gcs = rebuild
+        self.drained: frozenset[int] = frozenset()
         if rebuild:
+            self.drained = read_drained(config.namespace)
             self._rebuild()
 
     # ---- membership ------------------------------------------------------------------------
     def register(
-        self, ray_node_id: str, actor_name: str, wanted_node_id: int | None, started_at: float
+        self,
+        service_secret: object,
+        ray_node_id: str,
+        actor_name: str,
+        wanted_node_id: int | None,
+        started_at: float,
     ) -> int:
-        """The NodeID of this storage node: its old one if free, else the lowest free one."""
+        """The NodeID of this storage node: its old one if free, else the lowest free one.
+        Only the service's own nodes (holding its secret) register."""
+        self.gate.service(service_secret)
         now = time.time()
         for record in self.nodes.values():
             if record.ray_node_id == ray_node_id:  # a repeated registration: same answer
@@ -102,12 +133,18 @@ class CapacityCoordinator:
                 self.nodes.pop(wanted, None)
                 return wanted
         for node_id in range(NO_LOCAL_NODE + 1, MAX_NODE_ID + 1):
-            if node_id not in self.nodes:
+            # A drained NodeID stays reserved for the node that has it (it may come back).
+            if node_id not in self.nodes and node_id not in self.drained:
                 return node_id
         raise ServiceError(f"all {MAX_NODE_ID} NodeIDs are in use")
 
-    def report(self, node_id: int, ray_node_id: str, usage: NodeUsage) -> bool:
+    def report(
+        self, service_secret: object, node_id: int, ray_node_id: str, usage: NodeUsage
+    ) -> bool:
         """A node's periodic usage report; False tells it to register again (we forgot it)."""
+        self.gate.service(service_secret)
+        if not isinstance(usage, NodeUsage):
+            raise ServiceError(f"a report carries NodeUsage, not {type(usage).__name__}")
         record = self.nodes.get(node_id)
         if record is None or record.ray_node_id != ray_node_id:
             return False
@@ -116,33 +153,72 @@ class CapacityCoordinator:
         self.counters["reports"] += 1
         return True
 
-    def forget(self, node_id: int) -> None:
+    def forget(self, service_secret: object, node_id: int) -> None:
+        self.gate.service(service_secret)
         self.nodes.pop(node_id, None)
 
     def _alive(self, record: NodeRecord, now: float) -> bool:
         return now - record.last_seen < self.config.node_timeout_s
 
+    # ---- draining --------------------------------------------------------------------------
+    def drain(self, service_secret: object, node_id: int) -> dict[str, Any]:
+        """Place no new scope on this node (its pages stay readable); returns its row."""
+        self.gate.service(service_secret)
+        if node_id not in self.nodes:
+            known = ", ".join(str(n) for n in sorted(self.nodes)) or "none"
+            raise UnknownNodeError(f"no storage node has NodeID {node_id} (known: {known})")
+        self._set_drained(self.drained | {node_id})
+        log.info("NodeID %d drained: no new scopes are placed there", node_id)
+        return self.nodes_table_row(node_id)
+
+    def undrain(self, service_secret: object, node_id: int) -> bool:
+        """Place scopes on this node again; False if it was not drained."""
+        self.gate.service(service_secret)
+        if node_id not in self.drained:
+            return False
+        self._set_drained(self.drained - {node_id})
+        log.info("NodeID %d undrained", node_id)
+        return True
+
+    def _set_drained(self, node_ids: frozenset[int]) -> None:
+        if self._in_gcs:  # stored first: a failed write changes nothing here either
+            write_drained(self.config.namespace, node_ids)
+        self.drained = node_ids
+
+    def _placeable(self, record: NodeRecord, now: float) -> bool:
+        return record.node_id not in self.drained and self._alive(record, now)
+
     # ---- placement -------------------------------------------------------------------------
-    def place_scope(self, session_id: str | None = None) -> int:
-        """The NodeID that holds (or will hold) this session's scopes."""
-        now = time.time()
+    def place_scope(self, secret: object, session_id: Any = None) -> int:
+        """The NodeID that holds (or will hold) this session of the caller's tenant."""
+        tenant = self.gate.tenant(secret).name
         if session_id is not None:
-            known = self.sessions.get(session_id)
-            if known is not None and known in self.nodes and self._alive(self.nodes[known], now):
-                self.sessions.move_to_end(session_id)
+            session_id = check_session_id(session_id)
+        now = time.time()
+        key = (tenant, session_id)
+        if session_id is not None:
+            known = self.sessions.get(key)
+            if (
+                known is not None
+                and known in self.nodes
+                and self._placeable(self.nodes[known], now)
+            ):
+                self.sessions.move_to_end(key)
                 return known
         node_id = self._choose(now)
         if session_id is not None:
-            self.sessions[session_id] = node_id
+            self.sessions[key] = node_id
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
         self.counters["placements"] += 1
         return node_id
 
     def _choose(self, now: float) -> int:
-        live = [r for r in self.nodes.values() if self._alive(r, now)]
+        live = [r for r in self.nodes.values() if self._placeable(r, now)]
         if not live:
-            raise ServiceError("no live storage node to place a scope on")
+            raise ServiceError(
+                f"no live storage node to place a scope on ({len(self.drained)} drained)"
+            )
         weights = {r.node_id: self._weight(r, now) for r in live}
         total = sum(weights.values())
         for record in live:
@@ -159,20 +235,86 @@ class CapacityCoordinator:
         return max(1.0, float(free)) * ramp(record, now, self.config)
 
     # ---- views -----------------------------------------------------------------------------
-    def nodes_table(self) -> list[dict[str, Any]]:
-        now = time.time()
-        return [self.nodes[n].row(now, self.config) for n in sorted(self.nodes)]
+    def nodes_table(self, service_secret: object) -> list[dict[str, Any]]:
+        self.gate.service(service_secret)
+        return [self.nodes_table_row(n) for n in sorted(self.nodes)]
 
-    def info(self) -> dict[str, Any]:
+    def nodes_table_row(self, node_id: int) -> dict[str, Any]:
+        row = self.nodes[node_id].row(time.time(), self.config)
+        return {**row, "drained": node_id in self.drained}
+
+    def info(self, service_secret: object) -> dict[str, Any]:
+        self.gate.service(service_secret)
         return {
             "started_at": self.started_at,
             "nodes": len(self.nodes),
             "sessions": len(self.sessions),
+            "drained": sorted(self.drained),  # those gone too, until undrained
             **self.counters,
+            **self.gate.counters,
         }
 
     def ping(self) -> str:
         return "ok"
+
+    def service_config(self, service_secret: object) -> dict[str, Any]:
+        """The config this service was started with (``start`` checks its geometry)."""
+        self.gate.service(service_secret)
+        return self.config.to_dict()
+
+    # ---- tenants (``actors/tenant_admin.py``) ------------------------------------------------
+    def add_tenant(
+        self,
+        service_secret: object,
+        name: str,
+        layers: int,
+        page_bytes: int,
+        quota_dram: int | None = None,
+        quota_ssd: int | None = None,
+    ) -> str:
+        """Create a tenant; returns its secret (shown once, kept nowhere)."""
+        self.gate.service(service_secret)
+        secret = self.tenants.add(name, layers, page_bytes, quota_dram, quota_ssd)
+        self._push_tenants()
+        return secret
+
+    def set_tenant_quota(
+        self, service_secret: object, name: str, quota_dram: int | None, quota_ssd: int | None
+    ) -> None:
+        self.gate.service(service_secret)
+        self.tenants.set_quota(name, quota_dram, quota_ssd)
+        self._push_tenants()
+
+    def remove_tenant(self, service_secret: object, name: str) -> None:
+        self.gate.service(service_secret)
+        self.tenants.remove(name)
+        self._push_tenants()
+
+    def list_tenants(self, service_secret: object) -> list[dict[str, Any]]:
+        self.gate.service(service_secret)
+        return self.tenants.rows()
+
+    def _push_tenants(self) -> None:
+        """Have every live node re-read the table now, so a tenant command has taken effect
+        everywhere when it returns (a node that does not answer reads it on its next report)."""
+        if not self._in_gcs:
+            return
+        import ray
+        from ray.exceptions import RayError
+
+        refs = []
+        for record in list(self.nodes.values()):
+            try:
+                handle = ray.get_actor(record.actor_name, namespace=self.config.namespace)
+            except ValueError:  # gone; it re-reads the table when it comes back
+                continue
+            refs.append(handle.refresh_tenants.remote(self._service_secret))
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.rpc_timeout_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                log.warning("a storage node did not re-read the tenant table: %s", exc)
 
     # ---- recovery --------------------------------------------------------------------------
     def _rebuild(self) -> None:
@@ -185,13 +327,13 @@ class CapacityCoordinator:
             if entry["namespace"] == self.config.namespace
             and entry["name"].startswith(NODE_NAME_PREFIX)
         ]
-        refs = {}
+        refs: dict[str, Any] = {}
         for name in names:
             try:
                 handle = ray.get_actor(name, namespace=self.config.namespace)
             except ValueError:  # gone between the listing and now
                 continue
-            refs[name] = handle.coordinator_view.remote()
+            refs[name] = handle.coordinator_view.remote(self._service_secret)
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=REBUILD_TIMEOUT_S)
         for name, ref in refs.items():
             if ref in ready:
@@ -213,6 +355,6 @@ class CapacityCoordinator:
         record = NodeRecord(node_id, view["ray_node_id"], name, view["started_at"], time.time())
         record.usage = view["usage"]
         self.nodes[node_id] = record
-        for session_id in view["sessions"]:
-            self.sessions[session_id] = node_id
+        for tenant, session_id in view["sessions"]:
+            self.sessions[(tenant, session_id)] = node_id
         self.counters["rebuilt_nodes"] += 1

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
-from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.parts import LeasePart
 
 COORDINATOR_NAME = "flatcake-coordinator"
 NODE_NAME_PREFIX = "flatcake-node-"
@@ -44,6 +45,9 @@ class NodeDescription:
     ship_nixl: Any = None  # NixlPeerInfo of the ship (bounce) buffer
     nixl_reason: str | None = None  # why NIXL is unusable on that node
     rdma: bool = False  # the arena is exported for one-sided RDMA READs (accept_rdma)
+    verify_dram: bool = False  # readers check DRAM blocks too (SSD blocks always)
+    gap_bytes: int = 64 << 10  # coalescing: holes smaller than this are read and dropped
+    tenant: str = "default"  # whose geometry ``layers`` and ``page_bytes`` are
 
 
 @dataclass(frozen=True)
@@ -78,58 +82,56 @@ class NodeUsage:
 
 
 @dataclass(frozen=True)
-class SegmentPart:
-    """The pages a lease wants from one segment: where they sit and where they go."""
-
-    scope_id: int
-    medium: Medium
-    offset: int  # medium-local offset of the segment's layer 0, page 0
-    pages: int  # pages in the segment
-    page_bytes: int
-    layer_stride: int
-    checksums: np.ndarray  # per layer, of the layer's pages (layer_stride padding excluded)
-    src_pages: np.ndarray  # int64, index inside the segment
-    dst_positions: np.ndarray  # int64, index in the request
-
-    @property
-    def layer_bytes(self) -> int:
-        return self.pages * self.page_bytes
-
-    def layer_offset(self, layer: int) -> int:
-        return self.offset + layer * self.layer_stride
-
-
-@dataclass(frozen=True)
 class LeaseReply:
     """One node's answer to a lookup: its consecutive hits, pinned until released."""
 
     node_id: int
     lease_id: int
     hits: int
-    parts: tuple[SegmentPart, ...] = ()
+    parts: tuple[LeasePart, ...] = ()
 
     @property
     def media(self) -> set[str]:
         return {part.medium.name for part in self.parts}
 
 
+class StagingKind(Enum):
+    """Where the bytes of a staged put wait for the owner."""
+
+    SHM = "shm"  # a client's shared-memory staging buffer, mapped by the owner (same node)
+    NIXL = "nixl"  # the same buffer exported over NIXL, pulled by the owner (other node)
+    INLINE = "inline"  # LAST RESORT: in the call itself, through the Ray object store
+
+
+@dataclass(frozen=True)
+class StagedPiece:
+    """Pages of keys ``[first, first + count)`` of one layer, at ``offset`` of the staging."""
+
+    layer: int
+    first: int
+    count: int
+    offset: int
+
+
 @dataclass(frozen=True)
 class StagedPages:
-    """Where the bytes of a put wait for the owner: a client's shared-memory staging buffer
-    (same node), the same buffer exported over NIXL (other node), or, as the labelled last
-    resort, inline in the call (through the Ray object store)."""
+    """Where the bytes of (part of) a put wait for the owner, and which pages they are."""
 
-    kind: str  # "shm" | "nixl" | "inline"
-    layers: int
-    pages: int
+    kind: StagingKind
     page_bytes: int
-    offset: int = 0  # byte offset of the pages in the staging buffer
-    path: str = ""  # kind "shm": where the owner maps the staging memory (/proc/<pid>/fd/<fd>)
+    pieces: tuple[StagedPiece, ...]
+    offset: int = 0  # byte offset of the staged bytes in the staging buffer
+    nbytes: int = 0  # staged bytes from ``offset``
+    path: str = ""  # SHM: where the owner maps the staging memory (/proc/<pid>/fd/<fd>)
     token: str = ""  # names that staging buffer (fd numbers are reused): the mapping's key
     buffer_bytes: int = 0  # size of the whole staging buffer
-    peer: Any = None  # kind "nixl": NixlPeerInfo of the staging buffer
+    peer: Any = None  # NIXL: NixlPeerInfo of the staging buffer
     inline: np.ndarray | None = field(default=None, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.layers * self.pages * self.page_bytes
+
+@dataclass(frozen=True)
+class PutTicket:
+    """A layer-wise put the owner planned and holds open (see ``StorageNode.begin_put``)."""
+
+    put_id: int
+    pages_new: int

@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-import itertools
 import queue
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -22,15 +22,12 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import ALIGN
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferError
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport
-
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -48,20 +45,20 @@ class RegionAllocator:
         self.nbytes = nbytes
         self.ttl_s = ttl_s
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (start, length)
-        self._held: dict[int, tuple[int, int, float]] = {}
-        self._ids = itertools.count(1)
+        self._held: dict[int, tuple[int, int, float, str]] = {}
 
-    def allocate(self, nbytes: int) -> tuple[int, int]:
-        """(region id, start); raises ShipBufferFullError when nothing fits."""
-        nbytes = _align(nbytes)
+    def allocate(self, nbytes: int, owner: str = "") -> tuple[int, int]:
+        """(region id, start) of a region only ``owner`` may free (ids are random 63-bit
+        numbers, so nobody else can name it); ShipBufferFullError when nothing fits."""
+        nbytes = align_up(nbytes)
         found = self._first_fit(nbytes)
         if found is None:
             self._expire(time.monotonic())
             found = self._first_fit(nbytes)
         if found is None:
             raise ShipBufferFullError(f"no {nbytes} free bytes in the {self.nbytes}-byte buffer")
-        region_id = next(self._ids)
-        self._held[region_id] = (found, nbytes, time.monotonic() + self.ttl_s)
+        region_id = secrets.randbits(63)
+        self._held[region_id] = (found, nbytes, time.monotonic() + self.ttl_s, owner)
         return region_id, found
 
     def _first_fit(self, nbytes: int) -> int | None:
@@ -72,10 +69,12 @@ class RegionAllocator:
                 return start
         return None
 
-    def free(self, region_id: int) -> bool:
-        held = self._held.pop(region_id, None)
-        if held is None:
+    def free(self, region_id: object, owner: str = "") -> bool:
+        """Give back ``owner``'s region; False (nothing changes) for anyone else's."""
+        held = self._held.get(region_id) if isinstance(region_id, int) else None
+        if held is None or held[3] != owner:
             return False
+        del self._held[region_id]
         self._give_back(held[0], held[1])
         return True
 
@@ -90,8 +89,9 @@ class RegionAllocator:
         self._free = out
 
     def _expire(self, now: float) -> None:
-        for region_id in [r for r, (_, _, deadline) in self._held.items() if deadline < now]:
-            self.free(region_id)
+        for region_id, held in list(self._held.items()):
+            if held[2] < now:
+                self.free(region_id, held[3])
 
     @property
     def held(self) -> int:
@@ -99,12 +99,10 @@ class RegionAllocator:
 
 
 class ShipBuffer:
-    def __init__(
-        self, nbytes: int, pool: SsdPool, *, gap_bytes: int, max_read_bytes: int, ttl_s: float
-    ) -> None:
+    def __init__(self, nbytes: int, pool: SsdPool, *, ttl_s: float) -> None:
         self.buffer = AlignedBuffer(nbytes)
         self.regions = RegionAllocator(self.buffer.nbytes, ttl_s)
-        self.reader = LocalSsdTransport(pool, gap_bytes=gap_bytes, max_read_bytes=max_read_bytes)
+        self.reader = LocalSsdTransport(pool)
         self.exporter: Any = None  # a NixlArenaExporter of ``buffer`` once exported
         self._lock = threading.Lock()
         self.counters = {"ships": 0, "shipped_bytes": 0, "ship_io_commands": 0}
@@ -116,28 +114,28 @@ class ShipBuffer:
         self.exporter = NixlArenaExporter(agent.name, self.buffer.array, agent=agent)
         return self.exporter.peer_info()
 
-    def ship(self, src_offsets: np.ndarray, lengths: np.ndarray) -> ShipReply:
+    def ship(self, src_offsets: np.ndarray, lengths: np.ndarray, owner: str = "") -> ShipReply:
         lengths = np.asarray(lengths, dtype=np.int64)
         total = int(lengths.sum())
         if total > self.buffer.nbytes:
             raise ReadRangeError(f"{total} bytes asked, the ship buffer holds {self.buffer.nbytes}")
         with self._lock:
-            region_id, start = self.regions.allocate(total)
+            region_id, start = self.regions.allocate(total, owner)
             try:
                 stats = self.reader.read(
                     ReadBatch.packed(src_offsets, lengths, start), self.buffer.array
                 )
             except BaseException:
-                self.regions.free(region_id)
+                self.regions.free(region_id, owner)
                 raise
             self.counters["ships"] += 1
             self.counters["shipped_bytes"] += total
             self.counters["ship_io_commands"] += stats.commands
         return ShipReply(region_id, start, total, stats.commands)
 
-    def unship(self, region_id: int) -> bool:
+    def unship(self, region_id: object, owner: str = "") -> bool:
         with self._lock:
-            return self.regions.free(region_id)
+            return self.regions.free(region_id, owner)
 
     def read_ssd(self, src_offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """The object-store fallback: ranges packed into a fresh array (no NIXL)."""

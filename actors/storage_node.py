@@ -1,377 +1,401 @@
 """StorageNode: one per Ray node, owning that node's FlatCakeStore. Control RPCs only.
 
-A node registers with the coordinator (which gives it its NodeID, kept in ``<root>/node_id``
-so a restart keeps it), exports its DRAM arena and its ship buffer over NIXL, and reports its
-usage every ``report_interval_s``. It answers:
+Every call names who makes it, first argument: a tenant's secret (``None`` for the open
+default tenant), or the service secret for the service's own calls (``coordinator_view``,
+``stats`` of every tenant, ``arm_failpoints``, ``shutdown``). A call with a secret the node
+does not know is refused (:class:`AccessDeniedError`, counted), and whatever it names (keys,
+leases, puts, ship regions) is looked for in the caller's tenant only. The tenant table comes
+from the GCS, signed (``actors/auth.py``); the node re-reads it on every report and when it
+meets a secret it does not know.
 
-- ``lookup`` (with lease) / ``exists`` / ``release``: index lookups, one call per request per
-  node, whatever the page count. A lease pins the scopes of the hits until released or until
-  ``lease_ttl_s`` (its reader died); a reader whose lease ran out drops what it read.
-- ``put_staged``: the bytes are in a client's shared-memory staging buffer (same node), in a
-  client's NIXL-registered staging buffer (pulled with one NIXL READ), or, as the labelled
-  object-store fallback, inline in the call.
-- ``ship``/``unship``: SSD ranges into the NIXL ship buffer for readers on other nodes.
-- ``read_ranges``: the object-store fallback for reads (labelled, last resort).
+The node registers with the coordinator (``actors/membership.py``), exports its DRAM arena
+and its ship buffer over NIXL (``actors/node_exports.py``), and answers:
 
-Reads of DRAM, by local clients (memcpy from the mapped arena) and remote ones (NIXL READs of
-the exported arena), and of local SSD (clients open the pool files) never call the node
-beyond the lookup and the release. A plain class: ``flatcake_ray/service.py`` wraps it.
+- ``lookup`` (with lease) / ``exists`` / ``probe`` / ``release``: index lookups, one call per
+  request per node, whatever the page count. A lease pins the scopes of the hits until
+  released or until ``lease_ttl_s``. ``release`` answers whether the lease was held and every
+  scope it pinned is intact: only then is what its reader copied good.
+- ``begin_put`` / ``write_pages`` / ``commit_put`` / ``abort_put``: a layer-wise put (the
+  store's one put path, ``PutHandle``), a piece at a time; ``put_staged`` is the same put in
+  one call when all its layers fit one staging region (``actors/staged.py``).
+- ``ship``/``unship`` and ``read_ranges`` (the labelled object-store fallback): bytes of
+  ranges the caller's tenant holds a lease on, at most ``ship_bytes`` per call.
+
+A plain class: ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from flatcake_ray.actors.leases import LeaseTable, wire_parts
+from flatcake_ray import failpoints
+from flatcake_ray.actors.auth import Gate, default_tenant
+from flatcake_ray.actors.leases import LeaseTable
+from flatcake_ray.actors.membership import Membership
+from flatcake_ray.actors.node_exports import NodeExports
 from flatcake_ray.actors.protocol import (
-    COORDINATOR_NAME,
     LeaseReply,
     NodeDescription,
     NodeUsage,
+    PutTicket,
     StagedPages,
     node_actor_name,
 )
-from flatcake_ray.actors.shipping import PullArea, ShipBuffer, ShipReply
+from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
+from flatcake_ray.actors.staged import StagedReader
+from flatcake_ray.actors.wire import check_ranges, check_request, scope_ids
 from flatcake_ray.config import ServiceConfig
-from flatcake_ray.core.catalog import Lease, PutHints
+from flatcake_ray.core.api import Probe, PutResult
+from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import ServiceError, ShapeError
-from flatcake_ray.media.arena import DramArena
-from flatcake_ray.node.put import PutResult
+from flatcake_ray.core.parts import lease_parts
+from flatcake_ray.core.tenants import Tenant
+from flatcake_ray.errors import ReadRangeError, ServiceError
+from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.store import FlatCakeStore
+from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_dram import LocalDramTransport
 
 log = logging.getLogger(__name__)
-MAX_SHM_MAPPINGS = 16
+_COUNTERS = (
+    *("lookups", "exists_calls", "releases", "puts", "puts_shm", "puts_nixl", "puts_inline"),
+    *("fallback_reads", "lease_misses", "leased_pages", "leases_broken", "ranges_refused"),
+    *("puts_layerwise", "put_pieces", "puts_aborted", "tenants_removed"),
+)
 
 
 class StorageNode:
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, service_secret: str) -> None:
         import ray
 
         self.config = config
         self.ray_node_id = ray.get_runtime_context().get_node_id()
-        self.actor_name = node_actor_name(self.ray_node_id)
         self.started_at = time.time()
+        open_default = default_tenant(config.layers, config.page_bytes)
+        self.gate = Gate(
+            config.namespace, service_secret, open_default if config.open_default else None
+        )
+        self.gate.refresh()
+        name = node_actor_name(self.ray_node_id)
+        self.membership = Membership(
+            config, service_secret, self.ray_node_id, name, self.started_at
+        )
         # The store's own root (FLATCAKE_ROOT may move it) also keeps this node's NodeID.
         wanted = config.store_config(self.ray_node_id, 1)
-        self._root = Path(wanted.root)
-        self._root.mkdir(parents=True, exist_ok=True)
-        self.node_id = self._register(self._persisted_node_id())
-        (self._root / "node_id").write_text(f"{self.node_id}\n")
+        root = Path(wanted.root)
+        root.mkdir(parents=True, exist_ok=True)
+        self.node_id = self.membership.join(root)
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
+        self._tenants: dict[str, Tenant] = {}
+        self._sync_lock = threading.Lock()
+        self._sync_tenants()
         self.leases = LeaseTable(config.lease_ttl_s)
-        store_config = self.store.config
-        self.ship_buffer = ShipBuffer(
-            config.ship_bytes,
-            self.store.pool,
-            gap_bytes=store_config.gap_bytes,
-            max_read_bytes=store_config.max_read_bytes,
-            ttl_s=config.lease_ttl_s,
-        )
-        self._arena_exporter: Any = None
-        self._export_agent: Any = None
-        self._pull: PullArea | None = None
-        self._arena_peer, self._ship_peer, self.nixl_reason = self._export()
-        self._rdma = self._export_rdma()
-        self._shm: OrderedDict[str, tuple[Any, np.ndarray]] = OrderedDict()
-        self._shm_lock = threading.Lock()
-        self.counters = dict.fromkeys(
-            ("lookups", "exists_calls", "releases", "puts", "puts_shm", "puts_nixl"), 0
-        )
-        self.counters.update(
-            dict.fromkeys(("puts_inline", "fallback_reads", "lease_misses", "leased_pages"), 0)
-        )
+        self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
+        self.exports = NodeExports(self.node_id, self.store.arena, self.ship_buffer)
+        self._staged = StagedReader(self.exports.pull, self.exports.nixl_reason)
+        self.counters = dict.fromkeys(_COUNTERS, 0)
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
 
-    # ---- registration and reports ----------------------------------------------------------
-    def _persisted_node_id(self) -> int | None:
-        path = self._root / "node_id"
-        if not path.exists():
-            return None
-        text = path.read_text().strip()
-        if not text.isdigit():
-            raise ServiceError(f"{path} holds {text!r}, not a NodeID")
-        return int(text)
+    # ---- who calls -------------------------------------------------------------------------
+    def _tenant(self, secret: object) -> Tenant:
+        """The caller's tenant (registered with the store on first sight), or refused."""
+        tenant = self.gate.tenant(secret)
+        if self._tenants.get(tenant.name) != tenant:
+            self._sync_tenants()
+        return tenant
 
-    def _coordinator(self) -> Any:
-        import ray
+    def _sync_tenants(self) -> None:
+        """Give the store the table's tenants; drop the pages of those removed from it."""
+        with self._sync_lock:
+            self._sync_tenants_locked(dict(self.gate.tenants))
 
-        return ray.get_actor(COORDINATOR_NAME, namespace=self.config.namespace)
+    def _sync_tenants_locked(self, table: dict[str, Tenant]) -> None:
+        for tenant in table.values():
+            if self._tenants.get(tenant.name) != tenant:
+                self.store.set_tenant(tenant)
+        for name in set(self._tenants) - set(table):
+            self.leases.drop_tenant(name)
+            self.store.remove_tenant(name)
+            self.counters["tenants_removed"] += 1
+            log.info("tenant %s removed from the service: its pages here are freed", name)
+        self._tenants = table
 
-    def _register(self, wanted: int | None) -> int:
-        import ray
-
-        ref = self._coordinator().register.remote(
-            self.ray_node_id, self.actor_name, wanted, self.started_at
-        )
-        return int(ray.get(ref, timeout=self.config.rpc_timeout_s))
-
+    # ---- reports ---------------------------------------------------------------------------
     def _report_loop(self) -> None:
         from ray.exceptions import RayError
 
         while not self._stop.wait(self.config.report_interval_s):
+            self.store.puts.expire(time.monotonic())
+            self._expire_leases()
             try:
+                self.gate.refresh()
+                self._sync_tenants()
                 self.report_now()
             except (RayError, ValueError, ServiceError) as exc:
-                # The coordinator is down or restarting; the next report tries again.
-                log.info("capacity report to the coordinator failed: %s", exc)
+                # The coordinator or the GCS is down or restarting; the next report tries again.
+                log.info("report to the coordinator failed: %s", exc)
 
     def report_now(self) -> bool:
-        import ray
-
-        usage = NodeUsage.from_stats(self.node_id, self.store.stats())
-        ref = self._coordinator().report.remote(self.node_id, self.ray_node_id, usage)
-        known = ray.get(ref, timeout=self.config.rpc_timeout_s)
-        if not known:  # a coordinator that lost us (restarted and we missed its rebuild)
-            granted = self._register(self.node_id)
-            if granted != self.node_id:
-                raise ServiceError(
-                    f"NodeID {self.node_id} was given to another node while the coordinator "
-                    f"did not know this one (offered {granted}); restart this storage node"
-                )
-        return bool(known)
-
-    # ---- NIXL exports ----------------------------------------------------------------------
-    def _export(self) -> tuple[Any, Any, str | None]:
-        from flatcake_ray.actors.nixl_roles import exporter_agent
-        from flatcake_ray.transports.nixl_dram import (
-            NixlArenaExporter,
-            NixlDramTransport,
-            unique_agent_name,
-        )
-
-        reason = NixlDramTransport.probe()
-        if reason is not None:
-            return None, None, reason
-        tag = f"fc{self.node_id}"
-        # One agent (one progress thread) serves both exported buffers.
-        self._export_agent = exporter_agent(unique_agent_name(f"{tag}-export"))
-        arena_peer = None
-        if self.store.arena.nbytes:  # a node may run SSD-only
-            view = self.store.arena.view
-            self._arena_exporter = NixlArenaExporter(tag, view, agent=self._export_agent)
-            arena_peer = self._arena_exporter.peer_info()
-        ship_peer = self.ship_buffer.export(self._export_agent)
-        self._pull = PullArea(unique_agent_name(f"{tag}-pull"))
-        return arena_peer, ship_peer, None
-
-    def _export_rdma(self) -> Any:
-        from flatcake_ray.transports.rdma_verbs import RdmaArenaExporter, rdma_probe
-
-        if rdma_probe() is not None or not self.store.arena.nbytes:
-            return None
-        return RdmaArenaExporter(self.store.arena.view)
-
-    def accept_rdma(self, reader: Any) -> Any:
-        """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""
-        if self._rdma is None:
-            raise ServiceError("this node exports no RDMA memory region")
-        return self._rdma.accept(reader)
+        return self.membership.report(NodeUsage.from_stats(self.node_id, self.store.stats()))
 
     # ---- views -----------------------------------------------------------------------------
-    def describe(self) -> NodeDescription:
-        store = self.store
+    def describe(self, secret: object) -> NodeDescription:
+        """How the caller's tenant reaches this node's media (its own geometry)."""
+        tenant = self._tenant(secret)
+        store, exports = self.store, self.exports
         return NodeDescription(
             ray_node_id=self.ray_node_id,
             node_id=self.node_id,
-            actor_name=self.actor_name,
-            layers=store.config.layers,
-            page_bytes=store.config.page_bytes,
+            actor_name=self.membership.actor_name,
+            layers=tenant.layers,
+            page_bytes=tenant.page_bytes,
             arena_path=store.arena.path,
             arena_bytes=store.arena.nbytes,
             pool_paths=tuple(store.pool.paths),
             pool_file_bytes=store.pool.file_bytes,
             pool_direct=store.pool.direct,
             started_at=self.started_at,
-            arena_nixl=self._arena_peer,
-            ship_nixl=self._ship_peer,
-            nixl_reason=self.nixl_reason,
-            rdma=self._rdma is not None,
+            arena_nixl=exports.arena_peer,
+            ship_nixl=exports.ship_peer,
+            nixl_reason=exports.nixl_reason,
+            rdma=exports.rdma,
+            verify_dram=store.config.verify_dram,
+            gap_bytes=store.config.gap_bytes,
+            tenant=tenant.name,
         )
 
-    def coordinator_view(self) -> dict[str, Any]:
+    def service_config(self, secret: object) -> ServiceConfig:
+        self._tenant(secret)
+        return self.config
+
+    def coordinator_view(self, service_secret: object) -> dict[str, Any]:
         """What a restarted coordinator rebuilds its state from."""
+        self.gate.service(service_secret)
+        sessions = [
+            (catalog.tenant, session_id)
+            for catalog in self.store.tenancy
+            for session_id in catalog.sessions
+        ]
         return {
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
             "started_at": self.started_at,
             "usage": NodeUsage.from_stats(self.node_id, self.store.stats()),
-            "sessions": list(self.store.catalog.sessions),
+            "sessions": sessions,
         }
 
-    def stats(self) -> dict[str, Any]:
-        return {
+    def stats(self, secret: object) -> dict[str, Any]:
+        """The node's counters; a tenant sees its own tenant's use only, the service all."""
+        mine = None if self.gate.is_service(secret) else self._tenant(secret).name
+        stats = {
             **self.store.stats(),
             **self.counters,
             **self.ship_buffer.counters,
+            **self.leases.counters,
+            **self.gate.counters,
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
             "leases_held": len(self.leases),
-            "leases_expired": self.leases.expired,
             "ship_regions_held": self.ship_buffer.regions.held,
-            "nixl": self.nixl_reason or "ok",
+            "nixl": self.exports.nixl_reason or "ok",
         }
+        if mine is not None:
+            stats["tenants"] = {mine: stats["tenants"].get(mine, {})}
+        return stats
 
     def ping(self) -> int:
         return self.node_id
 
-    def service_config(self) -> ServiceConfig:
-        return self.config
+    def refresh_tenants(self, service_secret: object) -> int:
+        """Re-read the tenant table now (the coordinator, after a tenant command); returns
+        how many tenants it names."""
+        self.gate.service(service_secret)
+        self.gate.refresh()
+        self._sync_tenants()
+        return len(self._tenants)
+
+    def arm_failpoints(self, service_secret: object, spec: str) -> int:
+        """Arm failpoints in this node's process (tests and chaos runs only: refused unless
+        the node was started with ``FLATCAKE_FAILPOINTS_REMOTE=1``); an empty spec disarms."""
+        self.gate.service(service_secret)
+        if os.environ.get("FLATCAKE_FAILPOINTS_REMOTE") != "1":
+            raise ServiceError("remote failpoints are off on this node")
+        failpoints.disarm_all()
+        return len(failpoints.arm_from_spec(spec))
+
+    def accept_rdma(self, secret: object, reader: Any) -> Any:
+        """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""
+        self._tenant(secret)
+        return self.exports.accept_rdma(reader)
 
     # ---- lookups ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[Any], namespace: str | None = None) -> LeaseReply:
+    def lookup(self, secret: object, keys: Any, namespace: Any = None) -> LeaseReply:
         """The consecutive hits from the first key, leased (zero hits: nothing is held)."""
+        tenant = self._tenant(secret).name
+        check_request(keys, namespace)
         self._expire_leases()
         self.counters["lookups"] += 1
-        lease = self.store.lease(keys, namespace=namespace)
+        lease = self.store.lease(keys, namespace=namespace, tenant=tenant)
         if lease.hits == 0:
             self.store.release(lease)
             return LeaseReply(self.node_id, 0, 0)
-        self.leases.add(lease)
+        lease_id = self.leases.add(lease)
         self.counters["leased_pages"] += lease.hits
-        return LeaseReply(self.node_id, lease.lease_id, lease.hits, wire_parts(self.store, lease))
+        return LeaseReply(self.node_id, lease_id, lease.hits, lease_parts(lease))
 
-    def exists(self, keys: Sequence[Any], namespace: str | None = None) -> int:
+    def exists(self, secret: object, keys: Any, namespace: Any = None) -> int:
+        tenant = self._tenant(secret).name
+        check_request(keys, namespace)
         self.counters["exists_calls"] += 1
-        return self.store.exists(keys, namespace=namespace)
+        return self.store.exists(keys, namespace=namespace, tenant=tenant)
 
-    def gvas(self, keys: Sequence[Any], namespace: str | None = None) -> np.ndarray:
-        return self.store.gvas(keys, namespace=namespace)
+    def probe(self, secret: object, keys: Any, namespace: Any = None) -> Probe:
+        tenant = self._tenant(secret).name
+        check_request(keys, namespace)
+        self.counters["exists_calls"] += 1
+        return self.store.probe(keys, namespace=namespace, tenant=tenant)
 
-    def release(self, lease_id: int, bad_scopes: Sequence[int] = ()) -> bool:
-        """True when the lease was still held: what its reader read is good."""
+    def gvas(self, secret: object, keys: Any, namespace: Any = None) -> np.ndarray:
+        tenant = self._tenant(secret).name
+        check_request(keys, namespace)
+        return self.store.gvas(keys, namespace=namespace, tenant=tenant)
+
+    def release(self, secret: object, lease_id: object, bad_scopes: Any = ()) -> bool:
+        """True when the caller's tenant held this lease and every scope it pinned is intact:
+        what its reader read is good. Anything else (unknown, expired, another tenant's) is
+        False, counted, and changes nothing."""
+        tenant = self._tenant(secret).name
+        failpoint("node.release", lease_id=lease_id)
         self.counters["releases"] += 1
-        lease = self.leases.pop(lease_id)
+        lease = self.leases.pop(lease_id, tenant)
         if lease is None:
             self.counters["lease_misses"] += 1
             return False
-        try:
-            if bad_scopes:
-                self._recheck(lease, set(bad_scopes))
-        finally:
-            self.store.release(lease)
-        return True
-
-    def _recheck(self, lease: Lease, scopes: set[int]) -> None:
-        """A reader saw a bad checksum: read those scopes here, so the store's own check
-        quarantines them if the media really is bad (a torn remote read does not)."""
-        keep = np.array(
-            [lease.segments[int(s)].scope_id in scopes for s in lease.segment_ids], dtype=bool
-        )
-        if not keep.any():
-            return
-        sub = Lease(
-            lease.lease_id,
-            lease.segment_ids[keep],
-            lease.pages[keep],
-            lease.scope_ids,
-            lease.segments,
-        )
-        config = self.store.config
-        scratch = np.empty((config.layers, int(keep.sum()), config.page_bytes), dtype=np.uint8)
-        self.store.read_leased(sub, scratch, range(config.layers))
+        bad = scope_ids(bad_scopes) & set(lease.scope_ids)
+        if bad:
+            # A reader saw a bad checksum: read those scopes here, so the store's own check
+            # quarantines them if the medium really is bad (a torn remote read does not). The
+            # reader has already dropped those pages; the rest of what it read is good.
+            self.store.recheck(lease, bad)
+            return True
+        intact = self.store.release(lease)
+        self.counters["leases_broken"] += int(not intact)
+        return intact
 
     def _expire_leases(self) -> None:
         for lease in self.leases.expire(time.monotonic()):
             self.store.release(lease)
 
     # ---- puts ------------------------------------------------------------------------------
+    def begin_put(
+        self,
+        secret: object,
+        keys: Any,
+        namespace: Any = None,
+        session_id: Any = None,
+        parent: Any = None,
+        hints: PutHints | None = None,
+    ) -> PutTicket:
+        """Plan a layer-wise put and hold it open for ``write_pages`` pieces."""
+        tenant = self._tenant(secret).name
+        check_request(keys, namespace, hints)
+        options = {"namespace": namespace, "session_id": session_id, "parent": parent}
+        handle = self.store.begin_put(keys, hints=hints, tenant=tenant, **options)
+        self.counters["puts_layerwise"] += 1
+        return PutTicket(handle.put_id, handle.pages_new)
+
+    def write_pages(self, secret: object, put_id: object, staged: StagedPages) -> None:
+        """Write the staged pieces of an open put; a failure aborts the whole put."""
+        handle = self.store.puts.get(put_id, self._tenant(secret).name)
+        try:
+            self._staged.write(handle, staged, self.counters)
+        except BaseException:
+            handle.abort()
+            self.counters["puts_aborted"] += 1
+            raise
+
+    def commit_put(self, secret: object, put_id: object) -> PutResult:
+        result = self.store.puts.get(put_id, self._tenant(secret).name).commit()
+        self.counters["puts"] += 1
+        return result
+
+    def abort_put(self, secret: object, put_id: object) -> None:
+        self.store.puts.get(put_id, self._tenant(secret).name).abort()
+        self.counters["puts_aborted"] += 1
+
     def put_staged(
         self,
-        keys: Sequence[Any],
+        secret: object,
+        keys: Any,
         staged: StagedPages,
-        namespace: str | None = None,
-        session_id: str | None = None,
+        namespace: Any = None,
+        session_id: Any = None,
         parent: Any = None,
         hints: PutHints | None = None,
     ) -> PutResult:
-        config = self.store.config
-        if (staged.layers, staged.page_bytes) != (config.layers, config.page_bytes):
-            raise ShapeError(
-                f"staged pages are {staged.layers} layers x {staged.page_bytes} bytes, this "
-                f"store's are {config.layers} x {config.page_bytes}"
-            )
-        slot = None
-        if staged.kind == "inline":
-            flat = np.asarray(staged.inline, dtype=np.uint8).reshape(-1)
-        elif staged.kind == "shm":
-            flat = self._shm_view(staged)
-        elif staged.kind == "nixl":
-            if self._pull is None:
-                raise ServiceError(f"this node cannot pull over NIXL: {self.nixl_reason}")
-            slot, flat = self._pull.pull(staged.peer, staged.offset, staged.nbytes)
-        else:
-            raise ShapeError(f"unknown staging kind {staged.kind!r}")
-        try:
-            pages = flat[: staged.nbytes].reshape(staged.layers, staged.pages, staged.page_bytes)
-            options = {"namespace": namespace, "session_id": session_id, "parent": parent}
-            result = self.store.put(keys, pages, hints=hints, **options)
-        finally:
-            if slot is not None:
-                self._pull.done(slot)
+        """A whole put whose every layer is staged at once: plan, write, commit, one call."""
+        tenant = self._tenant(secret).name
+        check_request(keys, namespace, hints)
+        options = {"namespace": namespace, "session_id": session_id, "parent": parent}
+        with self.store.begin_put(keys, hints=hints, tenant=tenant, **options) as handle:
+            self._staged.write(handle, staged, self.counters)
+            result = handle.commit()
         self.counters["puts"] += 1
-        self.counters[f"puts_{staged.kind}"] += 1
         return result
 
-    def _shm_view(self, staged: StagedPages) -> np.ndarray:
-        with self._shm_lock:
-            known = self._shm.get(staged.token)
-            if known is None:
-                known = DramArena.attach(staged.path, staged.buffer_bytes)
-                self._shm[staged.token] = known
-            self._shm.move_to_end(staged.token)
-            while len(self._shm) > MAX_SHM_MAPPINGS:
-                self._shm.popitem(last=False)  # unmapped once the last view goes
-        return known[1][staged.offset : staged.offset + staged.nbytes]
+    # ---- bytes of leased ranges: shipped SSD reads and the object-store fallback ------------
+    def _leased(self, tenant: str, medium: Medium, offsets: Any, lengths: Any) -> ReadBatch:
+        """The packed reads of ranges ``tenant`` holds leases on (at most ``ship_bytes``)."""
+        src, sizes = check_ranges(offsets, lengths, self.config.ship_bytes)
+        allowed = self.leases.ranges(tenant, medium, self.store.lease_runs)
+        for start, length in zip(src.tolist(), sizes.tolist(), strict=True):
+            if not allowed.covers(start, length):
+                self.counters["ranges_refused"] += 1
+                raise ReadRangeError(
+                    f"{medium.name} range {start}+{length} is in no lease this tenant holds"
+                )
+        return ReadBatch.packed(src, sizes)
 
-    # ---- shipped SSD reads and the object-store fallback -----------------------------------
-    def ship(self, src_offsets: np.ndarray, lengths: np.ndarray) -> ShipReply:
-        return self.ship_buffer.ship(src_offsets, lengths)
+    def ship(self, secret: object, src_offsets: Any, lengths: Any) -> ShipReply:
+        tenant = self._tenant(secret).name
+        batch = self._leased(tenant, Medium.SSD, src_offsets, lengths)
+        return self.ship_buffer.ship(batch.src_offsets, batch.lengths, tenant)
 
-    def unship(self, region_id: int) -> bool:
-        return self.ship_buffer.unship(region_id)
+    def unship(self, secret: object, region_id: object) -> bool:
+        return self.ship_buffer.unship(region_id, self._tenant(secret).name)
 
-    def read_ranges(self, medium: int, src_offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def read_ranges(
+        self, secret: object, medium: Any, src_offsets: Any, lengths: Any
+    ) -> np.ndarray:
         """LAST RESORT (object-store fallback): the ranges' bytes, packed, as the reply."""
+        tenant = self._tenant(secret).name
+        if medium not in (int(Medium.DRAM), int(Medium.SSD)) or isinstance(medium, bool):
+            raise ReadRangeError(f"no medium {medium!r}")
+        batch = self._leased(tenant, Medium(medium), src_offsets, lengths)
         self.counters["fallback_reads"] += 1
         if Medium(medium) is Medium.SSD:
-            return self.ship_buffer.read_ssd(src_offsets, lengths)
-        from flatcake_ray.transports.base import ReadBatch
-
-        batch = ReadBatch.packed(src_offsets, lengths)
+            return self.ship_buffer.read_ssd(batch.src_offsets, batch.lengths)
         out = np.empty(batch.total_bytes, dtype=np.uint8)
         LocalDramTransport(self.store.arena.view).read(batch, out)
         return out
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def shutdown(self) -> None:
+    def shutdown(self, service_secret: object) -> None:
         """Stop reporting, drop the NIXL exports and close the store (SSD scopes survive)."""
+        self.gate.service(service_secret)
         self._stop.set()
-        if self._rdma is not None:
-            self._rdma.close()
-            self._rdma = None
-        if self._arena_exporter is not None:
-            self._arena_exporter.close()
-            self._arena_exporter = None
-        if self._pull is not None:
-            self._pull.close()
-            self._pull = None
+        self.exports.close()
+        self._staged.close()
         self.ship_buffer.close()
-        if self._export_agent is not None:
-            self._export_agent.close()
-            self._export_agent = None
-        with self._shm_lock:
-            self._shm.clear()
+        self.exports.close_agent()
         self.store.close()

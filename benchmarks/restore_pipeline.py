@@ -103,7 +103,7 @@ def bench_overlap(store, pool, pages, repeats):
     rows = {}
     nbytes = pages * LAYERS * PAGE_BYTES
     for label, slot_bytes in (("16 MiB slots", None), ("1 MiB slots", 1 << 20)):
-        with RestorePipeline(store, windows=1, slot_bytes=slot_bytes) as pipeline:
+        with RestorePipeline(store.source, windows=1, slot_bytes=slot_bytes) as pipeline:
             warm = [long_restore(pipeline, pool, pages, 0, True) for _ in range(2)]
             compute_s = statistics.median(warm) / LAYERS  # compute about as long as I/O
             samples = {"io": [], "compute": [], "serial": [], "pipelined": [], "overlap": []}
@@ -173,7 +173,7 @@ def schedule(seconds, ssd_rate, dram_rate, seed):
 def run_mix(store, pools, arrivals, policy):
     ssd_pool, dram_pool = pools
     handles = []
-    with RestorePipeline(store, windows=2, policy=policy) as pipeline:
+    with RestorePipeline(store.source, windows=2, policy=policy) as pipeline:
         start = time.monotonic()
         for n, (offset, kind, session) in enumerate(arrivals):
             delay = start + offset - time.monotonic()
@@ -203,7 +203,7 @@ def run_mix(store, pools, arrivals, policy):
 
 
 def bench_tail(store, pools, seconds, repeats, ssd_load, dram_ratio):
-    with RestorePipeline(store, windows=1) as pipeline:
+    with RestorePipeline(store.source, windows=1) as pipeline:
         keys = [f"ssd0-{p}" for p in range(SSD_PAGES)]
         one = []
         for _ in range(3):

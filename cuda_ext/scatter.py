@@ -35,9 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
+from flatcake_ray.core.runs import run_bounds
 from flatcake_ray.cuda_ext import _library
 from flatcake_ray.cuda_ext._library import ScatterKernelError, ScatterLibrary, ScatterLibraryError
 from flatcake_ray.cuda_ext._validate import (
@@ -335,12 +335,7 @@ def _copy_layer_host(staging: torch.Tensor, ids: torch.Tensor, target: _Target) 
     slots = target.view.view(bits)
     pages = staging.reshape(-1).view(torch.uint8).view(bits).view(ids.numel(), *slots.shape[1:])
     slot_numbers = ids.numpy()
-    if not len(slot_numbers):
-        return
-    breaks = np.flatnonzero(np.diff(slot_numbers) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(slot_numbers)]))
-    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+    for start, end in run_bounds(slot_numbers):
         first = int(slot_numbers[start])
         slots[first : first + end - start].copy_(pages[start:end])
 

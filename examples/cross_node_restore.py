@@ -49,7 +49,7 @@ class Session:
     def restore(self, name: str, seed: int) -> tuple[int, list[str], bool, int]:
         keys = [f"{name}/{i}" for i in range(PAGES)]
         out = np.zeros((LAYERS, PAGES, PAGE_BYTES), dtype=np.uint8)
-        report = self.client.restore(keys, out)
+        report = self.client.restore_report(keys, out)
         return report.pages, list(report.paths), np.array_equal(out, _kv(seed)), report.node_id
 
 

@@ -1,80 +1,60 @@
-"""Configuration: frozen dataclasses, validated with ValueError (:class:`ConfigError`).
+"""Configuration: frozen dataclasses, every field type-checked and range-checked
+(:class:`ConfigError`) whatever the source (``config_sources.py`` has the rules).
 
-Every field of :class:`StoreConfig` can be overridden by an environment variable named
+Every field of :class:`StoreConfig` (and of its :class:`PlacementConfig`) and of
+:class:`ServiceConfig` can be overridden by an environment variable named
 ``FLATCAKE_<FIELD>`` (upper case), e.g. ``FLATCAKE_DRAM_BYTES=4GiB``,
 ``FLATCAKE_SSD_DIRS=/mnt/nvme0/fc:/mnt/nvme1/fc``, ``FLATCAKE_TAU_TOKENS=2048``.
-Sizes accept ``K/M/G/T`` (powers of 1024, ``KiB`` and ``KB`` alike); booleans accept
-``1/0/true/false/yes/no``; tuples of paths are ``:``-separated.
+Sizes (fields named ``*_bytes``) accept ``K/M/G/T`` (powers of 1024, ``KiB`` and ``KB``
+alike); booleans accept ``1/0/true/false/yes/no/on/off``; lists of folders are
+``:``-separated. ``{node}`` in ``root`` and ``ssd_dirs`` of a service config becomes the Ray
+node id, after every override (a ``FLATCAKE_ROOT`` with ``{node}`` too).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from typing import Any
 
+from flatcake_ray.config_sources import (
+    ENV_PREFIX,
+    Source,
+    build_config,
+    normalise,
+    parse_size,
+)
 from flatcake_ray.core.gva import MAX_NODE_ID, MAX_OFFSET
-from flatcake_ray.errors import ConfigError
+from flatcake_ray.errors import ConfigError, GeometryMismatchError
+
+__all__ = [
+    "ALIGN",
+    "ENV_PREFIX",
+    "ClientConfig",
+    "PlacementConfig",
+    "ServiceConfig",
+    "Source",
+    "StoreConfig",
+    "build_config",
+    "parse_size",
+]
 
 ALIGN = 4096  # O_DIRECT and cuFile alignment
-ENV_PREFIX = "FLATCAKE_"
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
+GEOMETRY_FIELDS = ("layers", "page_bytes")
+# The service fields a node's store takes.
+STORE_FIELDS = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs", "ssd_files_per_dir")
+STORE_FIELDS += ("ssd_file_bytes", "hugepages", "fsync")
 
 
-def parse_size(text: str | int) -> int:
-    """``"64KiB" -> 65536``; plain integers pass through."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE_RE.match(str(text))
-    if not match:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 512MiB, 4G, 65536)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"cannot read {text!r} as a boolean")
-
-
-def _parse_field(name: str, hint: Any, text: str) -> Any:
-    hint_text = str(hint)
-    if "bool" in hint_text:
-        return _parse_bool(text)
-    if "tuple" in hint_text:
-        return tuple(part for part in text.split(":") if part)
-    if "float" in hint_text:
-        return float(text)
-    if "int" in hint_text:
-        return parse_size(text) if name.endswith("bytes") else int(text)
-    return text
-
-
-def env_overrides(cls: type, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``FLATCAKE_*`` values that name fields of dataclass ``cls``, parsed."""
-    environ = os.environ if environ is None else environ
-    hints = get_type_hints(cls)
-    found: dict[str, Any] = {}
-    for item in fields(cls):
-        raw = environ.get(ENV_PREFIX + item.name.upper())
-        if raw is not None:
-            try:
-                found[item.name] = _parse_field(item.name, hints[item.name], raw)
-            except (ValueError, ConfigError) as exc:
-                raise ConfigError(f"{ENV_PREFIX}{item.name.upper()}={raw!r}: {exc}") from exc
-    return found
-
-
-def _require(condition: bool, message: str) -> None:
+def _require(condition: bool, message: str, *names: str) -> None:
     if not condition:
-        raise ConfigError(message)
+        raise ConfigError(message, *names)
+
+
+def _align_up(value: int) -> int:
+    return -(-value // ALIGN) * ALIGN
 
 
 DRAM_POLICIES = ("replica", "table2", "admit")
@@ -95,10 +75,14 @@ class PlacementConfig:
     dram_policy: str = "replica"
 
     def __post_init__(self) -> None:
-        _require(self.page_tokens > 0, "page_tokens must be positive")
-        _require(self.tau_tokens > 0, "tau_tokens must be positive")
-        _require(self.l_agent_tokens > 0, "l_agent_tokens must be positive")
-        _require(self.dram_policy in DRAM_POLICIES, f"dram_policy must be one of {DRAM_POLICIES}")
+        normalise(self)
+        for name in ("page_tokens", "tau_tokens", "l_agent_tokens"):
+            _require(getattr(self, name) > 0, f"{name} must be positive", name)
+        _require(
+            self.dram_policy in DRAM_POLICIES,
+            f"dram_policy must be one of {DRAM_POLICIES}",
+            "dram_policy",
+        )
 
 
 @dataclass(frozen=True)
@@ -121,42 +105,91 @@ class StoreConfig:
     hugepages: str = "auto"  # auto | off | require
     fsync: bool = True  # data reaches the drive before its manifest record does
     verify_dram: bool = False  # checksums are always checked on SSD reads
+    check_bytes: int = 64 << 10  # a checksum block: whole pages, about this many bytes
+    restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
+    restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two
+    gds: str = "auto"  # GPUDirect Storage for SSD reads into GPU memory: auto | on | off
+    put_ttl_s: float = 60.0  # a put not written to for this long is aborted (writer gone)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
-        _require(self.layers > 0, "layers must be positive")
-        _require(self.page_bytes > 0, "page_bytes must be positive")
-        _require(0 <= self.node_id <= MAX_NODE_ID, f"node_id must be in 0..{MAX_NODE_ID}")
+        normalise(self)
+        _require(bool(self.root), "root must be non-empty", "root")
+        _require(self.layers > 0, "layers must be positive", "layers")
+        _require(self.page_bytes > 0, "page_bytes must be positive", "page_bytes")
         _require(
-            self.dram_bytes >= 0 and self.dram_bytes % ALIGN == 0,
-            f"dram_bytes must be a non-negative multiple of {ALIGN}",
+            0 <= self.node_id <= MAX_NODE_ID, f"node_id must be in 0..{MAX_NODE_ID}", "node_id"
         )
-        _require(self.ssd_files_per_dir >= 0, "ssd_files_per_dir must be >= 0")
+        _require(
+            self.dram_bytes % ALIGN == 0,
+            f"dram_bytes must be a non-negative multiple of {ALIGN}",
+            "dram_bytes",
+        )
+        _require(
+            self.ssd_files_per_dir >= 1, "ssd_files_per_dir must be at least 1", "ssd_files_per_dir"
+        )
+        self._check_ssd_sizes()
+        _require(self.gap_bytes >= 0, "gap_bytes must be >= 0", "gap_bytes")
+        _require(
+            self.max_read_bytes >= ALIGN and self.max_read_bytes % ALIGN == 0,
+            f"max_read_bytes must be a positive multiple of {ALIGN}",
+            "max_read_bytes",
+        )
+        _require(
+            0 < self.low_watermark <= self.high_watermark <= 1,
+            "need 0 < low_watermark <= high_watermark <= 1",
+            "low_watermark",
+            "high_watermark",
+        )
+        _require(
+            self.hugepages in ("auto", "off", "require"),
+            "hugepages must be auto, off or require",
+            "hugepages",
+        )
+
+    def _check_ssd_sizes(self) -> None:
         _require(
             self.ssd_file_bytes > 0 and self.ssd_file_bytes % ALIGN == 0,
             f"ssd_file_bytes must be a positive multiple of {ALIGN}",
+            "ssd_file_bytes",
+        )
+        _require(
+            len(set(self.ssd_dirs)) == len(self.ssd_dirs),
+            "ssd_dirs lists a folder twice",
+            "ssd_dirs",
         )
         pool_bytes = self.ssd_file_bytes * self.ssd_files_per_dir * max(1, len(self.ssd_dirs))
         _require(
             pool_bytes <= MAX_OFFSET and self.dram_bytes <= MAX_OFFSET,
             "a medium larger than 256 TiB does not fit a 48-bit offset",
+            "dram_bytes",
+            "ssd_file_bytes",
+            "ssd_files_per_dir",
         )
         _require(
             self.ssd_min_run_bytes > 0 and self.ssd_min_run_bytes % ALIGN == 0,
             f"ssd_min_run_bytes must be a positive multiple of {ALIGN}",
+            "ssd_min_run_bytes",
         )
-        _require(self.gap_bytes >= 0, "gap_bytes must be >= 0")
+        page_span = self.layers * _align_up(self.page_bytes)  # one page of every layer
         _require(
-            self.max_read_bytes >= ALIGN and self.max_read_bytes % ALIGN == 0,
-            f"max_read_bytes must be a multiple of {ALIGN}",
+            page_span <= self.ssd_file_bytes,
+            f"one page of every layer ({self.layers} x {self.page_bytes} bytes, 4 KiB aligned) "
+            f"must fit one SSD pool file of {self.ssd_file_bytes} bytes",
+            "layers",
+            "page_bytes",
+            "ssd_file_bytes",
         )
+        _require(self.check_bytes > 0, "check_bytes must be positive", "check_bytes")
+        _require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
         _require(
-            0 < self.low_watermark <= self.high_watermark <= 1,
-            "need 0 < low_watermark <= high_watermark <= 1",
+            self.restore_slot_bytes % ALIGN == 0
+            and self.restore_slot_bytes >= self.page_bytes + ALIGN,
+            f"restore_slot_bytes must be a multiple of {ALIGN} holding a page plus {ALIGN} bytes",
+            "restore_slot_bytes",
         )
-        _require(
-            self.hugepages in ("auto", "off", "require"), "hugepages must be auto, off or require"
-        )
+        _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off", "gds")
+        _require(self.put_ttl_s > 0, "put_ttl_s must be positive", "put_ttl_s")
 
     @property
     def ssd_folders(self) -> tuple[str, ...]:
@@ -165,12 +198,13 @@ class StoreConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> StoreConfig:
         """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
-        merged = {**given, **env_overrides(cls, environ)}
-        placement_env = env_overrides(PlacementConfig, environ)
-        if placement_env:
-            base = merged.get("placement", PlacementConfig())
-            merged["placement"] = dataclasses.replace(base, **placement_env)
-        return cls(**merged)
+        return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
+
+
+def secret_path(namespace: str, secret_file: str = "") -> str:
+    """Where the service secret of ``namespace`` is kept (see ``ServiceConfig.secret_file``)."""
+    chosen = secret_file or os.environ.get("FLATCAKE_SECRET_FILE") or DEFAULT_SECRET_FILE
+    return chosen.replace("{namespace}", namespace)
 
 
 @dataclass(frozen=True)
@@ -198,42 +232,109 @@ class ServiceConfig:
     ramp_floor: float = 0.1  # ... starting from this fraction of it
     nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
     node_concurrency: int = 16  # concurrent RPCs a storage node serves
+    # A client without a tenant secret is the default tenant (the service's geometry, no
+    # quota); False: every client presents a tenant's secret (docs/security.md).
+    open_default: bool = True
+    # The service secret (made on the first start, mode 0600); {namespace} is expanded.
+    # Empty: FLATCAKE_SECRET_FILE of the process, else ~/.flatcake/{namespace}.secret.
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
-        _require(bool(self.namespace), "namespace must be non-empty")
-        _require(bool(self.root), "root must be non-empty")
+        normalise(self)
+        _require(bool(self.namespace), "namespace must be non-empty", "namespace")
+        _require(bool(self.root), "root must be non-empty", "root")
         for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
-            _require(getattr(self, name) > 0, f"{name} must be positive")
-        _require(self.node_down_s >= 0, "node_down_s must be >= 0")
-        _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0")
-        _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]")
+            _require(getattr(self, name) > 0, f"{name} must be positive", name)
+        _require(self.node_down_s >= 0, "node_down_s must be >= 0", "node_down_s")
+        _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0", "ramp_seconds")
+        _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]", "ramp_floor")
         _require(
             self.ship_bytes >= ALIGN and self.ship_bytes % ALIGN == 0,
             f"ship_bytes must be a positive multiple of {ALIGN}",
+            "ship_bytes",
         )
-        _require(self.node_concurrency >= 2, "node_concurrency must be at least 2")
+        _require(
+            self.node_concurrency >= 2, "node_concurrency must be at least 2", "node_concurrency"
+        )
         self.store_config("0" * 16, 1)  # the store's own checks, before any node starts
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> ServiceConfig:
         """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
-        sizes = {k: parse_size(v) for k, v in given.items() if k.endswith("bytes")}
-        return cls(**{**given, **sizes, **env_overrides(cls, environ)})
+        return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
-    def store_config(self, ray_node_id: str, node_id: int) -> StoreConfig:
-        """This node's store: the service values, then the node's own ``FLATCAKE_*``."""
-        return StoreConfig.from_env(
-            root=self.root.format(node=ray_node_id[:16]),
-            layers=self.layers,
-            page_bytes=self.page_bytes,
-            node_id=node_id,
-            dram_bytes=self.dram_bytes,
-            ssd_dirs=tuple(d.format(node=ray_node_id[:16]) for d in self.ssd_dirs),
-            ssd_files_per_dir=self.ssd_files_per_dir,
-            ssd_file_bytes=self.ssd_file_bytes,
-            hugepages=self.hugepages,
-            fsync=self.fsync,
+    def store_config(
+        self, ray_node_id: str, node_id: int, environ: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        """This node's store: the service values, then the node's own ``FLATCAKE_*``; then
+        ``{node}`` in ``root`` and ``ssd_dirs`` becomes the node id (so an overridden root
+        with ``{node}`` still gives each node its own pool)."""
+        service = {name: getattr(self, name) for name in STORE_FIELDS}
+        return build_config(
+            StoreConfig,
+            Source.arguments(
+                {**service, "node_id": node_id, "put_ttl_s": self.lease_ttl_s},
+                name="service config",
+            ),
+            Source.environment(StoreConfig, environ),
+            node=ray_node_id[:16],
         )
+
+    def check_same_geometry(self, running: Mapping[str, Any]) -> None:
+        """Raise :class:`GeometryMismatchError` when ``running`` (a running service's
+        :meth:`to_dict`) has another model geometry than this config."""
+        differ = [n for n in GEOMETRY_FIELDS if running.get(n) != getattr(self, n)]
+        if differ:
+            theirs = ", ".join(f"{n}={running.get(n)}" for n in GEOMETRY_FIELDS)
+            ours = ", ".join(f"{n}={getattr(self, n)}" for n in GEOMETRY_FIELDS)
+            raise GeometryMismatchError(
+                f"the service in namespace {self.namespace!r} runs with {theirs}; this start "
+                f"asks for {ours}. Stop it first (flatcake-ray stop), or start with its "
+                "geometry, or use another --namespace",
+                *differ,
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def secret_path(self) -> str:
+        return secret_path(self.namespace, self.secret_file)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """A Ray client's own knobs; its process's ``FLATCAKE_*`` variables override them."""
+
+    restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
+    restore_slot_bytes: int = 16 << 20  # one staging slot of the restore pipeline
+    put_region_bytes: int = 32 << 20  # a put whose layers all fit is sent whole, in one call
+    staging_segment_bytes: int = 64 << 20  # the put staging arena grows by this much
+    gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
+    # The tenant this client acts for (``flatcake-ray tenant add`` printed it); empty: the
+    # service's open default tenant. Never printed.
+    tenant_secret: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        _require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
+        _require(
+            self.restore_slot_bytes % ALIGN == 0 and self.restore_slot_bytes >= 2 * ALIGN,
+            f"restore_slot_bytes must be a multiple of {ALIGN}, at least {2 * ALIGN}",
+            "restore_slot_bytes",
+        )
+        _require(
+            self.put_region_bytes >= ALIGN,
+            f"put_region_bytes must be >= {ALIGN}",
+            "put_region_bytes",
+        )
+        _require(
+            self.staging_segment_bytes >= ALIGN,
+            f"staging_segment_bytes must be >= {ALIGN}",
+            "staging_segment_bytes",
+        )
+        _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off", "gds")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> ClientConfig:
+        """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
+        return build_config(cls, Source.arguments(given), Source.environment(cls, environ))

@@ -35,12 +35,58 @@ class StoreClosedError(FlatCakeError):
     """The store (or service) was closed; no further calls are accepted."""
 
 
+class TenantError(FlatCakeError, ValueError):
+    """A tenant is unknown, its name or secret is malformed, or a call names another
+    tenant's lease, put or pages."""
+
+
+class AccessDeniedError(TenantError, PermissionError):
+    """The secret of a call matches no tenant (or not the service), or the call reaches for
+    what another tenant owns; refused and counted."""
+
+
+class QuotaExceededError(FlatCakeError):
+    """A tenant's put does not fit its quota on any medium, even after reclaiming its own
+    unreferenced scopes; nothing was evicted from other tenants, nothing was written."""
+
+
+class StoreInUseError(FlatCakeError):
+    """Another store (in this process or another) has the store root open."""
+
+
 class StoreWriteError(FlatCakeError):
     """Writing a segment failed; nothing of it was published."""
 
 
 class ConfigError(FlatCakeError, ValueError):
-    """A configuration value (argument or FLATCAKE_* variable) is invalid."""
+    """A configuration value (argument, file, FLATCAKE_* variable or flag) is invalid.
+
+    ``fields`` names the fields at fault, where known (a builder adds their sources)."""
+
+    def __init__(self, message: str, *fields: str) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class GeometryMismatchError(ConfigError):
+    """``start`` asked for another model geometry than the running service has."""
+
+
+class ManifestError(FlatCakeError):
+    """An SSD pool's manifest cannot be used as it is (e.g. written by an older format)."""
+
+
+class InvalidSessionError(FlatCakeError, TypeError, ValueError):
+    """A session id is not a str, int or bytes, or is too long to store."""
+
+
+class SegmentTooLargeError(FlatCakeError, ValueError):
+    """One put holds more new pages than a segment can address (2**24)."""
+
+
+class PutTooLargeError(MediumFullError):
+    """A put is larger than its medium could ever hold, even with every scope reclaimed;
+    nothing was evicted for it."""
 
 
 class LeaseError(FlatCakeError):
@@ -49,6 +95,10 @@ class LeaseError(FlatCakeError):
 
 class ServiceError(FlatCakeError):
     """The Ray service is not running, or a storage node cannot be reached."""
+
+
+class UnknownNodeError(FlatCakeError, LookupError):
+    """A NodeID names no storage node the coordinator knows (e.g. ``flatcake-ray drain 9``)."""
 
 
 class TransportUnavailableError(FlatCakeError):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -11,8 +14,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np
 import pytest
 
+from flatcake_ray import failpoints as failpoints_module
 from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.node.store import FlatCakeStore
+
+# Services the tests start keep their secrets here, not in the home folder.
+_SECRETS = tempfile.mkdtemp(prefix="flatcake-test-secrets-")
+atexit.register(shutil.rmtree, _SECRETS, True)
+os.environ.setdefault("FLATCAKE_SECRET_FILE", os.path.join(_SECRETS, "{namespace}.secret"))
 
 LAYERS = 4
 PAGE_BYTES = 8192
@@ -34,6 +43,14 @@ def small_config(root, **overrides) -> StoreConfig:
     )
     base.update(overrides)
     return StoreConfig(**base)
+
+
+@pytest.fixture
+def failpoints():
+    """The failpoint module, every point disarmed again when the test ends."""
+    failpoints_module.disarm_all()
+    yield failpoints_module
+    failpoints_module.disarm_all()
 
 
 @pytest.fixture

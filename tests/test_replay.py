@@ -11,12 +11,14 @@ import pytest
 
 from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.core.catalog import Catalog
-from flatcake_ray.core.coalesce import coalesce
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.placement import PlacementPolicy
+from flatcake_ray.core.plan import MediumAccess, RestorePlan
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.node.reader import lease_parts, ssd_extents
 from flatcake_ray.replay import flat_store, run_comparison, write_outputs
 from flatcake_ray.replay.engine import Replay
+from flatcake_ray.replay.flat_store import split_to_slots
 from flatcake_ray.replay.metrics import summarize
 from flatcake_ray.replay.pages import build_pages, digests_of
 from flatcake_ray.replay.profiles import get_profile
@@ -181,21 +183,22 @@ def test_fcfs_blocks_dram_hits_behind_ssd_restores():
 
 
 # ---- the shared code is really used -----------------------------------------------------
-def test_flatcake_drives_the_live_catalog_policy_coalesce_and_scheduler(monkeypatch):
-    calls = {"coalesce": 0}
+def test_flatcake_drives_the_live_catalog_policy_plan_and_scheduler(monkeypatch):
+    calls = {"plans": 0}
 
-    def counting_coalesce(*args, **kwargs):
-        calls["coalesce"] += 1
-        return coalesce(*args, **kwargs)
+    class CountingPlan(RestorePlan):
+        def __init__(self, *args, **kwargs):
+            calls["plans"] += 1
+            super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(flat_store, "coalesce", counting_coalesce)
+    monkeypatch.setattr(flat_store, "RestorePlan", CountingPlan)
     engine, summary = replay(session_trace(), "flatcake")
     catalog = engine.storage.catalog
     assert isinstance(catalog, Catalog) and isinstance(catalog.policy, PlacementPolicy)
     storage = summary["storage"]
     assert sum(storage["catalog_rules"].values()) == storage["puts_published"] > 0
     assert storage["catalog_pages_indexed"] == len(catalog.index) > 0
-    assert calls["coalesce"] == summary["scheduler"]["prefetches_started"] > 0
+    assert calls["plans"] == summary["scheduler"]["prefetches_started"] > 0
     scheduler = engine.scheduler.stats()
     assert (
         scheduler.dispatched_dram + scheduler.dispatched_ssd
@@ -204,37 +207,33 @@ def test_flatcake_drives_the_live_catalog_policy_coalesce_and_scheduler(monkeypa
     assert scheduler.max_inflight_prefetches_seen <= engine.profile.prefetch_windows
 
 
-def test_ssd_extents_match_the_per_layer_coalescing_of_the_restore_pipeline():
-    config = StoreConfig(root="unused", layers=3, page_bytes=4096, ssd_file_bytes=1 << 20)
+def test_model_ssd_reads_are_the_live_pipelines_reads():
+    """The model counts the read commands the live pipeline's chunks issue for a lease."""
+    config = StoreConfig(
+        root="unused",
+        layers=3,
+        page_bytes=4096,
+        ssd_file_bytes=1 << 20,
+        placement=PlacementConfig(dram_policy="table2"),  # SSD homes read from SSD
+    )
     catalog = Catalog(config)
     keys = digests_of(np.arange(40))
     for stop in (10, 17, 40):
         plan = catalog.plan_put(keys[:stop], session_id="s")
+        layout = plan.segment.layout
+        plan.segment.checksums = np.zeros((layout.layers, layout.blocks), dtype=np.uint64)
         catalog.publish(plan)
-    lease = catalog.lease(keys)
-    parts = [p for p in lease_parts(lease) if p.segment.medium.name == "SSD"]
-    extents = ssd_extents(parts, range(3), config.ssd_file_bytes)
-    assert len(extents.files) == 3 * len(parts)
-    files = config.ssd_files_per_dir * len(config.ssd_folders)
-    merged = coalesce(
-        extents.layer_of_row * files + extents.files,
-        extents.offsets,
-        extents.lengths,
-        gap_bytes=config.gap_bytes,
-        align=4096,
-    )
-    per_layer = [
-        coalesce(
-            extents.files[rows],
-            extents.offsets[rows],
-            extents.lengths[rows],
-            gap_bytes=config.gap_bytes,
-            align=4096,
-        )
-        for rows in (np.flatnonzero(extents.layer_of_row == layer) for layer in range(3))
-    ]
-    assert merged.count == sum(r.count for r in per_layer)
-    assert merged.bytes == sum(r.bytes for r in per_layer)
+    lease = catalog.lease(keys[:33])  # the last segment partly wanted
+    parts = [p for p in lease_parts(lease) if p.medium.name == "SSD"]
+    access = MediumAccess(False, True, config.ssd_file_bytes, 4096, config.gap_bytes)
+    slot = 64 << 10
+    plan = RestorePlan(parts, slot, {Medium.SSD: access})
+    live = [r.length for g in plan.groups for c in plan.chunks(*g) for r in c.reads]
+    modelled = [plan.reads(first, end, Medium.SSD).lengths for first, end in plan.groups]
+    assert split_to_slots(np.concatenate(modelled), slot).sum() >= sum(live) > 0
+    assert len(split_to_slots(np.concatenate(modelled), slot)) <= len(live) + len(plan.groups)
+    wanted = 33 * 4096 * 3
+    assert wanted <= sum(live) <= wanted + 3 * 4096  # whole blocks, one block slack a layer
     catalog.release(lease)
 
 
@@ -262,8 +261,7 @@ def test_live_store_still_reads_what_it_wrote(tmp_path, policy, ssd_read):
         assert store.get(list(range(15)), out) == 15
         assert (out == kv).all()
         # the first put is on SSD; with replicas its DRAM copy is what is read
-        assert (store.stats()["ssd_bytes_read"] > 0) == ssd_read
-        store.reader.close()
+        assert (store.stats()["ssd_read_commands"] > 0) == ssd_read
 
 
 # ---- determinism and outputs ------------------------------------------------------------
@@ -339,8 +337,11 @@ def test_cli_runs_a_replay(tmp_path, capsys):
     assert args.handler(args) == 0
     assert "| flatcake |" in capsys.readouterr().out
     assert (tmp_path / "out" / "overview.png").exists()
-    bad = parser.parse_args(["replay", str(trace_path), "--set", "nonsense=1", "--no-progress"])
-    assert bad.handler(bad) == 2
+    from flatcake_ray.cli import main
+
+    assert main(["replay", str(trace_path), "--set", "nonsense=1", "--no-progress"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("flatcake-ray: error: unknown profile field")
 
 
 def test_configuration_errors_are_typed():

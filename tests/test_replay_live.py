@@ -139,7 +139,7 @@ def replay_log_into(store: FlatCakeStore, log: list[tuple], config) -> int:
             replicas = store.stats()["replicas_written"]
             result = handle.commit()
             segment = plan.segment
-            assert (result.medium, result.rule) == (segment.medium.name, plan.rule)
+            assert (result.medium, result.rule) == (segment.medium, plan.rule)
             assert store.stats()["replicas_written"] - replicas == (plan.replica is not None)
             new_keys = digests["lo"][plan.new_positions].tolist()
             where = segment.offset + np.arange(len(new_keys)) * config.page_bytes

@@ -142,7 +142,7 @@ def test_the_live_store_writes_both_copies_and_reads_the_replica(make_store):
     store = make_store(placement=PlacementConfig(page_tokens=16, dram_policy="replica"))
     kv = random_kv(6, seed=3)
     result = store.put(list(range(6)), kv)
-    assert result.medium == "SSD" and store.stats()["replicas_written"] == 1
+    assert result.medium is Medium.SSD and store.stats()["replicas_written"] == 1
     out = np.zeros_like(kv)
     assert store.get(list(range(6)), out) == 6 and (out == kv).all()
     stats = store.stats()

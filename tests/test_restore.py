@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.plan import RestorePlan
 from flatcake_ray.core.scheduler import Scheduler
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import (
@@ -23,9 +24,9 @@ from flatcake_ray.errors import (
     StoreClosedError,
 )
 from flatcake_ray.media import buffers as media
+from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.store import FlatCakeStore, PutHints
-from flatcake_ray.restore.pipeline import LayerTensors, PagedPool, RestorePipeline
-from flatcake_ray.restore.plan import LayerStager
+from flatcake_ray.restore import LayerTensors, PagedPool, RestorePipeline
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 DRAM = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: short-turn chat goes to DRAM
@@ -82,7 +83,7 @@ def pipelines():
     made: list[RestorePipeline] = []
 
     def build(store, **options):
-        made.append(RestorePipeline(store, **options))
+        made.append(RestorePipeline(store.source, **options))
         return made[-1]
 
     yield build
@@ -182,7 +183,7 @@ def test_any_layout_of_turns_restores_exactly(
             kv = random_kv(ends[-1], seed=ends[-1], page_bytes=page_bytes)
             put_turns(store, kv, ends, [DRAM if d else None for d in on_dram[: len(ends)]])
             slot_bytes = -(-(slot_pages * page_bytes + 4096) // 4096) * 4096
-            with RestorePipeline(store, slot_bytes=slot_bytes) as pipeline:
+            with RestorePipeline(store.source, slot_bytes=slot_bytes) as pipeline:
                 pool = make_pool("layer_first", page_bytes, torch.uint8)
                 count = min(wanted, ends[-1])
                 slots = scattered_slots(count, seed=count)
@@ -235,7 +236,9 @@ def test_wait_for_layer_returns_when_that_layer_and_no_later_one_is_in_place(mak
     kv = random_kv(16, seed=7)
     store.put(list(range(16)), kv)
     recorder = GatedScatter()
-    pipeline = pipelines(store, scatter=recorder)
+    # A slot holding one layer: layers move one group each (a short restore whose layers all
+    # fit one slot is read in one command and its layers land together).
+    pipeline = pipelines(store, scatter=recorder, slot_bytes=16 * PAGE_BYTES)
     pool, slots = make_pool("page_first"), scattered_slots(16)
     gates = [recorder.gate(pool, layer) for layer in range(LAYERS)]
     handle = pipeline.submit(list(range(16)), pool, slots, "page_first")
@@ -255,13 +258,14 @@ def test_next_layer_is_read_while_this_one_is_scattered(make_store, pipelines, m
     store = make_store()
     store.put(list(range(16)), random_kv(16, seed=8))
     filled: list[int] = []
-    real_fill = LayerStager.fill
+    real_fill = NodeSource.fill
 
-    def recording_fill(self, chunk, slot):
-        real_fill(self, chunk, slot)
-        filled.append(chunk.layer)
+    def recording_fill(self, leased, medium, reads, slot):
+        stats = real_fill(self, leased, medium, reads, slot)
+        filled.append(len(filled))
+        return stats
 
-    monkeypatch.setattr(LayerStager, "fill", recording_fill)
+    monkeypatch.setattr(NodeSource, "fill", recording_fill)
     recorder = GatedScatter()
     slot_bytes = 16 * PAGE_BYTES  # one layer per slot
     pipeline = pipelines(store, windows=1, scatter=recorder, slot_bytes=slot_bytes)
@@ -425,7 +429,7 @@ def test_close_lets_submitted_restores_finish(make_store):
     store = make_store()
     kv = random_kv(10, seed=41)
     store.put(list(range(10)), kv)
-    pipeline = RestorePipeline(store, windows=1)
+    pipeline = RestorePipeline(store.source, windows=1)
     pools = [make_pool("layer_first") for _ in range(5)]
     handles = [pipeline.submit(list(range(10)), p, np.arange(10), "layer_first") for p in pools]
     pipeline.close()
@@ -465,9 +469,9 @@ def test_bad_arguments_are_typed_errors(make_store, pipelines):
         handle.wait_for_layer(LAYERS)
     assert handle.wait(WAIT) == 4 and store.stats()["leases_open"] == 0
     with pytest.raises(ConfigError):
-        RestorePipeline(store, slot_bytes=PAGE_BYTES)  # a page plus 4 KiB must fit
+        RestorePipeline(store.source, slot_bytes=PAGE_BYTES)  # a page plus 4 KiB must fit
     with pytest.raises(ConfigError):
-        RestorePipeline(store, windows=0)
+        RestorePipeline(store.source, windows=0)
 
 
 # ---- per-layer destinations (vLLM's KV caches) ------------------------------------------------
@@ -625,18 +629,18 @@ def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
     store = make_store()
     kv = random_kv(6, seed=64)
     store.put(list(range(6)), kv, hints=hint)
-    real_chunks = LayerStager.chunks
+    real_chunks = RestorePlan.chunks
     armed = threading.Event()
     armed.set()
 
-    def chunks(self, layer):
-        if layer == 1 and armed.is_set():  # once: the next restore plans normally
+    def chunks(self, first, end):
+        if first == 1 and armed.is_set():  # once: the next restore plans normally
             armed.clear()
             raise RuntimeError("plan lost")
-        return real_chunks(self, layer)
+        return real_chunks(self, first, end)
 
-    monkeypatch.setattr(LayerStager, "chunks", chunks)
-    pipeline = pipelines(store, windows=1)
+    monkeypatch.setattr(RestorePlan, "chunks", chunks)
+    pipeline = pipelines(store, windows=1, slot_bytes=6 * PAGE_BYTES)  # a layer per group
     handle = pipeline.submit(list(range(6)), make_pool("layer_first"), np.arange(6))
     with pytest.raises(RestoreError) as caught:
         handle.wait(WAIT)
@@ -651,7 +655,7 @@ def test_close_with_a_timeout_raises_while_a_restore_runs(make_store):
     store = make_store()
     store.put(list(range(4)), random_kv(4))
     recorder = GatedScatter()
-    pipeline = RestorePipeline(store, windows=1, scatter=recorder)
+    pipeline = RestorePipeline(store.source, windows=1, scatter=recorder)
     pool = make_pool("layer_first")
     gate = recorder.gate(pool, 0)
     handle = pipeline.submit(list(range(4)), pool, np.arange(4))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,7 +17,7 @@ from flatcake_ray.transports.base import (
     REMOTE_SSD_NVMEOF,
     REMOTE_SSD_SHIPPED,
 )
-from flatcake_ray.transports.routing import route, route_many
+from flatcake_ray.transports.routing import route
 
 ALL_REMOTE = frozenset({REMOTE_DRAM_RDMA, REMOTE_DRAM_NIXL, REMOTE_SSD_NVMEOF, REMOTE_SSD_SHIPPED})
 NOTHING = frozenset()
@@ -60,49 +59,6 @@ def test_route_rejects_reserved_medium_and_bad_node():
         route(2 << 60, LOCAL, NOTHING)
     with pytest.raises(GVAError):
         route(0, MAX_NODE_ID + 1, NOTHING)
-    with pytest.raises(GVAError):
-        route_many(np.array([2 << 60], dtype=np.uint64), LOCAL, NOTHING)
-    with pytest.raises(GVAError):
-        route_many(np.array([0]), -1, NOTHING)
-
-
-def test_route_many_groups_a_mixed_request():
-    gvas = np.array(
-        [
-            encode(Medium.DRAM, LOCAL, 0),
-            encode(Medium.SSD, OTHER, 8192),
-            encode(Medium.DRAM, OTHER, 4096),
-            encode(Medium.SSD, LOCAL, 0),
-            encode(Medium.DRAM, LOCAL, 4096),
-        ],
-        dtype=np.uint64,
-    )
-    groups = route_many(gvas, LOCAL, NIXL_ONLY)
-    assert {k: v.tolist() for k, v in groups.items()} == {
-        LOCAL_DRAM: [0, 4],
-        REMOTE_SSD_SHIPPED: [1],
-        REMOTE_DRAM_NIXL: [2],
-        LOCAL_SSD: [3],
-    }
-    assert all(v.dtype == np.int64 for v in groups.values())
-
-
-def test_route_many_merges_both_remote_media_into_the_fallback():
-    gvas = [encode(Medium.SSD, OTHER, 0), encode(Medium.DRAM, OTHER, 0)]
-    groups = route_many(gvas, LOCAL, NOTHING)
-    assert list(groups) == [OBJECT_STORE_FALLBACK]
-    assert groups[OBJECT_STORE_FALLBACK].tolist() == [0, 1]
-
-
-def test_route_many_accepts_lists_with_values_numpy_would_turn_into_floats():
-    # [2**63, 1] becomes float64 under np.asarray; the reserved medium must still be seen.
-    with pytest.raises(GVAError):
-        route_many([1 << 63, 1], LOCAL, NOTHING)
-    with pytest.raises(GVAError):
-        route_many([-1], LOCAL, NOTHING)
-    with pytest.raises(GVAError):
-        route_many(np.array([1.0]), LOCAL, NOTHING)
-    assert route_many([], LOCAL, NOTHING) == {}
 
 
 gva_parts = st.tuples(
@@ -113,19 +69,6 @@ gva_parts = st.tuples(
 availability = st.frozensets(
     st.sampled_from(sorted(ALL_REMOTE | {OBJECT_STORE_FALLBACK, LOCAL_DRAM, LOCAL_SSD}))
 )
-
-
-@given(st.lists(gva_parts, max_size=64), st.integers(0, MAX_NODE_ID), availability)
-def test_route_many_agrees_with_route(parts, local_node, available):
-    gvas = np.array([encode(*p) for p in parts], dtype=np.uint64)
-    groups = route_many(gvas, local_node, available)
-    seen = np.concatenate([*groups.values(), np.empty(0, dtype=np.int64)])
-    assert sorted(seen.tolist()) == list(range(len(parts)))  # a partition of the request
-    for path, indices in groups.items():
-        assert indices.size > 0
-        assert np.all(np.diff(indices) > 0)
-        for i in indices:
-            assert route(int(gvas[i]), local_node, available) == path
 
 
 @given(gva_parts, st.integers(0, MAX_NODE_ID), availability)

@@ -8,8 +8,10 @@ machine's /dev/shm and disk). One cluster per module; the node-removal test runs
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -30,10 +32,11 @@ from flatcake_ray.actors.coordinator import CapacityCoordinator  # noqa: E402
 from flatcake_ray.actors.protocol import COORDINATOR_NAME, NodeDescription, NodeUsage  # noqa: E402
 from flatcake_ray.client import deploy as service  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.client.deploy import operator_secret  # noqa: E402
 from flatcake_ray.config import ServiceConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium, decode  # noqa: E402
-from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
+from flatcake_ray.errors import InvalidKeyError, ShapeError, UnknownNodeError  # noqa: E402
 from flatcake_ray.transports.base import (  # noqa: E402
     LOCAL_DRAM,
     LOCAL_SSD,
@@ -42,6 +45,8 @@ from flatcake_ray.transports.base import (  # noqa: E402
     REMOTE_SSD_SHIPPED,
 )
 from flatcake_ray.transports.routing import route  # noqa: E402
+
+SERVICE_SECRET = "s" * 32
 
 # Workers cannot import this file by name; ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -76,13 +81,13 @@ class ClientOnNode:
         keys = keys_for(name, pages)
         return self.client.put(keys, kv_for(pages, seed), session_id=session or name, hints=hints)
 
-    def put_keys(self, keys: list[str], kv: np.ndarray, session: str, hints: PutHints):
-        return self.client.put(keys, kv, session_id=session, hints=hints)
+    def put_keys(self, keys: list[str], kv: np.ndarray, session: str, hints: PutHints, parent=None):
+        return self.client.put(keys, kv, session_id=session, hints=hints, parent=parent)
 
     def restore(self, name: str, pages: int, seed: int | None = None, allow=None):
         client = self.client if allow is None else FlatCakeClient(NAMESPACE, allow=allow)
         out = np.zeros((LAYERS, pages, PAGE_BYTES), dtype=np.uint8)
-        report = client.restore(keys_for(name, pages), out)
+        report = client.restore_report(keys_for(name, pages), out)
         exact = None if seed is None else bool(np.array_equal(out, kv_for(pages, seed)))
         if client is not self.client:
             client.close()
@@ -166,21 +171,29 @@ def usage(node_id: int, free: int) -> NodeUsage:
 
 def test_placement_is_capacity_proportional_and_ramps_a_new_node():
     config = ServiceConfig(layers=1, page_bytes=4096, ramp_seconds=100.0, ramp_floor=0.1)
-    coordinator = CapacityCoordinator(config, rebuild=False)
-    old = coordinator.register("ray-a", "a", None, time.time() - 1000)
-    new = coordinator.register("ray-b", "b", None, time.time())
+    coordinator = CapacityCoordinator(config, SERVICE_SECRET, rebuild=False)
+    old = coordinator.register(SERVICE_SECRET, "ray-a", "a", None, time.time() - 1000)
+    new = coordinator.register(SERVICE_SECRET, "ray-b", "b", None, time.time())
     for node_id in (old, new):
-        coordinator.report(node_id, f"ray-{'a' if node_id == old else 'b'}", usage(node_id, 100))
-    placed = [coordinator.place_scope() for _ in range(110)]
+        coordinator.report(
+            SERVICE_SECRET, node_id, f"ray-{'a' if node_id == old else 'b'}", usage(node_id, 100)
+        )
+    placed = [coordinator.place_scope(None) for _ in range(110)]
     assert placed.count(new) == pytest.approx(10, abs=1)  # ramp 0.1: 1/11 of new scopes
-    assert coordinator.place_scope("s") == coordinator.place_scope("s")  # sessions stick
+    assert coordinator.place_scope(None, "s") == coordinator.place_scope(
+        None, "s"
+    )  # sessions stick
 
 
 def test_node_ids_are_kept_on_re_registration_and_12_bit():
-    coordinator = CapacityCoordinator(ServiceConfig(layers=1, page_bytes=4096), rebuild=False)
-    first = coordinator.register("ray-a", "a", 7, time.time())
-    assert first == 7 and coordinator.register("ray-a", "a", None, time.time()) == 7
-    assert 1 <= coordinator.register("ray-b", "b", 7, time.time()) <= 4095  # 7 is taken
+    coordinator = CapacityCoordinator(
+        ServiceConfig(layers=1, page_bytes=4096), SERVICE_SECRET, rebuild=False
+    )
+    first = coordinator.register(SERVICE_SECRET, "ray-a", "a", 7, time.time())
+    assert first == 7 and coordinator.register(SERVICE_SECRET, "ray-a", "a", None, time.time()) == 7
+    assert (
+        1 <= coordinator.register(SERVICE_SECRET, "ray-b", "b", 7, time.time()) <= 4095
+    )  # 7 is taken
 
 
 def test_config_file_then_flags_then_environment(tmp_path, monkeypatch):
@@ -223,7 +236,7 @@ def test_written_on_one_node_restored_on_the_other(
     writer = next(iter(deployment["by_node_id"].values()))
     name, pages, seed = f"cross-{medium}", 40, hash(medium) % 1000
     result = ray.get(writer.put.remote(name, pages, seed, hints))
-    assert (result.pages_written, result.medium) == (pages, medium)
+    assert (result.pages_written, result.medium.name) == (pages, medium)
     owner = owner_of(deployment, name, pages)
     local, exact_local, _ = ray.get(
         deployment["by_node_id"][owner].restore.remote(name, pages, seed)
@@ -325,7 +338,8 @@ def test_cli_start_is_idempotent_and_status_prints_the_table(deployment, capsys)
     add_service_commands(parser.add_subparsers(dest="command", required=True))
     address = deployment["cluster"].address
     common = ["--address", address, "--namespace", NAMESPACE]
-    args = parser.parse_args(["start", *common, "--layers", str(LAYERS), "--resource", "fc"])
+    geometry = ["--layers", str(LAYERS), "--page-bytes", str(PAGE_BYTES)]
+    args = parser.parse_args(["start", *common, *geometry, "--resource", "fc"])
     assert args.handler(args) == 0  # finds the running actors, starts nothing new
     args = parser.parse_args(["status", *common, "--json"])
     capsys.readouterr()
@@ -340,6 +354,31 @@ def test_cli_start_is_idempotent_and_status_prints_the_table(deployment, capsys)
     assert parser.parse_args(["bench", "restore", "--nodes", "2"]).handler.__name__ == (
         "cmd_bench_restore"
     )
+
+
+def test_cli_start_with_another_geometry_is_an_error_naming_both(deployment, capsys):
+    from flatcake_ray.cli import main
+
+    common = ["--address", deployment["cluster"].address, "--namespace", NAMESPACE]
+    wanted = ["--layers", str(LAYERS + 1), "--page-bytes", str(PAGE_BYTES), "--resource", "fc"]
+    capsys.readouterr()
+    assert main(["start", *common, *wanted]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flatcake-ray: error: "), lines
+    assert f"layers={LAYERS}," in lines[0] and f"layers={LAYERS + 1}," in lines[0]
+    info = service.status(NAMESPACE)  # the running service is untouched
+    assert sorted(row["node_id"] for row in info["nodes"]) == sorted(deployment["by_node_id"])
+
+
+def test_cli_status_from_a_fresh_process_connects(deployment):
+    """The bounded connect (TCP probe, Ray's health check, then ray.init) on a live cluster."""
+    argv = ["status", "--address", deployment["cluster"].address, "--namespace", NAMESPACE]
+    code = f"import sys; from flatcake_ray.cli import main; sys.exit(main({[*argv, '--json']}))"
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180
+    )
+    assert child.returncode == 0, child.stderr
+    assert len(json.loads(child.stdout)["nodes"]) == len(deployment["by_node_id"])
 
 
 @pytest.mark.gpu
@@ -374,7 +413,10 @@ def test_coordinator_killed_and_restarted_recovers(deployment):
     writer = next(iter(deployment["by_node_id"].values()))
     ray.get(writer.put.remote("before-kill", 10, 31, DRAM))
     owner = owner_of(deployment, "before-kill", 10)
-    table = {r["node_id"]: r["ray_node_id"] for r in ray.get(_coordinator().nodes_table.remote())}
+    table = {
+        r["node_id"]: r["ray_node_id"]
+        for r in ray.get(_coordinator().nodes_table.remote(operator_secret(NAMESPACE)))
+    }
     ray.kill(_coordinator(), no_restart=True)
     with FlatCakeClient(NAMESPACE) as client:  # reads never ask the coordinator
         out = np.zeros((LAYERS, 10, PAGE_BYTES), dtype=np.uint8)
@@ -383,16 +425,87 @@ def test_coordinator_killed_and_restarted_recovers(deployment):
         assert (
             client.put(keys_for("while-dead", 4), kv_for(4, 32), session_id="wd").pages_written == 4
         )
-    service.start_coordinator(deployment["config"])  # a fresh one rebuilds from the nodes
+    service.start_coordinator(
+        deployment["config"], operator_secret(NAMESPACE)
+    )  # a fresh one rebuilds from the nodes
     _wait_ping()
-    rebuilt = {r["node_id"]: r["ray_node_id"] for r in ray.get(_coordinator().nodes_table.remote())}
+    rebuilt = {
+        r["node_id"]: r["ray_node_id"]
+        for r in ray.get(_coordinator().nodes_table.remote(operator_secret(NAMESPACE)))
+    }
     assert rebuilt == table
-    assert ray.get(_coordinator().place_scope.remote("before-kill")) == owner
+    assert ray.get(_coordinator().place_scope.remote(None, "before-kill")) == owner
     ray.kill(_coordinator(), no_restart=False)  # a crash: Ray restarts it, it rebuilds again
     time.sleep(1.0)
     _wait_ping()
-    assert ray.get(_coordinator().place_scope.remote("before-kill")) == owner
-    assert ray.get(_coordinator().info.remote())["rebuilt_nodes"] == 2
+    assert ray.get(_coordinator().place_scope.remote(None, "before-kill")) == owner
+    assert ray.get(_coordinator().info.remote(operator_secret(NAMESPACE)))["rebuilt_nodes"] == 2
+
+
+def _cli(*argv: str) -> int:
+    import argparse
+
+    from flatcake_ray.cli.service import add_service_commands
+
+    parser = argparse.ArgumentParser(prog="flatcake-ray")
+    add_service_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return args.handler(args)
+
+
+def _status_json(capsys, common: list[str]) -> dict:
+    import json
+
+    capsys.readouterr()
+    assert _cli("status", *common, "--json") == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_drain_moves_new_chains_off_a_node_and_survives_a_coordinator_restart(deployment, capsys):
+    from flatcake_ray.client.nodes import REFRESH_EVERY_S
+
+    common = ["--address", deployment["cluster"].address, "--namespace", NAMESPACE]
+    drained, kept = sorted(deployment["by_node_id"])
+    writer, reader = deployment["by_node_id"][drained], deployment["by_node_id"][kept]
+    old = next(f"dr-old-{i}" for i in range(20) if _put_owner(deployment, writer, i) == drained)
+    try:
+        assert _cli("drain", str(drained), *common) == 0
+        assert f"NodeID {drained}" in capsys.readouterr().out
+        rows = {r["node_id"]: r["drained"] for r in _status_json(capsys, common)["nodes"]}
+        assert rows == {drained: True, kept: False}
+        assert _cli("status", *common) == 0
+        assert f"drained (no new scopes; undo with `flatcake-ray undrain`): {drained}" in (
+            capsys.readouterr().out
+        )
+        time.sleep(REFRESH_EVERY_S)  # the writer's next node refresh sees the drain
+        for i in range(4):  # new sessions; then a tail and a new chain of a session there
+            ray.get(writer.put.remote(f"dr-new-{i}", 4, 60 + i, DRAM))
+            assert owner_of(deployment, f"dr-new-{i}", 4) == kept
+        tail = [f"{old}/tail/{i}" for i in range(3)]  # a chain's tail stays beside its head
+        ray.get(writer.put_keys.remote(tail, kv_for(3, 71), old, DRAM, f"{old}/3"))
+        assert decode(int(deployment["driver"].gvas(tail)[0])).node_id == drained
+        ray.get(writer.put.remote("dr-new-chain", 4, 70, DRAM, old))
+        assert owner_of(deployment, "dr-new-chain", 4) == kept
+        _, exact, _ = ray.get(reader.restore.remote(old, 4, 50 + int(old.rsplit("-", 1)[1])))
+        assert exact  # its pages stay readable
+        ray.kill(_coordinator(), no_restart=False)  # a crash: the restarted one rebuilds
+        time.sleep(1.0)
+        _wait_ping()
+        assert _status_json(capsys, common)["coordinator"]["drained"] == [drained]
+        placed = {ray.get(_coordinator().place_scope.remote(None)) for _ in range(20)}
+        assert placed == {kept}
+    finally:
+        assert _cli("undrain", str(drained), *common) == 0
+    assert "undrained" in capsys.readouterr().out
+    assert not any(r["drained"] for r in _status_json(capsys, common)["nodes"])
+    assert drained in {ray.get(_coordinator().place_scope.remote(None)) for _ in range(20)}
+    with pytest.raises(UnknownNodeError, match="no storage node has NodeID 4000 "):
+        _cli("drain", "4000", *common)  # main() prints it as one line (test_cli)
+
+
+def _put_owner(deployment, writer, i: int) -> int:
+    ray.get(writer.put.remote(f"dr-old-{i}", 4, 50 + i, DRAM))
+    return owner_of(deployment, f"dr-old-{i}", 4)
 
 
 def test_removed_node_turns_its_pages_into_misses(deployment):

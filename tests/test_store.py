@@ -21,6 +21,7 @@ from flatcake_ray.errors import (
 )
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.node.store import FlatCakeStore, PutHints
+from flatcake_ray.restore import PagedPool
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 SHORT_CHAT = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: DRAM
@@ -36,7 +37,7 @@ def test_round_trip_on_each_medium(make_store, hints, medium):
     store = make_store()
     kv = random_kv(12)
     result = store.put(list(range(12)), kv, hints=hints)
-    assert (result.medium, result.pages_written) == (medium, 12)
+    assert (result.medium.name, result.pages_written) == (medium, 12)
     count, out = restore(store, list(range(12)))
     assert count == 12 and np.array_equal(out, kv)
 
@@ -47,7 +48,7 @@ def test_round_trip_across_turns_and_media(make_store):
     first = store.put(list(range(10)), kv[:, :10])  # turn 1: SSD
     second = store.put(list(range(20)), kv[:, :20], hints=SHORT_CHAT)  # turn 2: DRAM
     third = store.put(list(range(30)), kv)
-    assert (first.medium, second.medium) == ("SSD", "DRAM")
+    assert (first.medium.name, second.medium.name) == ("SSD", "DRAM")
     assert (second.pages_skipped, third.pages_written) == (10, 10)
     assert first.session_id == second.session_id == third.session_id
     count, out = restore(store, list(range(30)))
@@ -153,7 +154,8 @@ def test_leased_scopes_survive_reclamation(make_store):
     assert store.exists(["old-0"]) == 0  # oldest unreferenced: freed whole
     assert store.exists(["held-0", "held-1", "held-2", "held-3"]) == 4
     out = np.zeros((LAYERS, 4, PAGE_BYTES), dtype=np.uint8)
-    assert store.read_leased(lease, out, range(LAYERS)).pages_ok == 4
+    dest = PagedPool(out, np.arange(4))
+    assert store.restore_lease(lease, dest).wait() == 4
     assert np.array_equal(out, kv)
     store.release(lease)
     assert store.stats()["reclaimed_scopes"] >= 1
@@ -248,7 +250,7 @@ def test_chat_that_turns_agentic_keeps_old_blocks_and_moves_new_turns(make_store
     turn3 = store.put(list(range(6)), kv[:, :6])
     turn4 = store.put(list(range(14)), kv[:, :14])  # the context crosses L_agent: agentic, SSD
     turn5 = store.put(list(range(16)), kv[:, :16])  # stays agentic: the context only grows
-    assert [t.medium for t in (turn1, turn2, turn3, turn4, turn5)] == [
+    assert [t.medium.name for t in (turn1, turn2, turn3, turn4, turn5)] == [
         "SSD",
         "DRAM",
         "DRAM",
@@ -275,7 +277,7 @@ def test_fork_of_a_shared_prefix_is_a_new_session(make_store):
     assert (fork.rule, mid_fork.rule) == ("one-shot", "one-shot")  # its own pages: turn 1
     assert store.stats()["forks"] == 2
     shared = store.put(["sys", "d1"], kv[:, :2], hints=PutHints(prefix_refcount=3))
-    assert (shared.medium, shared.rule) == ("DRAM", "shared")  # the engine knows better
+    assert (shared.medium.name, shared.rule) == ("DRAM", "shared")  # the engine knows better
 
 
 def test_explicit_session_id_wins(make_store):
@@ -415,7 +417,7 @@ def test_closed_store(make_store):
         store.exists(["a"])
 
 
-def test_another_process_maps_the_arena_read_only(make_store, tmp_path):
+def test_another_process_reads_the_arena_and_cannot_change_it(make_store, tmp_path):
     import subprocess
     import sys
 
@@ -427,11 +429,10 @@ def test_another_process_maps_the_arena_read_only(make_store, tmp_path):
         "import sys, numpy as np\n"
         "from flatcake_ray.media.arena import DramArena\n"
         "mapping, view = DramArena.attach(sys.argv[1], int(sys.argv[2]))\n"
-        "sys.stdout.write(view[int(sys.argv[3]) : int(sys.argv[3]) + 64].tobytes().hex())\n"
-        "try:\n"
-        "    view[0] = 1\n"
-        "except ValueError:\n"
-        "    sys.stdout.write(' read-only')\n"
+        "at = int(sys.argv[3])\n"
+        "sys.stdout.write(view[at : at + 64].tobytes().hex())\n"
+        "view[at : at + 64] = 0  # lands in this process's private copy only\n"
+        "sys.stdout.write(' ' + view[at : at + 64].tobytes().hex())\n"
     )
     shown = subprocess.run(
         [sys.executable, "-c", script, store.arena.path, str(store.config.dram_bytes), str(offset)],
@@ -439,7 +440,10 @@ def test_another_process_maps_the_arena_read_only(make_store, tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert shown == kv[0, 0, :64].tobytes().hex() + " read-only"
+    assert shown == kv[0, 0, :64].tobytes().hex() + " " + "00" * 64
+    assert np.array_equal(store.arena.view[offset : offset + 64], kv[0, 0, :64])  # unchanged
+    out = np.zeros((LAYERS, 2, PAGE_BYTES), dtype=np.uint8)
+    assert store.get(["m0", "m1"], out) == 2 and np.array_equal(out, kv)
 
 
 def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):

@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 from flatcake_ray.actors.protocol import node_actor_name  # noqa: E402
 from flatcake_ray.client import deploy as service  # noqa: E402
+from flatcake_ray.client.calls import BoundNode  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.nodes import NodeLink  # noqa: E402
 from flatcake_ray.config import ServiceConfig  # noqa: E402
@@ -60,7 +61,13 @@ def remove_leftover_arenas(root) -> None:
 def source(tmp_path_factory):
     """A storage node with a DRAM and an SSD segment of known bytes, and their images."""
     root = tmp_path_factory.mktemp("contract")
-    ray.init(num_cpus=1, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+    )
     config = ServiceConfig(
         namespace=NAMESPACE,
         root=str(root / "{node}"),
@@ -77,29 +84,33 @@ def source(tmp_path_factory):
     handle = ray.get_actor(node_actor_name(client.ray_node_id), namespace=NAMESPACE)
     rng = np.random.default_rng(7)
     images = {}
+    leases: list[int] = []
     for medium, hints in (
         (Medium.DRAM, PutHints(turn=2, prior_reply_tokens=1)),
         (Medium.SSD, PutHints(turn=1)),
     ):
         kv = rng.integers(0, 256, (LAYERS, PAGES, PAGE_BYTES), dtype=np.uint8)
         keys = [f"{medium.name}-{i}" for i in range(PAGES)]
-        assert client.put(keys, kv, session_id=medium.name, hints=hints).medium == medium.name
-        reply = ray.get(handle.lookup.remote(keys))
+        assert client.put(keys, kv, session_id=medium.name, hints=hints).medium is medium
+        # Held for the whole module: the owner serves bytes of leased ranges only.
+        reply = ray.get(handle.lookup.remote(None, keys))
         (part,) = reply.parts
-        image = np.zeros(LAYERS * part.layer_stride, dtype=np.uint8)
+        image = np.zeros(LAYERS * part.layout.layer_stride, dtype=np.uint8)
         for layer in range(LAYERS):
-            start = layer * part.layer_stride
-            image[start : start + part.layer_bytes] = kv[layer].reshape(-1)
+            start = layer * part.layout.layer_stride
+            image[start : start + part.layout.layer_bytes] = kv[layer].reshape(-1)
         images[medium] = (part.offset, image)
-        ray.get(handle.release.remote(reply.lease_id))
-    description = ray.get(handle.describe.remote())
+        leases.append(reply.lease_id)
+    description = ray.get(handle.describe.remote(None))
     yield {
         "client": client,
-        "handle": handle,
+        "handle": BoundNode(handle, None),  # the open default tenant's calls
         "description": description,
         "images": images,
         "config": config,
     }
+    for lease_id in leases:
+        assert ray.get(handle.release.remote(None, lease_id)) is True
     client.close()
     service.stop(NAMESPACE)
     ray.shutdown()
@@ -229,8 +240,12 @@ def test_service_agents_run_without_a_spinning_progress_thread():
             agent.close()
 
 
-def test_local_ssd_lands_whole_aligned_extents_without_a_bounce_copy(tmp_path):
-    """Extents that tile a coalesced read go straight from the drive into aligned staging."""
+def test_local_ssd_reads_planned_ranges_as_given_aligned_ones_without_a_bounce(
+    tmp_path, monkeypatch
+):
+    """Coalescing is the plan's: the transport issues one command per range, straight into
+    the destination when the range and the destination are aligned."""
+    from flatcake_ray.media import buffers
     from flatcake_ray.media.buffers import AlignedBuffer
     from flatcake_ray.media.pool import SsdPool
     from flatcake_ray.transports.local_ssd import LocalSsdTransport
@@ -239,14 +254,21 @@ def test_local_ssd_lands_whole_aligned_extents_without_a_bounce_copy(tmp_path):
     data = AlignedBuffer(1 << 20)
     data.array[:] = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
     pool.write(0, data.array)
-    transport = LocalSsdTransport(pool, max_read_bytes=256 << 10)
+    transport = LocalSsdTransport(pool)
     try:
         staging = AlignedBuffer(1 << 20)
+        bounces: list[int] = []
+        real_init = buffers.AlignedBuffer.__init__
+
+        def counting_init(self, nbytes):
+            bounces.append(nbytes)
+            real_init(self, nbytes)
+
+        monkeypatch.setattr(buffers.AlignedBuffer, "__init__", counting_init)
         batch = ReadBatch.packed(np.arange(8) * (128 << 10), [128 << 10] * 8)
         stats = transport.read(batch, staging.array)
         assert np.array_equal(staging.array, data.array)
-        assert stats.commands == 4  # 256 KiB reads
-        assert not any(buffer.array.any() for buffer in transport._buffers)  # never bounced
+        assert stats.commands == 8 and bounces == []  # one command a range, never bounced
         unaligned = np.zeros((1 << 20) + 1, dtype=np.uint8)[1:]
         transport.read(batch, unaligned)
         assert np.array_equal(unaligned, data.array)
@@ -298,10 +320,10 @@ def test_gds_reads_pool_ranges_into_gpu_memory(tmp_path):
     data.array[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
     pool.write(0, data.array)
     pool.close()
-    transport = GdsSsdTransport(pool.paths, 1 << 20, 64 << 10)
+    transport = GdsSsdTransport(pool.paths, 1 << 20)
     try:
         dst = torch.zeros(8192, dtype=torch.uint8, device="cuda")
-        transport.read_to_device(ReadBatch([4096, 100], [4096, 50], [0, 4096]), dst)
+        transport.read(ReadBatch([4096, 100], [4096, 50], [0, 4096]), dst)
         host = dst.cpu().numpy()
         assert np.array_equal(host[:4096], data.array[4096:8192])
         assert np.array_equal(host[4096:4146], data.array[100:150])

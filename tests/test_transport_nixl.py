@@ -32,7 +32,6 @@ from flatcake_ray.transports.nixl_dram import (
     NixlPeerInfo,
     unique_agent_name,
 )
-from flatcake_ray.transports.nixl_file import NixlFileReader
 
 ARENA_BYTES = 256 << 20
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}
@@ -256,7 +255,6 @@ def assert_landed(batch: ReadBatch, arena: np.ndarray, dst: np.ndarray, sentinel
 
 def test_probe_finds_nixl_here():
     assert NixlDramTransport.probe() is None
-    assert NixlFileReader.probe() is None
 
 
 def test_scattered_reads_land_exactly(owner, reader_agent):
@@ -457,22 +455,3 @@ def test_large_read_bandwidth(owner, reader_agent, request):
     tls = request.node.callspec.params["reader_agent"]
     rates = ", ".join(f"{run.gb_per_s:.2f}" for run in runs)
     print(f"NIXL READ of 256 MiB over loopback, UCX_TLS={tls}: {rates} GB/s")
-
-
-# --------------------------------------------------------------------------- POSIX backend
-
-
-def test_file_reader_reads_ranges_of_a_file(tmp_path, nixl_usable):
-    content = pattern(3 << 20, seed=5)
-    path = tmp_path / "segment.bin"
-    path.write_bytes(content.tobytes())
-    batch = scattered_batch(np.random.default_rng(3), content.size, count=40)
-    dst = np.full(int((batch.dst_offsets + batch.lengths).max()), 0x3C, dtype=np.uint8)
-    with NixlFileReader(path) as reader:
-        stats = reader.read(batch, dst)
-        assert_landed(batch, content, dst, 0x3C)
-        assert stats.bytes == batch.total_bytes
-        with pytest.raises(ReadRangeError):
-            reader.read(ReadBatch([content.size - 1], [2], [0]), dst)
-    with pytest.raises(TransportClosedError):
-        reader.read(batch, dst)

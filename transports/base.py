@@ -7,15 +7,28 @@ pages by transport, builds one :class:`ReadBatch` per source and calls :meth:`Tr
 
 Who calls what:
 
-- The restore pipeline / client (reader side):
-  ``Transport.probe()`` once per process, to learn which paths this machine can use (the
-  names it returns ``None`` for form the ``available`` set given to ``route``);
-  construct a transport per source (per remote node for the remote paths);
-  ``read(batch, dst)`` any number of times, one at a time per instance;
-  ``close()`` (or leave a ``with`` block) when the source goes away.
-- The storage node (owner side) never calls a transport: it exports its arena (e.g.
-  ``NixlArenaExporter``) and hands the exported description to readers through a Ray call.
-  That is one remote call per node touched, never one per block.
+- The restore pipeline's sources (reader side): ``Transport.probe()`` once per process, to
+  learn which paths this machine can use (the names it returns ``None`` for form the
+  ``available`` set given to ``route``); construct a transport per source (per remote node
+  for the remote paths, through :func:`flatcake_ray.transports.registry.transport_class`);
+  ``read(batch, dst)`` any number of times, one at a time per instance (``LocalSsdTransport``
+  and ``LocalDramTransport`` also from several threads at once); ``close()`` (or leave a
+  ``with`` block) when the source goes away.
+- The storage node (owner side) never reads through a remote transport: it exports its arena
+  (e.g. ``NixlArenaExporter``) and hands the exported description to readers through a Ray
+  call. That is one remote call per node touched, never one per block.
+
+Abilities a transport declares (defaults in :class:`Transport`; callers read these, they
+never probe with ``getattr``):
+
+- ``destination``: ``"host"`` (``dst`` is a host numpy array) or ``"device"`` (``dst`` is a
+  1-D uint8 CUDA tensor: GPUDirect Storage).
+- ``broken``: True once a failure left the connection unusable; the caller closes the
+  transport and builds a new one (reconnect) instead of reusing it.
+- ``actor_calls``: control calls this transport made to the owner so far (shipped SSD reads,
+  the object-store fallback); 0 for one-sided paths.
+- ``mapped_view()``: a host view of the whole source when this process can address it in
+  place (the local arena); the restore pipeline then reads pages there, with no copy.
 
 Rules every implementation keeps:
 
@@ -37,14 +50,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from flatcake_ray.errors import ReadRangeError, ShapeError
 
 LOCAL_DRAM = "local-dram"
 LOCAL_SSD = "local-ssd"
+LOCAL_SSD_GDS = "local-ssd-gds"
 REMOTE_DRAM_NIXL = "remote-dram-nixl"
 REMOTE_DRAM_RDMA = "remote-dram-rdma"
 REMOTE_SSD_NVMEOF = "remote-ssd-nvmeof"
@@ -56,7 +71,7 @@ OBJECT_STORE_FALLBACK = "object-store-fallback"
 _MAX_FIELD = 1 << 48
 
 
-def _as_offsets(values: object, field: str) -> np.ndarray:
+def _as_offsets(values: ArrayLike, field: str) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise ReadRangeError(f"{field} must be 1-D, got shape {array.shape}")
@@ -69,18 +84,20 @@ def _as_offsets(values: object, field: str) -> np.ndarray:
     return frozen
 
 
-@dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise, then fail on bool()
 class ReadBatch:
     """Ranges to copy: ``lengths[i]`` bytes from source ``src_offsets[i]`` to
-    ``dst[dst_offsets[i]:]``. Fields are read-only int64 arrays of one length."""
+    ``dst[dst_offsets[i]:]``. Fields are read-only int64 arrays of one length (the batch is
+    immutable; no ``==``: it would compare arrays elementwise)."""
 
+    __slots__ = ("dst_offsets", "lengths", "src_offsets")
     src_offsets: np.ndarray
     lengths: np.ndarray
     dst_offsets: np.ndarray
 
-    def __post_init__(self) -> None:
-        for field in ("src_offsets", "lengths", "dst_offsets"):
-            object.__setattr__(self, field, _as_offsets(getattr(self, field), field))
+    def __init__(self, src_offsets: ArrayLike, lengths: ArrayLike, dst_offsets: ArrayLike):
+        object.__setattr__(self, "src_offsets", _as_offsets(src_offsets, "src_offsets"))
+        object.__setattr__(self, "lengths", _as_offsets(lengths, "lengths"))
+        object.__setattr__(self, "dst_offsets", _as_offsets(dst_offsets, "dst_offsets"))
         sizes = {self.src_offsets.size, self.lengths.size, self.dst_offsets.size}
         if len(sizes) != 1:
             raise ReadRangeError(
@@ -88,8 +105,11 @@ class ReadBatch:
                 f"{self.src_offsets.size}, {self.lengths.size}, {self.dst_offsets.size}"
             )
 
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a ReadBatch is immutable")
+
     @classmethod
-    def packed(cls, src_offsets: object, lengths: object, dst_start: int = 0) -> ReadBatch:
+    def packed(cls, src_offsets: ArrayLike, lengths: ArrayLike, dst_start: int = 0) -> ReadBatch:
         """Ranges laid back to back in the destination, in the order given."""
         lengths_array = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(lengths_array)
@@ -157,9 +177,18 @@ class TransferStats:
 
 
 class Transport(abc.ABC):
-    """One data path. See the module docstring for who calls what."""
+    """One data path. See the module docstring for who calls what and the abilities."""
 
     name: str = ""
+    destination: ClassVar[str] = "host"
+    actor_calls: int = 0
+
+    @property
+    def broken(self) -> bool:
+        return False
+
+    def mapped_view(self) -> np.ndarray | None:
+        return None
 
     @classmethod
     @abc.abstractmethod

@@ -65,6 +65,9 @@ class LocalDramTransport(Transport):
     def probe(cls) -> str | None:
         return None  # plain memory: always usable
 
+    def mapped_view(self) -> np.ndarray | None:
+        return self._view
+
     def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
         if self._view is None:
             raise TransportClosedError("local-dram transport is closed")

@@ -1,34 +1,48 @@
-"""Local SSD: coalesced O_DIRECT reads of this node's SSD pool files.
+"""Local SSD: O_DIRECT reads of a node's SSD pool files, exactly as planned.
 
-A client on the owner's node opens the pool files read-only with O_DIRECT
-(:meth:`SsdPool.open_readonly`) and reads them itself; the storage node uses the same class
-to fill its ship buffer for readers on other nodes (``remote-ssd-shipped``). Ranges are
-sort-merged by :func:`flatcake_ray.coalesce.coalesce` (holes under ``gap_bytes`` bridged,
-4 KiB aligned, at most ``max_read_bytes`` a command), so a restore is O(layers) large reads.
-Reads run in a background thread one command ahead of the copy-out (double buffering).
+Reads arrive already coalesced and aligned by the restore plan (``flatcake_ray/core/plan.py``:
+coalescing is planned once, there); this transport executes each range as one command. A
+range that starts, ends or lands unaligned is read through an aligned bounce buffer (other
+callers: the object-store fallback's owner side). The storage node's own restores, a client
+on the owner's node (which opens the pool read-only, :meth:`SsdPool.open_readonly`) and the
+owner filling its ship buffer for readers elsewhere all read through this class. It holds no
+state between calls, so several threads may read through one instance at once.
 
-Where CUDA and cuFile exist, :class:`GdsSsdTransport` reads the same files straight into GPU
-memory through kvikio (GPUDirect Storage); it is imported lazily and skipped here.
+:class:`GdsSsdTransport` reads the same files straight into GPU memory through kvikio
+(GPUDirect Storage). :func:`gds_reader` applies the ``gds`` setting: ``off``; ``auto`` (GDS
+where kvikio loads and cuFile is not in compat mode, O_DIRECT otherwise, logged once); ``on``
+(GDS or a :class:`~flatcake_ray.errors.TransportUnavailableError`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from flatcake_ray.config import ALIGN
-from flatcake_ray.core.coalesce import CoalescedReads, coalesce
-from flatcake_ray.errors import ReadRangeError, TransferError, TransportClosedError
+from flatcake_ray.core.runs import align_down, align_up
+from flatcake_ray.errors import (
+    ReadRangeError,
+    TransferError,
+    TransportClosedError,
+    TransportUnavailableError,
+)
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
-from flatcake_ray.transports.base import LOCAL_SSD, ReadBatch, TransferStats, Transport
+from flatcake_ray.transports.base import (
+    LOCAL_SSD,
+    LOCAL_SSD_GDS,
+    ReadBatch,
+    TransferStats,
+    Transport,
+)
 
-DEFAULT_GAP_BYTES = 64 << 10
-DEFAULT_MAX_READ_BYTES = 32 << 20
+log = logging.getLogger(__name__)
+_said: set[str] = set()
 
 
 def split_at_files(batch: ReadBatch, file_bytes: int) -> ReadBatch:
@@ -56,26 +70,14 @@ class LocalSsdTransport(Transport):
 
     name = LOCAL_SSD
 
-    def __init__(
-        self,
-        pool: SsdPool,
-        *,
-        gap_bytes: int = DEFAULT_GAP_BYTES,
-        max_read_bytes: int = DEFAULT_MAX_READ_BYTES,
-        owns_pool: bool = False,
-    ) -> None:
+    def __init__(self, pool: SsdPool, *, owns_pool: bool = False) -> None:
         self._pool: SsdPool | None = pool
         self._owns_pool = owns_pool
-        self.gap_bytes = gap_bytes
-        self.max_read_bytes = max_read_bytes
-        self._buffers = [AlignedBuffer(max_read_bytes), AlignedBuffer(max_read_bytes)]
-        self.device_bytes = 0
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-io")
 
     @classmethod
-    def open(cls, paths: list[str] | tuple[str, ...], file_bytes: int, **options: Any):
+    def open(cls, paths: list[str] | tuple[str, ...], file_bytes: int) -> LocalSsdTransport:
         """Open a pool this process does not own, read-only."""
-        return cls(SsdPool.open_readonly(paths, file_bytes), owns_pool=True, **options)
+        return cls(SsdPool.open_readonly(paths, file_bytes), owns_pool=True)
 
     @classmethod
     def probe(cls) -> str | None:
@@ -93,119 +95,59 @@ class LocalSsdTransport(Transport):
         reads.check_source(pool.file_bytes * len(pool.paths), f"the SSD pool {pool.paths[:1]}")
         start = time.perf_counter()
         reads = split_at_files(reads, pool.file_bytes)
-        if not len(reads):
-            return TransferStats(0, 0, 0.0, self.name)
-        files, offsets = np.divmod(reads.src_offsets, pool.file_bytes)
-        merged = coalesce(
-            files,
-            offsets,
-            reads.lengths,
-            gap_bytes=self.gap_bytes,
-            max_read_bytes=self.max_read_bytes,
-            align=ALIGN,
-        )
-        self._run(merged, reads, dst)
-        self.device_bytes += merged.bytes  # with alignment and bridged gaps
-        elapsed = time.perf_counter() - start
-        return TransferStats(reads.total_bytes, merged.count, elapsed, self.name)
-
-    def _run(self, merged: CoalescedReads, reads: ReadBatch, dst: np.ndarray) -> None:
-        order = np.argsort(merged.descriptor_read, kind="stable")
-        bounds = np.searchsorted(merged.descriptor_read[order], np.arange(merged.count + 1))
-        groups = [order[bounds[r] : bounds[r + 1]] for r in range(merged.count)]
-        targets = [self._direct_target(merged, reads, dst, r, g) for r, g in enumerate(groups)]
-        pending = self._submit(merged, 0, targets)
-        for r, group in enumerate(groups):
-            view = pending.result()
-            pending = self._submit(merged, r + 1, targets)
-            if targets[r] is not None:
-                continue  # the drive wrote straight into dst
-            for d in group.tolist():
-                skip, n, at = (
-                    int(merged.descriptor_skip[d]),
-                    int(reads.lengths[d]),
-                    int(reads.dst_offsets[d]),
-                )
-                dst[at : at + n] = view[skip : skip + n]
-        pending.result()
+        for s, n, d in zip(
+            reads.src_offsets.tolist(),
+            reads.lengths.tolist(),
+            reads.dst_offsets.tolist(),
+            strict=True,
+        ):
+            self._read_one(pool, s, n, dst, d)
+        return TransferStats(reads.total_bytes, len(reads), time.perf_counter() - start, self.name)
 
     @staticmethod
-    def _direct_target(
-        merged: CoalescedReads, reads: ReadBatch, dst: np.ndarray, r: int, group: np.ndarray
-    ) -> np.ndarray | None:
-        """The slice of ``dst`` that read ``r`` can land in as it is (no bounce copy): when
-        its ranges tile it exactly, in the same order and spacing in dst, at an aligned
-        address. Extents of a layer-major segment read into packed staging usually do."""
-        length = int(merged.lengths[r])
-        by_skip = group[np.argsort(merged.descriptor_skip[group], kind="stable")]
-        skips, lengths = merged.descriptor_skip[by_skip], reads.lengths[by_skip]
-        ends = skips + lengths
-        tiles = skips[0] == 0 and (skips[1:] == ends[:-1]).all() and ends[-1] == length
-        shift = reads.dst_offsets[by_skip] - skips
-        if not tiles or (shift != shift[0]).any():
-            return None
-        start = int(shift[0])
-        if (dst.ctypes.data + start) % ALIGN or start < 0 or start + length > dst.size:
-            return None
-        return dst[start : start + length]
-
-    def _submit(self, merged: CoalescedReads, r: int, targets: list) -> Future:
-        if r >= merged.count:
-            done: Future = Future()
-            done.set_result(None)
-            return done
-        length = int(merged.lengths[r])
-        view = targets[r]
-        if view is None:
-            slot = r % 2
-            if self._buffers[slot].nbytes < length:  # one range longer than max_read_bytes
-                self._buffers[slot] = AlignedBuffer(length)
-            view = self._buffers[slot].array[:length]
-        file_index, offset = int(merged.files[r]), int(merged.offsets[r])
-
-        def fill() -> np.ndarray:
+    def _read_one(pool: SsdPool, src: int, length: int, dst: np.ndarray, at: int) -> None:
+        file_index, offset = pool.locate(src)
+        aligned = not (offset % ALIGN or length % ALIGN or (dst.ctypes.data + at) % ALIGN)
+        try:
+            if aligned:
+                pool.read_into(file_index, offset, dst[at : at + length])
+                return
+            lo = align_down(offset)
+            bounce = AlignedBuffer(align_up(offset + length) - lo)
             try:
-                self.pool.read_into(file_index, offset, view)
-            except OSError as exc:
-                raise TransferError(f"reading {self.pool.paths[file_index]}: {exc}") from exc
-            return view
-
-        return self._io.submit(fill)
+                pool.read_into(file_index, lo, bounce.array)
+                dst[at : at + length] = bounce.array[offset - lo : offset - lo + length]
+            finally:
+                bounce.close()
+        except OSError as exc:
+            raise TransferError(f"reading {pool.paths[file_index]}: {exc}") from exc
 
     def close(self) -> None:
-        if self._pool is None:
-            return
-        self._io.shutdown(wait=True)
-        if self._owns_pool:
+        if self._pool is not None and self._owns_pool:
             self._pool.close()
         self._pool = None
-        self._buffers = []
 
 
-class GdsSsdTransport:
+class GdsSsdTransport(Transport):
     """GPUDirect Storage through kvikio: pool ranges straight into a CUDA buffer.
 
-    Selected by the client when the destination is a CUDA tensor and :meth:`probe` passes;
-    each coalesced read is one ``cuFileRead`` into a device staging buffer, then a device
-    copy scatters the ranges. Not a :class:`Transport` (its destination is device memory).
+    ``dst`` is a 1-D uint8 CUDA tensor (the restore pipeline's device slot); each range is one
+    ``cuFileRead`` at its offset. Ranges come aligned from the restore plan.
     """
 
-    name = "local-ssd-gds"
+    name = LOCAL_SSD_GDS
+    destination: ClassVar[str] = "device"
 
-    def __init__(self, paths: list[str] | tuple[str, ...], file_bytes: int, gap_bytes: int):
+    def __init__(self, paths: list[str] | tuple[str, ...], file_bytes: int) -> None:
         import kvikio
 
-        self._kvikio = kvikio
         self.file_bytes = file_bytes
-        self.gap_bytes = gap_bytes
-        self._files = [kvikio.CuFile(path, "r") for path in paths]
+        self._files: list[Any] = [kvikio.CuFile(path, "r") for path in paths]
 
     @classmethod
     def probe(cls) -> str | None:
         if importlib.util.find_spec("kvikio") is None:
-            return "kvikio not installed"
-        if importlib.util.find_spec("torch") is None:
-            return "torch not installed"
+            return "kvikio not installed (pip install '.[gpu]')"
         import torch
 
         if not torch.cuda.is_available():
@@ -216,28 +158,46 @@ class GdsSsdTransport:
             return "cuFile unavailable (kvikio would run in POSIX compat mode)"
         return None
 
-    def read_to_device(self, reads: ReadBatch, dst: Any) -> TransferStats:
-        """``dst``: a 1-D uint8 CUDA tensor; ranges as in :meth:`Transport.read`."""
-        import torch
-
+    def read(self, reads: ReadBatch, dst: Any) -> TransferStats:
+        if not self._files:
+            raise TransportClosedError(f"{self.name} transport is closed")
         if len(reads) and int((reads.dst_offsets + reads.lengths).max()) > dst.numel():
             raise ReadRangeError("a range ends past the device buffer")
+        reads.check_source(self.file_bytes * len(self._files), "the SSD pool")
         start = time.perf_counter()
         reads = split_at_files(reads, self.file_bytes)
-        files, offsets = np.divmod(reads.src_offsets, self.file_bytes)
-        merged = coalesce(files, offsets, reads.lengths, gap_bytes=self.gap_bytes, align=ALIGN)
-        staging = torch.empty(int(merged.lengths.max()), dtype=torch.uint8, device=dst.device)
-        for r in range(merged.count):
-            n = int(merged.lengths[r])
-            self._files[int(merged.files[r])].pread(staging[:n], n, int(merged.offsets[r])).get()
-            for d in np.flatnonzero(merged.descriptor_read == r).tolist():
-                skip, length = int(merged.descriptor_skip[d]), int(reads.lengths[d])
-                at = int(reads.dst_offsets[d])
-                dst[at : at + length].copy_(staging[skip : skip + length], non_blocking=True)
-        torch.cuda.current_stream(dst.device).synchronize()
-        return TransferStats(merged.bytes, merged.count, time.perf_counter() - start, self.name)
+        futures = []
+        for s, n, d in zip(
+            reads.src_offsets.tolist(),
+            reads.lengths.tolist(),
+            reads.dst_offsets.tolist(),
+            strict=True,
+        ):
+            file_index, offset = divmod(s, self.file_bytes)
+            futures.append(self._files[file_index].pread(dst[d : d + n], n, offset))
+        try:
+            for future in futures:
+                future.get()
+        except RuntimeError as exc:
+            raise TransferError(f"cuFile read failed: {exc}") from exc
+        return TransferStats(reads.total_bytes, len(reads), time.perf_counter() - start, self.name)
 
     def close(self) -> None:
         for handle in self._files:
             handle.close()
         self._files = []
+
+
+def gds_reader(mode: str, paths: list[str] | tuple[str, ...], file_bytes: int):
+    """The GDS transport the ``gds`` setting asks for, or None (O_DIRECT into host slots)."""
+    if mode == "off":
+        return None
+    reason = GdsSsdTransport.probe()
+    if reason is None:
+        return GdsSsdTransport(paths, file_bytes)
+    if mode == "on":
+        raise TransportUnavailableError(f"gds=on but GPUDirect Storage is unavailable: {reason}")
+    if "gds" not in _said:
+        _said.add("gds")
+        log.info("GPUDirect Storage off (%s); SSD reads use O_DIRECT into host memory", reason)
+    return None

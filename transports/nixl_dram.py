@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,9 +52,22 @@ _POLL_SLEEP_MAX_S = 0.001
 _names = itertools.count()
 
 
+def _skip_ucx_ib_without_devices() -> None:
+    """Keep UCX from loading its InfiniBand module where there is no RDMA device.
+
+    The module brings a bundled libnl-route whose destructor crashes at process exit
+    (SIGSEGV in ``rtnl_tc_unregister``; every nixl wheel from 0.10 to 1.5 here), so any
+    process that made a NIXL agent exited with 139. Without a device the module has nothing to
+    drive. An operator's own ``UCX_MODULES`` wins."""
+    devices = Path("/sys/class/infiniband")
+    if "UCX_MODULES" not in os.environ and not (devices.is_dir() and any(devices.iterdir())):
+        os.environ["UCX_MODULES"] = "^ib"
+
+
 @functools.cache
 def _nixl_api() -> Any:
     """Import nixl on first use, keeping its import-time side effects off the process."""
+    _skip_ucx_ib_without_devices()
     raise_exceptions = logging.raiseExceptions
     try:
         import nixl._api as api
@@ -68,7 +82,7 @@ def _nixl_api() -> Any:
 
 
 @functools.cache
-def _nixl_errors() -> tuple[type[BaseException], ...]:
+def _nixl_errors() -> tuple[type[Exception], ...]:
     """nixl's binding exceptions share no base class; collect them by name."""
     bindings = _nixl_api().nixlBind
     names = [n for n in dir(bindings) if n.startswith("nixl") and n.endswith("Error")]
@@ -84,7 +98,7 @@ def nixl_probe(backend: str) -> str | None:
         plugins = api.nixl_agent(unique_agent_name("probe"), api.nixl_agent_config(backends=[]))
     except TransportUnavailableError as exc:
         return str(exc)
-    except (RuntimeError, *_nixl_errors()) as exc:
+    except (RuntimeError, *_nixl_errors()) as exc:  # type: ignore[misc]
         return f"nixl unusable: {exc!r}"
     if backend not in plugins.get_plugin_list():
         return f"nixl has no {backend} plugin"
@@ -131,7 +145,7 @@ class NixlAgent:
         )
         try:
             self._agent = api.nixl_agent(name, config)
-        except (RuntimeError, *_nixl_errors()) as exc:
+        except (RuntimeError, *_nixl_errors()) as exc:  # type: ignore[misc]
             raise TransportUnavailableError(
                 f"NIXL agent {name!r} with {list(backends)} failed to start: {exc!r} "
                 "(UCX's reason is on stderr; an empty UCX_TLS is one)"
@@ -342,6 +356,12 @@ class _NixlReader(Transport):
         """True after a failed transfer: drop this transport and build a new one."""
         return self._broken is not None
 
+    @property
+    def _live_agent(self) -> NixlAgent:
+        if self._agent is None:
+            raise TransportClosedError(f"{self.name} transport is closed")
+        return self._agent
+
     def _checked(self, reads: ReadBatch, dst: np.ndarray, size: int, source: str) -> ReadBatch:
         if self._agent is None:
             raise TransportClosedError(f"{self.name} transport is closed")
@@ -355,11 +375,12 @@ class _NixlReader(Transport):
         self, peer: str, reads: ReadBatch, dst: np.ndarray, remote: np.ndarray, kind: str
     ) -> TransferStats:
         start = time.perf_counter()
+        agent = self._live_agent
         if len(reads):
             local = _descriptors(dst.ctypes.data + reads.dst_offsets, reads.lengths)
-            with self._agent.destinations.use(dst):
+            with agent.destinations.use(dst):
                 try:
-                    self._agent.read(peer, local, remote, kind, timeout_s=self._timeout_s, dst=dst)
+                    agent.read(peer, local, remote, kind, timeout_s=self._timeout_s, dst=dst)
                 except TransferError as exc:
                     self._broken = type(exc).__name__
                     self._drop_connection()
@@ -394,8 +415,10 @@ class NixlDramTransport(_NixlReader):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_registrations: int = 8,
     ) -> None:
-        owns = isinstance(local_agent, str)
-        agent = NixlAgent(local_agent, max_registrations=max_registrations) if owns else local_agent
+        if isinstance(local_agent, str):
+            agent, owns = NixlAgent(local_agent, max_registrations=max_registrations), True
+        else:
+            agent, owns = local_agent, False
         super().__init__(agent, owns, timeout_s)
         self.peer = peer
         try:
@@ -412,12 +435,14 @@ class NixlDramTransport(_NixlReader):
         source = f"the arena of {self.peer.agent_name}"
         reads = self._checked(reads, dst, self.peer.length, source)
         remote = _descriptors(self.peer.base_address + reads.src_offsets, reads.lengths)
+        if self._peer_name is None:
+            raise TransportClosedError(f"{self.name} lost its peer; build a new one")
         return self._transfer(self._peer_name, reads, dst, remote, "DRAM")
 
     def _drop_connection(self) -> None:
         name, self._peer_name = self._peer_name, None
         if name is not None:
-            self._agent.remove_peer(name)  # closes the UCX endpoint, cancelling its requests
+            self._live_agent.remove_peer(name)  # closes the UCX endpoint, cancelling its requests
 
     def close(self) -> None:
         if self._agent is None:

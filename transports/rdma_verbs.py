@@ -259,6 +259,11 @@ class RdmaVerbsTransport(Transport):
             raise
         return transport
 
+    @property
+    def broken(self) -> bool:
+        """True after a failed or timed-out read flushed the queue pair: reconnect."""
+        return self._broken is not None
+
     def local_endpoint(self) -> RdmaEndpoint:
         return self._port.endpoint(self._qp, self._psn)
 

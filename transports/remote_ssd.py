@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from flatcake_ray.config import ALIGN
+from flatcake_ray.core.runs import align_down
 from flatcake_ray.errors import (
     PeerDisconnectedError,
     ShipBufferFullError,
@@ -96,7 +98,7 @@ class ShippedSsdTransport(Transport):
         self._reader = ship_reader  # a NixlDramTransport on the owner's ship buffer
         # Two windows in flight per reader (one being read, one crossing NIXL), and room for
         # a second reader doing the same.
-        self._window = max(4096, ship_bytes // 4)
+        self._window = align_down(max(ALIGN, ship_bytes // 4))
         self._pool_bytes = pool_bytes
         self._timeout_s = timeout_s
         self.actor_calls = 0
@@ -104,7 +106,7 @@ class ShippedSsdTransport(Transport):
     @property
     def broken(self) -> bool:
         """True once the NIXL reader inside failed: the caller builds a new transport."""
-        return self._reader is not None and bool(getattr(self._reader, "broken", False))
+        return self._reader is not None and self._reader.broken
 
     @classmethod
     def probe(cls) -> str | None:
@@ -123,6 +125,7 @@ class ShippedSsdTransport(Transport):
         pending = self._ship(windows[0]) if windows else None
         try:
             for i, window in enumerate(windows):
+                assert pending is not None  # one ship per window, requested one ahead
                 reply = self._wait(pending)
                 # The owner reads the next window from its SSD while this one crosses NIXL.
                 pending = self._ship(windows[i + 1]) if i + 1 < len(windows) else None

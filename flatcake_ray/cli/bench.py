@@ -17,15 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from flatcake_ray.cli.benchkit import (
+    bench_service_config,
+    best_gbps,
+    memcpy_gbps,
+    odirect_read_gbps,
+    remove_arenas,
+    seeded_pages,
+    start_local_cluster,
+)
 from flatcake_ray.config import ServiceConfig, parse_size
 from flatcake_ray.core.catalog import PutHints
 
@@ -41,6 +48,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="a running Ray cluster (default: start a local one)")
     parser.add_argument("--root", default="/tmp/flatcake-bench", help="per-node store folders")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also time pipelined (per-layer waits) against whole-prefix restores per path",
+    )
 
 
 class RestoreBench:
@@ -62,26 +74,88 @@ class RestoreBench:
         hints = short_chat if medium == "DRAM" else PutHints(turn=1)
         kv = _kv(self.client, pages, seed)
         result = self.client.put(keys, kv, session_id=name, hints=hints)
-        return {"keys": keys, "medium": result.medium, "owner": self.client.locate(keys).node_id}
+        owner = self.client.locate(keys).node_id
+        assert result.medium is not None, "the bench's keys were stored already"
+        return {"keys": keys, "medium": result.medium.name, "owner": owner}
 
     def restore(self, keys: list[str], seed: int, repeats: int) -> dict[str, Any]:
+        """Whole restores through the client's pipeline, timed end to end (lease, reads,
+        checks, scatter into ``out``, release)."""
         out = np.zeros((self.client.layers, len(keys), self.client.page_bytes), dtype=np.uint8)
-        reports = [self.client.restore(keys, out) for _ in range(repeats + 1)]
+        runs = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            report = self.client.restore_report(keys, out)
+            runs.append((time.perf_counter() - started, report))
         exact = bool(np.array_equal(out, _kv(self.client, len(keys), seed)))
-        timed = reports[1:]  # the first pays for connections and registrations
-        best = min(timed, key=lambda r: r.control_seconds + r.data_seconds)
-        (path, tally), *_ = best.paths.items()
+        seconds, best = min(runs[1:], key=lambda run: run[0])  # the first pays for connections
+        path, tally = max(best.paths.items(), key=lambda item: item[1].bytes)
         return {
             "transport": path,
             "pages": best.pages,
             "byte_exact": exact and best.pages == len(keys),
             "bytes": out.nbytes,  # delivered; moved_bytes includes read padding
             "moved_bytes": tally.bytes,
-            "seconds": best.control_seconds + best.data_seconds,
+            "seconds": seconds,
             "data_seconds": best.data_seconds,
             "io_commands": tally.io_commands,
             "actor_calls": best.actor_calls,
         }
+
+    def overlap(self, keys: list[str], repeats: int) -> dict[str, Any]:
+        """The pipelined restore against the whole-prefix one, same bytes, same pipeline: a
+        stand-in "attention" of fixed cost per layer (a sleep, sized so compute and I/O take
+        about as long) runs after ``wait_for_layer(l)`` (pipelined, as vLLM's
+        ``wait_for_layer_load``) or after ``wait()`` (whole prefix, then every layer)."""
+        import torch
+
+        from flatcake_ray.restore.dest import PagedPool
+
+        client, layers = self.client, self.client.layers
+        out = torch.zeros((layers, len(keys), client.page_bytes), dtype=torch.uint8)
+        pool = PagedPool(out, np.arange(len(keys)))
+        pipeline = client.pipeline()
+
+        def run(compute_s: float, pipelined: bool) -> float:
+            start = time.perf_counter()
+            handle = pipeline.submit(keys, pool)
+            if not pipelined:
+                handle.wait()
+            for layer in range(layers):
+                if pipelined:
+                    handle.wait_for_layer(layer)
+                time.sleep(compute_s)
+            assert handle.wait() == len(keys)
+            return time.perf_counter() - start
+
+        io = statistics.median(run(0.0, True) for _ in range(3))
+        compute_s = io / layers
+        rows = []
+        for _ in range(repeats):  # each of the four back to back, so noise hits all of them
+            sample = {"io": run(0.0, True), "serial": run(compute_s, False)}
+            sample["pipelined"] = run(compute_s, True)
+            sample["compute"] = compute_s * layers
+            hidden = sample["io"] + sample["compute"] - sample["pipelined"]
+            sample["overlap"] = hidden / min(sample["io"], sample["compute"])
+            rows.append(sample)
+        median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        return {
+            "serial_s": round(median["serial"], 4),
+            "pipelined_s": round(median["pipelined"], 4),
+            "speedup": round(median["serial"] / median["pipelined"], 3),
+            "overlap": round(median["overlap"], 3),
+            "window_bytes": pipeline.window_bytes,
+            "high_water_bytes": pipeline.high_water_bytes,
+        }
+
+    def high_water(self, keys: list[str], slot_bytes: int) -> int:
+        """The most staging memory a fresh pipeline held restoring ``keys`` once."""
+        from flatcake_ray.restore.pipeline import RestorePipeline
+
+        out = np.zeros((self.client.layers, len(keys), self.client.page_bytes), dtype=np.uint8)
+        with RestorePipeline(self.client.source, slot_bytes=slot_bytes) as pipeline:
+            assert pipeline.submit(keys, out, np.arange(len(keys))).wait() == len(keys)
+            return pipeline.high_water_bytes
 
     def control(self, keys: list[str], repeats: int) -> dict[str, Any]:
         """Lookup + lease + release of a request, no data: cold and warm location cache."""
@@ -99,60 +173,30 @@ class RestoreBench:
         }
 
     def memcpy_limit(self, nbytes: int, repeats: int) -> float:
-        src = np.ones(nbytes, dtype=np.uint8)
-        dst = np.empty_like(src)
-        return _best_gbps(nbytes, repeats, lambda: np.copyto(dst, src))
+        return memcpy_gbps(nbytes, repeats)
 
     def odirect_limit(self, nbytes: int, repeats: int) -> float:
         """Sequential O_DIRECT reads of this node's pool files, 32 MiB a command."""
-        from flatcake_ray.media.buffers import AlignedBuffer
-
-        link = self.client.nodes.get(self.client.nodes.local_node_id)
+        link = self.client.nodes.require(self.client.nodes.local_node_id)
         paths, file_bytes = link.description.pool_paths, link.description.pool_file_bytes
-        chunk = 32 << 20
-        buffer = AlignedBuffer(chunk)
-        fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
-
-        def read_all() -> None:
-            left, at = nbytes, 0
-            while left:
-                n = min(chunk, left, file_bytes - at % file_bytes)
-                fd = fds[(at // file_bytes) % len(fds)]
-                os.preadv(fd, [memoryview(buffer.array[:n])], at % file_bytes)
-                left, at = left - n, at + n
-
-        try:
-            return _best_gbps(nbytes, repeats, read_all)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        return odirect_read_gbps(paths, file_bytes, nbytes, repeats)
 
     def nixl_limit(self, owner: int, nbytes: int, repeats: int) -> float:
         """One raw NIXL READ of ``nbytes`` from the owner's arena (one descriptor)."""
         from flatcake_ray.core.gva import Medium
         from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch
 
-        link = self.client.nodes.get(owner)
+        link = self.client.nodes.require(owner)
         transport, lock = link.transport(REMOTE_DRAM_NIXL, Medium.DRAM, self.client._nixl_agent)
         dst = np.empty(nbytes, dtype=np.uint8)
         batch = ReadBatch([0], [nbytes], [0])
         with lock:
             transport.read(batch, dst)  # registration and connection, untimed
-            return _best_gbps(nbytes, repeats, lambda: transport.read(batch, dst))
+            return best_gbps(nbytes, repeats, lambda: transport.read(batch, dst))
 
 
 def _kv(client: Any, pages: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (client.layers, pages, client.page_bytes), dtype=np.uint8)
-
-
-def _best_gbps(nbytes: int, repeats: int, fn: Any) -> float:
-    times = []
-    for _ in range(max(1, repeats)):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return nbytes / min(times) / 1e9
+    return seeded_pages(client.layers, pages, client.page_bytes, seed)
 
 
 def _row(measured: dict[str, Any], limit_gbps: float) -> dict[str, Any]:
@@ -166,31 +210,17 @@ def _row(measured: dict[str, Any], limit_gbps: float) -> dict[str, Any]:
 
 
 # ---- orchestration ---------------------------------------------------------------------------
-def _start_cluster(nodes: int) -> Any:
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    head = {"num_cpus": 1, "include_dashboard": False, "resources": {"fcbench": 1}}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=1, resources={"fcbench": 1})
-    cluster.wait_for_nodes()
-    return cluster
-
-
 def _service_config(args: argparse.Namespace, session_bytes: int) -> ServiceConfig:
     file_bytes = -(-(session_bytes + (8 << 20)) // (4 << 20)) * (4 << 20)
-    return ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(args.root, "{node}"),
-        layers=args.layers,
-        page_bytes=parse_size(args.page_bytes),
+    page_bytes = parse_size(args.page_bytes)
+    return bench_service_config(
+        NAMESPACE,
+        args.root,
+        args.layers,
+        page_bytes,
         dram_bytes=2 * file_bytes,
-        ssd_files_per_dir=2,
-        ssd_file_bytes=file_bytes,
-        fsync=False,
-        rpc_timeout_s=60.0,
+        ssd_bytes=2 * file_bytes,
+        files=2,
     )
 
 
@@ -222,6 +252,9 @@ def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespa
         other = next(b for node_id, b in by_node.items() if node_id != session["owner"])
         local = ray.get(owner.restore.remote(session["keys"], seed, args.repeats))
         remote = ray.get(other.restore.remote(session["keys"], seed, args.repeats))
+        if args.overlap:
+            local["pipelined"] = ray.get(owner.overlap.remote(session["keys"], args.repeats))
+            remote["pipelined"] = ray.get(other.overlap.remote(session["keys"], args.repeats))
         if medium == "DRAM":
             memcpy = ray.get(owner.memcpy_limit.remote(nbytes, args.repeats))
             nixl = ray.get(other.nixl_limit.remote(session["owner"], nbytes, args.repeats))
@@ -234,14 +267,12 @@ def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespa
             results["remote_ssd"]["serial_limit_gbps"] = round(1 / (1 / odirect + 1 / nixl), 3)
         results.setdefault("_placed", {})[medium] = session["medium"]
     results["control_plane"] = ray.get(benches[-1].control.remote(sessions["DRAM"]["keys"], 5))
+    if args.overlap:  # staging held by a short and by the long context: the same bound
+        keys, slot = sessions["SSD"]["keys"], 1 << 20
+        short = ray.get(benches[-1].high_water.remote(keys[: max(1, len(keys) // 16)], slot))
+        full = ray.get(benches[-1].high_water.remote(keys, slot))
+        results["window"] = {"slot_bytes": slot, "short_high_water": short, "long_high_water": full}
     return results
-
-
-def _remove_arenas(root: str) -> None:
-    """Arenas of storage nodes that did not shut down cleanly stay in /dev/shm: drop ours."""
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -253,8 +284,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--nodes must be at least 2 (a remote path needs a second node)")
     session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
     config = _service_config(args, session_bytes)
-    cluster = None if args.address else _start_cluster(args.nodes)
-    ray.init(address=args.address or cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    cluster = None if args.address else start_local_cluster(args.nodes, "fcbench")
+    address = args.address if cluster is None else cluster.address
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     started = time.perf_counter()
     try:
         targets = service.service_nodes(None if args.address else "fcbench")[: args.nodes]
@@ -269,7 +301,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(args.root, ignore_errors=True)
-        _remove_arenas(args.root)
+        remove_arenas(args.root)
     placed = results.pop("_placed")
     return {
         "config": {
@@ -283,8 +315,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "units": "gbps = 1e9 bytes/s; seconds = best of repeats, lookup to last byte",
             "wall_seconds": round(time.perf_counter() - started, 1),
         },
-        "paths": {k: v for k, v in results.items() if k != "control_plane"},
+        "paths": {k: v for k, v in results.items() if k not in ("control_plane", "window")},
         "control_plane": results["control_plane"],
+        "window": results.get("window"),
     }
 
 
@@ -298,6 +331,21 @@ def format_results(results: dict[str, Any]) -> str:
             f"{name:<12} {row['transport']:<20} {row['gbps']:>7.3f} {row['limit_gbps']:>7.3f} "
             f"{row['ratio_to_limit']:>6.2f} {row['io_commands']:>8} {row['actor_calls']:>5}  "
             f"{row['byte_exact']}"
+        )
+    for name, row in results["paths"].items():
+        if "pipelined" in row:
+            pipe = row["pipelined"]
+            lines.append(
+                f"{name:<12} pipelined {pipe['pipelined_s']:.3f} s vs whole-prefix "
+                f"{pipe['serial_s']:.3f} s: speedup {pipe['speedup']:.2f}, "
+                f"overlap {pipe['overlap']:.2f}"
+            )
+    if results.get("window"):
+        window = results["window"]
+        lines.append(
+            f"staging high-water with {window['slot_bytes'] >> 20} MiB slots: "
+            f"{window['short_high_water'] >> 20} MiB (1/16 of the context), "
+            f"{window['long_high_water'] >> 20} MiB (all of it)"
         )
     control = results["control_plane"]
     lines.append(

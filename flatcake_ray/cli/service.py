@@ -1,63 +1,93 @@
-"""``flatcake-ray start | status | stop | bench restore``: the service's commands.
+"""``flatcake-ray start | status | stop | drain | undrain | bench restore``: the service's
+commands.
 
 ``start`` deploys on a running Ray cluster (``--address``, or ``RAY_ADDRESS``); with neither
 and no cluster running it first starts a local single-node one (``ray start --head``). Sizes
 and SSD folders come from a JSON or TOML config file (``--config``), then flags, then each
-node's ``FLATCAKE_*`` variables. ``stop`` shuts the storage nodes (SSD scopes stay on disk)
-and the coordinator down; ``--ray`` also stops the local Ray it runs on.
+node's ``FLATCAKE_*`` variables. Connecting gives up after ``--connect-timeout`` seconds
+(15 by default) when no cluster answers. ``start`` against a running service with another
+geometry (layers, page_bytes) is an error. ``stop`` shuts the storage nodes (SSD scopes
+stay on disk) and the coordinator down; ``--ray`` also stops the local Ray it runs on.
+``drain NODE`` stops placing new scopes on a storage node before it is removed (``undrain``
+reverses it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
-from flatcake_ray.config import ServiceConfig
-from flatcake_ray.errors import ConfigError, ServiceError
+from flatcake_ray.cli.connect import DEFAULT_CONNECT_TIMEOUT_S, ray_binary
+from flatcake_ray.config import ServiceConfig, Source, build_config, secret_path
+from flatcake_ray.config_sources import load_file
+from flatcake_ray.errors import ServiceError, UnknownNodeError
 
 _SIZE_FLAGS = {
     "dram_bytes": "DRAM arena per node (e.g. 8GiB)",
     "ssd_file_bytes": "size of each pre-allocated SSD pool file",
     "ship_bytes": "NIXL bounce buffer per node for shipped SSD reads",
 }
+_CONFIG_FLAGS = ("namespace", "root", "layers", "page_bytes", "ssd_dirs", "ssd_files_per_dir")
+_CONFIG_FLAGS += ("secret_file", "open_default")
+DEFAULT_NAMESPACE = "flatcake"
 
 
 def load_config_file(path: str) -> dict[str, Any]:
-    text = Path(path).read_text()
-    if path.endswith(".toml"):
-        import tomllib
-
-        data = tomllib.loads(text)
-    else:
-        data = json.loads(text)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold one table/object of ServiceConfig fields")
-    return data.get("flatcake", data)
+    """The table of ServiceConfig fields in a JSON or TOML file (ConfigError otherwise)."""
+    return load_file(path)
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:
-    given: dict[str, Any] = load_config_file(args.config) if args.config else {}
-    for name in ("root", "layers", "page_bytes", "ssd_files_per_dir", *_SIZE_FLAGS):
-        value = getattr(args, name, None)
-        if value is not None:
-            given[name] = value
-    if args.ssd_dirs:
-        given["ssd_dirs"] = tuple(d for d in args.ssd_dirs.split(":") if d)
-    if isinstance(given.get("ssd_dirs"), list):
-        given["ssd_dirs"] = tuple(given["ssd_dirs"])
-    given["namespace"] = args.namespace
-    return ServiceConfig.from_env(**given)
+    """The config file, then flags, then ``FLATCAKE_*``: each value checked by its field's
+    type, and errors name the field and where it came from."""
+    sources = [Source.file(args.config)] if args.config else []
+    flags = {name: getattr(args, name, None) for name in (*_CONFIG_FLAGS, *_SIZE_FLAGS)}
+    sources.append(Source.flags(flags))
+    sources.append(Source.environment(ServiceConfig))
+    return build_config(ServiceConfig, *sources)
+
+
+def namespace_of(args: argparse.Namespace) -> str:
+    return args.namespace or DEFAULT_NAMESPACE
+
+
+def operator_secret(args: argparse.Namespace) -> str:
+    """The service secret an operator command presents (``--secret-file``, else the
+    machine's own for the namespace)."""
+    from flatcake_ray.actors.auth import read_secret
+
+    return read_secret(secret_path(namespace_of(args), args.secret_file or ""))
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
-    parser.add_argument("--namespace", default="flatcake", help="the service's Ray namespace")
+    parser.add_argument("--namespace", help=f"the service's Ray namespace ({DEFAULT_NAMESPACE})")
+    parser.add_argument(
+        "--connect-timeout",
+        type=_seconds,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help="give up connecting to the Ray cluster after this many seconds",
+    )
+    parser.add_argument(
+        "--secret-file",
+        dest="secret_file",
+        help="the service secret (default: FLATCAKE_SECRET_FILE, else "
+        "~/.flatcake/{namespace}.secret, made by the first start)",
+    )
 
 
 def _add_start(subparsers: Any) -> None:
@@ -65,12 +95,19 @@ def _add_start(subparsers: Any) -> None:
     _add_connection_flags(start)
     start.add_argument("--config", help="JSON or TOML file of ServiceConfig fields")
     start.add_argument("--root", help="per-node folder; {node} becomes the Ray node id")
-    start.add_argument("--layers", type=int)
-    start.add_argument("--page-bytes", dest="page_bytes")
+    start.add_argument("--layers", help="model layers (the geometry every node shares)")
+    start.add_argument("--page-bytes", dest="page_bytes", help="bytes of a page of one layer")
     start.add_argument("--ssd-dirs", dest="ssd_dirs", help="colon-separated SSD folders")
-    start.add_argument("--ssd-files-per-dir", dest="ssd_files_per_dir", type=int)
+    start.add_argument("--ssd-files-per-dir", dest="ssd_files_per_dir")
     for name, text in _SIZE_FLAGS.items():
         start.add_argument(f"--{name.replace('_', '-')}", dest=name, help=text)
+    start.add_argument(
+        "--closed",
+        dest="open_default",
+        action="store_const",
+        const=False,
+        help="no open default tenant: every client presents a tenant secret",
+    )
     start.add_argument("--resource", help="only Ray nodes offering this custom resource")
     start.add_argument("--local-cpus", type=int, default=2, help="CPUs of a local Ray it starts")
     start.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -86,6 +123,17 @@ def _add_status_stop(subparsers: Any) -> None:
     _add_connection_flags(stop)
     stop.add_argument("--ray", action="store_true", help="then `ray stop` on this machine")
     stop.set_defaults(handler=cmd_stop)
+
+
+def _add_drain(subparsers: Any) -> None:
+    drain = subparsers.add_parser(
+        "drain", help="place no new scopes on a storage node (before removing it)"
+    )
+    undrain = subparsers.add_parser("undrain", help="place scopes on a drained node again")
+    for parser, handler in ((drain, cmd_drain), (undrain, cmd_undrain)):
+        parser.add_argument("node", type=int, help="the NodeID (`flatcake-ray status`)")
+        _add_connection_flags(parser)
+        parser.set_defaults(handler=handler)
 
 
 def _bench_subparsers(subparsers: Any) -> Any:
@@ -111,45 +159,43 @@ def _add_bench(subparsers: Any) -> None:
 
 
 def add_service_commands(subparsers: Any) -> None:
-    """Register ``start``, ``status``, ``stop`` and ``bench restore``."""
+    """Register ``start``, ``status``, ``stop``, ``drain``, ``undrain``, ``tenant`` and
+    ``bench restore``."""
+    from flatcake_ray.cli.tenant import add_tenant_commands
+
     _add_start(subparsers)
+    add_tenant_commands(subparsers, _add_connection_flags)
     _add_status_stop(subparsers)
+    _add_drain(subparsers)
     _add_bench(subparsers)
 
 
 # ---- handlers --------------------------------------------------------------------------------
-def _connect(args: argparse.Namespace, *, may_start: bool = False, cpus: int = 2) -> None:
-    import ray
-
-    from flatcake_ray.client.deploy import connect
+def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> None:
+    from flatcake_ray.cli.connect import connect
 
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if address is None and may_start and not _ray_running():
-        _start_local_ray(cpus)
+    if address is None and may_start and not _ray_running(args.connect_timeout):
+        _start_local_ray(args.local_cpus)
+    connect(address, namespace, args.connect_timeout)
+
+
+def _ray_running(timeout_s: float) -> bool:
     try:
-        connect(address, args.namespace)
-    except ConnectionError as exc:
-        raise ServiceError(f"no Ray cluster at {address or 'auto'}: {exc}") from exc
-    assert ray.is_initialized()
-
-
-def _ray_binary() -> str:
-    beside = Path(sys.executable).with_name("ray")
-    found = str(beside) if beside.exists() else shutil.which("ray")
-    if found is None:
-        raise ServiceError("the `ray` command is not installed")
-    return found
-
-
-def _ray_running() -> bool:
-    result = subprocess.run(
-        [_ray_binary(), "status"], capture_output=True, text=True, check=False, timeout=60
-    )
+        result = subprocess.run(
+            [ray_binary(), "status"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise ServiceError(f"`ray status` did not answer within {timeout_s:g} s") from None
     return result.returncode == 0
 
 
 def _start_local_ray(cpus: int) -> None:
-    command = [_ray_binary(), "start", "--head", f"--num-cpus={cpus}"]
+    command = [ray_binary(), "start", "--head", f"--num-cpus={cpus}"]
     command += ["--include-dashboard=false", "--disable-usage-stats"]
     subprocess.run(command, check=True, capture_output=True, timeout=300)
 
@@ -164,7 +210,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import start
 
     config = config_from_args(args)
-    _connect(args, may_start=True, cpus=args.local_cpus)
+    connect_cli(args, config.namespace, may_start=True)
     _print_status(start(config, resource=args.resource), args.json)
     return 0
 
@@ -172,8 +218,8 @@ def cmd_start(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import status
 
-    _connect(args)
-    info = status(args.namespace)
+    connect_cli(args, namespace_of(args))
+    info = status(namespace_of(args), operator_secret(args))
     _print_status(info, args.json)
     return 0 if info["nodes"] else 1
 
@@ -183,12 +229,40 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     from flatcake_ray.client.deploy import stop
 
-    _connect(args)
-    stopped = stop(args.namespace)
-    print(f"stopped {stopped} actors in namespace {args.namespace!r}")
+    connect_cli(args, namespace_of(args))
+    stopped = stop(namespace_of(args), operator_secret(args))
+    print(f"stopped {stopped} actors in namespace {namespace_of(args)!r}")
     ray.shutdown()
     if args.ray:
-        subprocess.run([_ray_binary(), "stop"], check=False, timeout=120)
+        subprocess.run([ray_binary(), "stop"], check=False, timeout=120)
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from ray.exceptions import RayTaskError
+
+    from flatcake_ray.client.drain import drain
+
+    connect_cli(args, namespace_of(args))
+    try:
+        row = drain(args.node, namespace_of(args), operator_secret(args))
+    except UnknownNodeError as exc:
+        # Raised in the coordinator: Ray's wrapper carries the actor's traceback; keep the cause.
+        cause = exc.cause if isinstance(exc, RayTaskError) else exc
+        raise UnknownNodeError(str(cause)) from None
+    print(
+        f"NodeID {row['node_id']} (ray node {row['ray_node_id'][:12]}) drained: no new scopes "
+        f"go there, its pages stay readable. Undo with `flatcake-ray undrain {args.node}`."
+    )
+    return 0
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    from flatcake_ray.client.drain import undrain
+
+    connect_cli(args, namespace_of(args))
+    changed = undrain(args.node, namespace_of(args), operator_secret(args))
+    print(f"NodeID {args.node} {'undrained' if changed else 'was not drained'}")
     return 0
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from flatcake_ray.cli import print_error
 from flatcake_ray.errors import ConfigError, TraceFormatError
 from flatcake_ray.traces.infer import DEFAULT_COMMON_FANOUT
 from flatcake_ray.traces.readers import iter_requests, write_generic
@@ -151,7 +152,7 @@ def run_stats(args: argparse.Namespace) -> int:
                 common_fanout=args.common_fanout,
             )
         except (OSError, TraceFormatError, ConfigError) as exc:
-            print(f"trace stats: {path}: {exc}", file=sys.stderr)
+            print_error(f"trace stats: {path}: {exc}")
             status = 1
             continue
         _print_stats(stats, path, as_json=args.json)
@@ -160,7 +161,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_synth(args: argparse.Namespace) -> int:
     if args.out is None and not args.stats:
-        print("trace synth: give --out PATH, --stats, or both", file=sys.stderr)
+        print_error("trace synth: give --out PATH, --stats, or both")
         return 2
     scale = DEFAULT_SCALES[args.profile] if args.scale is None else args.scale
     options = SynthOptions(
@@ -172,11 +173,7 @@ def run_synth(args: argparse.Namespace) -> int:
         arrivals=args.arrivals,
         context_scale=args.context_scale,
     )
-    try:
-        trace = SyntheticTrace(options)
-    except ConfigError as exc:
-        print(f"trace synth: {exc}", file=sys.stderr)
-        return 2
+    trace = SyntheticTrace(options)  # a ConfigError is one line from main()
     if args.out is not None and trace.total_block_ids > _LARGE_OUTPUT_IDS:
         print(
             f"trace synth: writing {len(trace):,} requests with {trace.total_block_ids:,} "

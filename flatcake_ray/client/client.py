@@ -1,61 +1,57 @@
-"""FlatCakeClient: put, exists and get against the Ray service, from any process of the cluster.
+"""FlatCakeClient: the Ray service as a :class:`~flatcake_ray.core.api.KVStore`, from any
+process of the cluster.
 
 Finding pages (no coordinator, O(nodes touched) calls): a session's pages live on the node the
 coordinator placed its scope on, contiguous from the chain's first page. A request's first
 key is looked up in a client-side location cache (first-page digest -> NodeID, filled by this
 client's puts and earlier hits): on a hit the request is one ``lookup`` (index probe + lease)
-on that node. On a miss (first request for a chain from this client, or the cached node lost
-the pages) the client asks every live node once, in parallel, and keeps the longest prefix;
-that is one round trip of N calls, then cached. Never one call per page, never the coordinator.
+on that node. On a miss the client asks every live node once, in parallel, and keeps the
+longest prefix; that is one round trip of N calls, then cached. Never one call per page.
 
-Reads: a lease pins the scopes for ``lease_ttl_s``; every part is routed purely by its GVA
-(NodeID == this node's, MediaType) to a transport. A read that finishes after the lease could
-have lapsed is dropped (miss), as is a part whose SSD checksum fails or whose transport fails:
-misses, never wrong bytes. GVAs are immutable, so the location cache never needs invalidating
-for correctness, only for efficiency.
+Restores run through the same :class:`RestorePipeline` as the in-process store (bounded
+staging windows, layer order and per-layer waits, FC-MAS admission, the scatter step), over
+:class:`~flatcake_ray.client.source.TransportSource`: every part routed purely by its GVA to
+a transport. A read that finishes after the lease could have lapsed is dropped (miss), as is
+a chunk whose checksum fails or whose transport fails: misses, never wrong bytes.
 
-Puts: the bytes go to the owner through a staging buffer, not the Ray object store: shared
-memory the owner maps (same node) or a NIXL-registered buffer the owner READs (other node).
-Only without NIXL do they ride in the call (labelled ``object-store-fallback``).
+Puts go layer by layer (:class:`~flatcake_ray.client.put.RemotePut`) to the owner's put
+handle, through shared memory (same node) or NIXL (other node), never the Ray object store
+unless nothing else reaches the owner (labelled ``object-store-fallback``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
-import zlib
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from flatcake_ray.actors.protocol import COORDINATOR_NAME, StagedPages
-from flatcake_ray.client.io import (
-    DEFAULT_WINDOW_BYTES,
-    PathTally,
-    RestoreReport,
-    StagingPool,
-    check_key,
-)
+from flatcake_ray.actors.protocol import StagingKind
 from flatcake_ray.client.locate import Locator, hits
-from flatcake_ray.client.nodes import NodeLink, NodeTable
-from flatcake_ray.client.read import LeaseReader
-from flatcake_ray.config import ServiceConfig
+from flatcake_ray.client.nodes import NodeTable, process_paths
+from flatcake_ray.client.put import OwnerChooser, PutRoute, RemotePut, staging_kind
+from flatcake_ray.client.report import RestoreReport
+from flatcake_ray.client.source import HeldLease, TransportSource, first_digest
+from flatcake_ray.client.staging import StagingArena
+from flatcake_ray.config import ClientConfig, ServiceConfig
+from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.keys import KeyLike, PageKey, digest_keys, split_namespace
-from flatcake_ray.errors import (
-    ServiceError,
-    ShapeError,
-)
+from flatcake_ray.core.keys import KeyLike, PageKey
+from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
+from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
 from flatcake_ray.media.buffers import as_page_bytes
-from flatcake_ray.node.put import PutResult
+from flatcake_ray.restore.dest import PagedPool, as_destination
+from flatcake_ray.restore.handle import RestoreHandle
+from flatcake_ray.restore.pipeline import RestorePipeline
+from flatcake_ray.restore.source import PathTally, ReadOutcome
 from flatcake_ray.transports import base
+from flatcake_ray.transports.local_ssd import GdsSsdTransport
 
-log = logging.getLogger(__name__)
 Keys = Sequence[KeyLike | PageKey]
 ALL_PATHS = frozenset(
     {
@@ -66,7 +62,8 @@ ALL_PATHS = frozenset(
         base.OBJECT_STORE_FALLBACK,
     }
 )
-LEASE_MARGIN_S = 1.0
+_COUNTERS = ("puts", "gets", "exists", "hit_pages", "miss_pages", "actor_calls")
+_FAILURES = ("lease_expired", "read_failures", "puts_object_store_fallback")
 
 
 class FlatCakeClient:
@@ -76,7 +73,7 @@ class FlatCakeClient:
         *,
         address: str | None = None,
         allow: Iterable[str] | None = None,
-        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        config: ClientConfig | None = None,
     ) -> None:
         """Connect to a running service. ``allow`` limits the remote paths (tests, benches)."""
         import ray
@@ -84,42 +81,65 @@ class FlatCakeClient:
         if not ray.is_initialized():
             ray.init(address=address or "auto", namespace=namespace, log_to_driver=False)
         self.namespace = namespace
+        self.client_config = config or ClientConfig.from_env()
         self.ray_node_id = ray.get_runtime_context().get_node_id()
         self.allowed = frozenset(ALL_PATHS if allow is None else allow)
-        unknown = self.allowed - ALL_PATHS
-        if unknown:
-            raise ValueError(f"unknown remote paths {sorted(unknown)}")
-        self.window_bytes = window_bytes
-        self.nodes = NodeTable(namespace, self.ray_node_id)
+        if self.allowed - ALL_PATHS:
+            raise ValueError(f"unknown remote paths {sorted(self.allowed - ALL_PATHS)}")
+        self.nodes = NodeTable(
+            namespace, self.ray_node_id, self.client_config.tenant_secret or None
+        )
         self.nodes.refresh(force=True)
         if not self.nodes.links or self.nodes.config is None:
             raise ServiceError(
                 f"no storage node answers in namespace {namespace!r}: run `flatcake-ray start`"
             )
         self.config: ServiceConfig = self.nodes.config
-        self.layers, self.page_bytes = self.config.layers, self.config.page_bytes
+        described = next(iter(self.nodes.links.values())).description
+        self.tenant = described.tenant
+        self._geometry = (described.layers, described.page_bytes)  # the tenant's model
         self._locator = Locator(self.nodes, self.config.rpc_timeout_s)
-        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._owners = OwnerChooser(self.nodes, self._locator, namespace, self.config.rpc_timeout_s)
         self._lock = threading.Lock()
-        self._staging = StagingPool()
+        self._closed = False
         self._agents: dict[str, Any] = {}
-        self._reader = LeaseReader(
-            self.nodes, self.layers, window_bytes, self.allowed, self._nixl_agent
+        self._staging = StagingArena(self.client_config.staging_segment_bytes)
+        self.source = TransportSource(
+            self.nodes,
+            self._locator,
+            layers=self.layers,
+            page_bytes=self.page_bytes,
+            allowed=self.allowed,
+            agents=self._nixl_agent,
+            lease_ttl_s=self.config.lease_ttl_s,
+            gds=self._gds_enabled(),
+            on_release=self._account,
         )
+        self._pipelines: dict[torch.device, RestorePipeline] = {}
         self.paths: dict[str, PathTally] = {}
-        self.counters = dict.fromkeys(
-            ("puts", "gets", "exists", "hit_pages", "miss_pages", "actor_calls"), 0
-        )
-        self.counters.update(
-            dict.fromkeys(("lease_expired", "read_failures", "puts_object_store_fallback"), 0)
-        )
+        self.counters = dict.fromkeys((*_COUNTERS, *_FAILURES), 0)
+
+    @property
+    def layers(self) -> int:
+        return self._geometry[0]
+
+    @property
+    def page_bytes(self) -> int:
+        return self._geometry[1]
+
+    def _gds_enabled(self) -> bool:
+        mode = self.client_config.gds
+        if mode == "off":
+            return False
+        reason = GdsSsdTransport.probe()
+        if reason is not None and mode == "on":
+            raise ServiceError(f"gds=on but GPUDirect Storage is unavailable: {reason}")
+        return reason is None
 
     def warm_up(self) -> frozenset[str]:
         """Pay the one-time costs now rather than in the first request: probe the remote
         paths (importing NIXL imports torch: seconds), start this client's NIXL agent and
         connect the remote-DRAM transport of every node. Returns the paths probed usable."""
-        from flatcake_ray.client.nodes import process_paths
-
         usable = process_paths()
         for link in self.nodes.up():
             if base.REMOTE_DRAM_NIXL in link.available(self.allowed):
@@ -143,23 +163,23 @@ class FlatCakeClient:
             for name, delta in deltas.items():
                 self.counters[name] += delta
 
-    def _first_digest(self, keys: Keys, namespace: str | None) -> bytes:
-        """Check every key here (before any call) and digest the first: the location key."""
-        if len(keys) == 0:
-            raise ShapeError("a call needs at least one key")
-        resolved, bare = split_namespace(keys, namespace)
-        for key in bare:
-            check_key(key)
-        return digest_keys(resolved, bare[:1]).tobytes()
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the client is closed")
 
-    # ---- exists / get ----------------------------------------------------------------------
+    # ---- lookups ---------------------------------------------------------------------------
     def exists(self, keys: Keys, *, namespace: str | None = None) -> int:
         """How many consecutive pages from the first are stored (on one node)."""
-        first = self._first_digest(keys, namespace)
+        return self.probe(keys, namespace=namespace).hits
+
+    def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
+        """Consecutive hits from the first key and whether any lies on SSD (one call)."""
+        self._check_open()
+        first = first_digest(keys, namespace)
         report = RestoreReport(len(keys))
-        _, answer = self._locator.ask("exists", list(keys), namespace, first, report)
+        _, answer = self._locator.ask("probe", list(keys), namespace, first, report)
         self._count(exists=1, actor_calls=report.actor_calls)
-        return hits(answer)
+        return answer if isinstance(answer, Probe) else Probe(0, False)
 
     def gvas(self, keys: Keys, *, namespace: str | None = None) -> np.ndarray:
         """The layer-0 GVA of each consecutive hit, from the node holding them. GVAs are
@@ -167,7 +187,7 @@ class FlatCakeClient:
         a miss then, never wrong bytes)."""
         import ray
 
-        first = self._first_digest(keys, namespace)
+        first = first_digest(keys, namespace)
         report = RestoreReport(len(keys))
         link, found = self._locator.ask("exists", list(keys), namespace, first, report)
         if link is None or not found:
@@ -182,11 +202,10 @@ class FlatCakeClient:
         (``node_id``) and how long it is (``pages``); with ``lease`` the lease is taken and
         released as a restore would. Its calls and time are in the report."""
         report = RestoreReport(len(keys))
-        first = self._first_digest(keys, namespace)
+        first = first_digest(keys, namespace)
         started = time.monotonic()
-        link, answer = self._locator.ask(
-            "lookup" if lease else "exists", list(keys), namespace, first, report
-        )
+        method = "lookup" if lease else "exists"
+        link, answer = self._locator.ask(method, list(keys), namespace, first, report)
         if lease and link is not None and answer is not None and answer.hits:
             self._locator.release(link, answer, (), report)
         report.control_seconds = time.monotonic() - started
@@ -198,39 +217,63 @@ class FlatCakeClient:
         """Drop the location cache (the next request of each chain asks every node)."""
         self._locator.forget()
 
+    # ---- restores --------------------------------------------------------------------------
+    def pipeline(self, device: str | torch.device = "cpu") -> RestorePipeline:
+        """This client's restore pipeline for destinations on ``device`` (made on first use)."""
+        key = torch.device(device)
+        with self._lock:
+            self._check_open()
+            if key not in self._pipelines:
+                self._pipelines[key] = RestorePipeline(
+                    self.source,
+                    windows=self.client_config.restore_windows,
+                    slot_bytes=self.client_config.restore_slot_bytes,
+                    device=key,
+                )
+            return self._pipelines[key]
+
+    def restore(
+        self,
+        keys: Keys,
+        dest: Any,
+        slot_ids: Any = None,
+        layout: Layout = LAYER_FIRST,
+        *,
+        namespace: str | None = None,
+    ) -> RestoreHandle:
+        """Start a layer-pipelined restore of ``keys`` into ``dest`` (see ``RestorePipeline``);
+        ``handle.lease.token.report`` is its :class:`RestoreReport` once it is done."""
+        destination = as_destination(dest, slot_ids, layout)
+        return self.pipeline(destination.device).submit(keys, destination, namespace=namespace)
+
+    def restore_report(
+        self, keys: Keys, out: Any, *, namespace: str | None = None
+    ) -> RestoreReport:
+        """``get`` with its report: pages, the path that served each part, calls, times."""
+        if len(keys) == 0:
+            raise ShapeError("a call needs at least one key")
+        pool = PagedPool(out, np.arange(len(keys)), LAYER_FIRST)
+        handle = self.pipeline(pool.device).submit(keys, pool, namespace=namespace)
+        handle.wait()
+        return handle.lease.token.report
+
     def get(self, keys: Keys, out: Any, *, namespace: str | None = None) -> int:
         """Restore the consecutive hits into ``out`` ([layers, >= len(keys), page_elems];
         numpy, torch CPU or CUDA); returns how many pages from the first are valid."""
-        return self.restore(keys, out, namespace=namespace).pages
+        return self.restore_report(keys, out, namespace=namespace).pages
 
-    def restore(self, keys: Keys, out: Any, *, namespace: str | None = None) -> RestoreReport:
-        """``get`` with its report: pages, the path that served each part, calls, times."""
-        view, finish = as_page_bytes(
-            out, self.layers, self.page_bytes, min_pages=len(keys), writable=True, what="out"
-        )
-        first = self._first_digest(keys, namespace)
-        report = RestoreReport(len(keys))
-        started = time.monotonic()
-        link, reply = self._locator.ask("lookup", list(keys), namespace, first, report)
-        report.control_seconds = time.monotonic() - started
-        if link is not None and reply is not None and reply.hits:
-            report.node_id = link.node_id
-            bad_scopes: set[int] = set()
-            try:
-                bad_scopes = self._reader.read(link, reply, view, report)
-            finally:
-                self._locator.release(link, reply, bad_scopes, report)
-            if time.monotonic() - started > self.config.lease_ttl_s - LEASE_MARGIN_S:
-                report.lease_expired, report.pages = True, 0  # the owner may have let go
-            finish()
-        self._account(report)
-        return report
-
-    def _account(self, report: RestoreReport) -> None:
+    def _account(self, held: HeldLease, outcome: ReadOutcome, pages: int) -> None:
+        """A restore ended (TransportSource.release): finish its report, count it."""
+        report = held.report
+        report.pages = pages
+        report.paths = outcome.paths
+        report.failures = outcome.failures
+        report.actor_calls += outcome.actor_calls
+        report.data_seconds = sum(tally.seconds for tally in outcome.paths.values())
         with self._lock:
             self.counters["gets"] += 1
-            self.counters["hit_pages"] += report.pages
-            self.counters["miss_pages"] += report.requested - report.pages
+            self.counters["hit_pages"] += pages
+            self.counters["miss_pages"] += report.requested - pages
             self.counters["actor_calls"] += report.actor_calls
             self.counters["lease_expired"] += int(report.lease_expired)
             self.counters["read_failures"] += len(report.failures)
@@ -238,117 +281,52 @@ class FlatCakeClient:
                 self.paths.setdefault(path, PathTally()).merge(tally)
 
     # ---- puts ------------------------------------------------------------------------------
-    def put(
+    def begin_put(
         self,
         keys: Keys,
-        kv: Any,
         *,
         namespace: str | None = None,
         session_id: str | None = None,
         parent: KeyLike | PageKey | None = None,
         hints: PutHints | None = None,
-    ) -> PutResult:
+    ) -> RemotePut:
+        """A put of ``keys`` a layer at a time on the session's node (see ``RemotePut``)."""
+        self._check_open()
+        first = first_digest(keys, namespace)
+        report = RestoreReport(len(keys))
+        link = self._owners.owner(first, namespace, session_id, parent, report)
+        kind = staging_kind(link, self.allowed)
+        if kind is StagingKind.INLINE:
+            self._count(puts_object_store_fallback=1)
+        route = PutRoute(
+            link,
+            self.nodes,
+            kind,
+            self._staging,
+            self.client_config.put_region_bytes,
+            self.config.rpc_timeout_s,
+        )
+        options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
+        options.update(parent=parent, hints=hints)
+        self._owners.remember(first, session_id, link.node_id)
+        self._count(puts=1, actor_calls=report.actor_calls)
+        return RemotePut(
+            route, keys, layers=self.layers, page_bytes=self.page_bytes, options=options
+        )
+
+    def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
         """Store ``kv`` ([layers, len(keys), page_elems]) under ``keys`` on the session's node;
         pages already stored there are skipped (write-once). Raises ServiceError when the
         owner does not answer in time (it may still publish; a retry is safe: write-once)."""
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        first = self._first_digest(keys, namespace)
         pages, _ = as_page_bytes(
             kv, self.layers, self.page_bytes, min_pages=len(keys), writable=False, what="kv"
         )
         if pages.shape[1] != len(keys):
             raise ShapeError(f"kv holds {pages.shape[1]} pages for {len(keys)} keys")
-        report = RestoreReport(len(keys))
-        link = self._owner_for_put(first, namespace, session_id, parent, report)
-        buffer = self._staging.acquire()
-        try:
-            staged = self._stage(link, pages, buffer)
-            ref = link.handle.put_staged.remote(
-                list(keys), staged, namespace, session_id, parent, hints
-            )
-            # A big put takes longer: allow it at least 200 MB/s on top of the RPC timeout.
-            timeout = self.config.rpc_timeout_s + pages.nbytes / 200e6
-            result = ray.get(ref, timeout=timeout)
-        except (RayActorError, GetTimeoutError) as exc:
-            self.nodes.mark_down(link, f"put failed: {exc}")
-            raise ServiceError(f"storage node {link.node_id} did not take the put: {exc}") from exc
-        finally:
-            self._staging.release(buffer)
-        self._locator.remember(first, link.node_id)
-        if session_id is not None:
-            self._sessions[session_id] = link.node_id
-        self._count(puts=1, actor_calls=report.actor_calls + 1)
-        return result
-
-    def _stage(self, link: NodeLink, pages: np.ndarray, buffer: Any) -> StagedPages:
-        layers, count, page_bytes = pages.shape
-        geometry = {"layers": layers, "pages": count, "page_bytes": page_bytes}
-        if not link.local and base.REMOTE_DRAM_NIXL not in link.available(self.allowed):
-            self._count(puts_object_store_fallback=1)
-            return StagedPages("inline", **geometry, inline=np.ascontiguousarray(pages))
-        shared = buffer.ensure(pages.nbytes)
-        shared.view[: pages.nbytes] = pages.reshape(-1)
-        common = {"path": shared.path, "token": shared.token, "buffer_bytes": shared.nbytes}
-        common.update(geometry)
-        if link.local:
-            return StagedPages("shm", **common)
-        return StagedPages("nixl", peer=buffer.peer(), **common)
-
-    def _owner_for_put(
-        self,
-        first: bytes,
-        namespace: str | None,
-        session_id: str | None,
-        parent: Any,
-        report: RestoreReport,
-    ) -> NodeLink:
-        now = time.monotonic()
-        known = self._sessions.get(session_id) if session_id is not None else None
-        if known is None and session_id is None:
-            if parent is not None:  # continue the chain where its parent is
-                parent_first = self._first_digest([parent], namespace)
-                holder, found = self._locator.ask(
-                    "exists", [parent], namespace, parent_first, report
-                )
-                known = holder.node_id if holder is not None and found else None
-            else:
-                known = self._locator.where(first)
-        link = self.nodes.get(known) if known is not None else None
-        if link is not None and link.is_up(now):
-            return link
-        return self._placed(session_id, report)
-
-    def _placed(self, session_id: str | None, report: RestoreReport) -> NodeLink:
-        """A new scope: where the coordinator puts it; if it is down, a node every client
-        picks alike for this session (or, with no session, this node)."""
-        import ray
-        from ray.exceptions import RayError
-
-        self.nodes.refresh()
-        try:
-            coordinator = ray.get_actor(COORDINATOR_NAME, namespace=self.namespace)
-            report.actor_calls += 1
-            ref = coordinator.place_scope.remote(session_id)
-            node_id = ray.get(ref, timeout=self.config.rpc_timeout_s)
-            if self.nodes.get(node_id) is None:  # a node that joined since the last refresh
-                self.nodes.refresh(force=True)
-            link = self.nodes.get(node_id)
-            if link is not None and link.is_up(time.monotonic()):
-                return link
-        except (RayError, ValueError, ServiceError) as exc:
-            log.warning("coordinator unavailable for placement (%s); placing locally", exc)
-        up = self.nodes.up()
-        if not up:
-            raise ServiceError("no storage node is up")
-        up.sort(key=lambda link: link.node_id)
-        if session_id is not None:
-            # The same choice in every client (a stable hash), so concurrent writers of one
-            # session still meet on one node while the coordinator is away.
-            return up[zlib.crc32(session_id.encode()) % len(up)]
-        local = [link for link in up if link.local]
-        return local[0] if local else up[0]
+        with self.begin_put(keys, **options) as handle:
+            for layer in range(self.layers):
+                handle.write_layer(layer, pages[layer])
+            return handle.commit()
 
     # ---- async forms -----------------------------------------------------------------------
     async def aput(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
@@ -360,8 +338,8 @@ class FlatCakeClient:
     async def aget(self, keys: Keys, out: Any, **options: Any) -> int:
         return await asyncio.to_thread(self.get, keys, out, **options)
 
-    async def arestore(self, keys: Keys, out: Any, **options: Any) -> RestoreReport:
-        return await asyncio.to_thread(self.restore, keys, out, **options)
+    async def arestore_report(self, keys: Keys, out: Any, **options: Any) -> RestoreReport:
+        return await asyncio.to_thread(self.restore_report, keys, out, **options)
 
     # ---- stats and lifecycle ---------------------------------------------------------------
     def stats(self, *, nodes: bool = True) -> dict[str, Any]:
@@ -375,6 +353,7 @@ class FlatCakeClient:
                 "client": {**self.counters, "fanouts": self._locator.fanouts},
                 "paths": {p: vars(t).copy() for p, t in self.paths.items()},
                 "local_node_id": self.nodes.local_node_id,
+                "staging_bytes": self._staging.nbytes,
             }
         if nodes:
             links = self.nodes.up()
@@ -391,7 +370,13 @@ class FlatCakeClient:
         return out
 
     def close(self) -> None:
-        self._reader.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pipelines = list(self._pipelines.values())
+        for pipeline in pipelines:
+            pipeline.close()
         self.nodes.close()
         self._staging.close()
         for agent in self._agents.values():

@@ -14,9 +14,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from flatcake_ray.actors.auth import load_or_create_secret, read_secret
 from flatcake_ray.actors.protocol import COORDINATOR_NAME, NODE_NAME_PREFIX, node_actor_name
-from flatcake_ray.config import ServiceConfig
-from flatcake_ray.errors import ServiceError
+from flatcake_ray.config import ServiceConfig, secret_path
+from flatcake_ray.errors import AccessDeniedError, ServiceError
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
@@ -35,7 +36,7 @@ def _affinity(node_id: str, soft: bool) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
 
 
-def start_coordinator(config: ServiceConfig) -> Any:
+def start_coordinator(config: ServiceConfig, secret: str) -> Any:
     """The coordinator's handle, creating it (on this node, softly) when absent."""
     import ray
 
@@ -53,7 +54,7 @@ def start_coordinator(config: ServiceConfig) -> Any:
             num_cpus=0,
             scheduling_strategy=_affinity(here, soft=True),
         )
-        .remote(config)
+        .remote(config, secret)
     )
 
 
@@ -68,7 +69,7 @@ def service_nodes(resource: str | None = None) -> list[str]:
     ]
 
 
-def start_storage_node(config: ServiceConfig, ray_node_id: str) -> Any:
+def start_storage_node(config: ServiceConfig, ray_node_id: str, secret: str) -> Any:
     import ray
 
     from flatcake_ray.actors.storage_node import StorageNode
@@ -84,7 +85,7 @@ def start_storage_node(config: ServiceConfig, ray_node_id: str) -> Any:
             max_concurrency=config.node_concurrency,
             scheduling_strategy=_affinity(ray_node_id, soft=False),
         )
-        .remote(config)
+        .remote(config, secret)
     )
 
 
@@ -96,20 +97,38 @@ def start(
     nodes: Iterable[str] | None = None,
     timeout_s: float = START_TIMEOUT_S,
 ) -> dict[str, Any]:
-    """Deploy the coordinator and the storage nodes; returns :func:`status` once all answer."""
+    """Deploy the coordinator and the storage nodes; returns :func:`status` once all answer.
+    The service secret is read from ``config.secret_file`` (made there on the first start);
+    a running service started with another secret refuses this start."""
     import ray
 
+    secret = load_or_create_secret(config.secret_path)
     connect(address, config.namespace)
-    coordinator = start_coordinator(config)
+    coordinator = start_coordinator(config, secret)
     ray.get(coordinator.ping.remote(), timeout=timeout_s)
+    running = _unwrapped(coordinator.service_config.remote(secret), timeout_s)
+    config.check_same_geometry(running)
     targets = list(nodes) if nodes is not None else service_nodes(resource)
     if not targets:
         raise ServiceError("no alive Ray node to run a storage node on")
-    handles = [start_storage_node(config, node) for node in targets]
+    handles = [start_storage_node(config, node, secret) for node in targets]
     deadline = time.monotonic() + timeout_s
     for handle in handles:
         ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-    return status(config.namespace)
+    return status(config.namespace, secret)
+
+
+def _unwrapped(ref: Any, timeout_s: float) -> Any:
+    """``ray.get``, with a refusal raised as the plain AccessDeniedError it is."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except AccessDeniedError:
+        raise AccessDeniedError(
+            "the running service refused this caller's service secret: run this where "
+            "`flatcake-ray start` first ran, or point --secret-file at its secret"
+        ) from None
 
 
 def _named(namespace: str) -> list[str]:
@@ -131,9 +150,17 @@ def _actor(name: str, namespace: str) -> Any:
         return None
 
 
-def status(namespace: str = "flatcake", timeout_s: float = 10.0) -> dict[str, Any]:
-    """The coordinator's view merged with every storage node's own stats."""
+def operator_secret(namespace: str) -> str:
+    """The service secret of ``namespace`` as this machine keeps it (``secret_path``)."""
+    return read_secret(secret_path(namespace))
+
+
+def status(namespace: str, secret: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The coordinator's view merged with every storage node's own stats (``secret``: the
+    service secret, by default the one this machine keeps)."""
     import ray
+
+    secret = secret or operator_secret(namespace)
     from ray.exceptions import RayError
 
     coordinator = _actor(COORDINATOR_NAME, namespace)
@@ -141,13 +168,13 @@ def status(namespace: str = "flatcake", timeout_s: float = 10.0) -> dict[str, An
     placement: dict[int, dict[str, Any]] = {}
     if coordinator is not None:
         try:
-            info["coordinator"] = ray.get(coordinator.info.remote(), timeout=timeout_s)
-            rows = ray.get(coordinator.nodes_table.remote(), timeout=timeout_s)
+            info["coordinator"] = _unwrapped(coordinator.info.remote(secret), timeout_s)
+            rows = _unwrapped(coordinator.nodes_table.remote(secret), timeout_s)
             placement = {row["node_id"]: row for row in rows}
         except RayError as exc:
             info["coordinator_error"] = str(exc)
     handles = [h for h in (_actor(n, namespace) for n in _named(namespace)) if h is not None]
-    refs = [h.stats.remote() for h in handles]
+    refs = [h.stats.remote(secret) for h in handles]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for ref in refs:
         if ref not in ready:
@@ -178,6 +205,7 @@ def _row(stats: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
         "lookups": stats["lookups"],
         "puts": stats["puts"],
         "placed": placed.get("placed", 0),
+        "drained": placed.get("drained", False),
         "nixl": stats["nixl"],
     }
 
@@ -209,18 +237,25 @@ def format_status(info: dict[str, Any]) -> str:
             f"coordinator: {coordinator['nodes']} nodes, {coordinator['sessions']} sessions, "
             f"{coordinator['placements']} placements"
         )
+        if coordinator.get("drained"):
+            drained = ", ".join(str(n) for n in coordinator["drained"])
+            lines.append(f"drained (no new scopes; undo with `flatcake-ray undrain`): {drained}")
     return "\n".join(lines)
 
 
-def stop(namespace: str = "flatcake", timeout_s: float = 30.0) -> int:
+def stop(namespace: str, secret: str | None = None, timeout_s: float = 30.0) -> int:
     """Shut every storage node down (SSD scopes stay on disk), then the coordinator.
-    Returns how many actors were stopped."""
+    Returns how many actors were stopped. Only the holder of the service secret may."""
     import ray
     from ray.exceptions import RayError
 
+    secret = secret or operator_secret(namespace)
     stopped = 0
+    coordinator = _actor(COORDINATOR_NAME, namespace)
+    if coordinator is not None:
+        _unwrapped(coordinator.info.remote(secret), timeout_s)  # the secret is the service's
     handles = [h for h in (_actor(n, namespace) for n in _named(namespace)) if h is not None]
-    refs = [h.shutdown.remote() for h in handles]
+    refs = [h.shutdown.remote(secret) for h in handles]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for handle, ref in zip(handles, refs, strict=True):
         try:
@@ -229,7 +264,6 @@ def stop(namespace: str = "flatcake", timeout_s: float = 30.0) -> int:
             log.warning("a storage node did not shut down cleanly: %s", exc)
         ray.kill(handle, no_restart=True)
         stopped += 1
-    coordinator = _actor(COORDINATOR_NAME, namespace)
     if coordinator is not None:
         ray.kill(coordinator, no_restart=True)
         stopped += 1

@@ -20,14 +20,15 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.actors.protocol import LeaseReply
-from flatcake_ray.client.io import RestoreReport
 from flatcake_ray.client.nodes import NodeLink, NodeTable
+from flatcake_ray.client.report import RestoreReport
+from flatcake_ray.core.api import Probe
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 
 
-def hits(answer: Any) -> int:
-    """Pages found, from a lookup (LeaseReply) or exists (int) answer, or None."""
+def hits(answer: LeaseReply | Probe | int | None) -> int:
+    """Pages found, from a lookup (LeaseReply), probe (Probe) or exists (int) answer."""
     if answer is None:
         return 0
     return int(answer) if isinstance(answer, int | np.integer) else int(answer.hits)
@@ -116,6 +117,24 @@ class Locator:
 
     def release(
         self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
-    ) -> None:
+    ) -> Any:
+        """Release a lease; returns the reference of the node's answer (True: the lease was
+        held throughout, so what was read under it is good). Unread leases need no answer."""
         report.actor_calls += 1
-        link.handle.release.remote(reply.lease_id, list(bad_scopes))  # fire and forget
+        return link.handle.release.remote(reply.lease_id, list(bad_scopes))
+
+    def release_held(
+        self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
+    ) -> bool:
+        """Release a lease that was read under, and wait for the answer: False (the lease
+        ran out, was never this tenant's, or a scope went; or no answer) means drop what was
+        read."""
+        import ray
+        from ray.exceptions import RayError
+
+        ref = self.release(link, reply, bad_scopes, report)
+        try:
+            return bool(ray.get(ref, timeout=self.rpc_timeout_s))
+        except RayError as exc:
+            report.failures.append(f"node {link.node_id}: release {type(exc).__name__}")
+            return False

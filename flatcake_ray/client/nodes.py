@@ -19,14 +19,17 @@ import threading
 import time
 from typing import Any
 
+from flatcake_ray.actors.drain import read_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeDescription
+from flatcake_ray.client.calls import BoundNode
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import ServiceError
+from flatcake_ray.errors import AccessDeniedError, ServiceError
 from flatcake_ray.transports import base
 from flatcake_ray.transports.local_dram import LocalDramTransport
-from flatcake_ray.transports.local_ssd import LocalSsdTransport
+from flatcake_ray.transports.local_ssd import GdsSsdTransport, LocalSsdTransport
 from flatcake_ray.transports.object_store import ObjectStoreTransport
+from flatcake_ray.transports.registry import transport_class
 from flatcake_ray.transports.remote_ssd import NvmeofSsdTransport, ShippedSsdTransport, visible_pool
 
 log = logging.getLogger(__name__)
@@ -36,16 +39,9 @@ REFRESH_EVERY_S = 2.0
 @functools.cache
 def process_paths() -> frozenset[str]:
     """The remote paths this process can drive at all (probed once)."""
-    from flatcake_ray.transports.nixl_dram import NixlDramTransport
-    from flatcake_ray.transports.rdma_verbs import RdmaVerbsTransport
-
     found = set()
-    for name, transport in (
-        (base.REMOTE_DRAM_NIXL, NixlDramTransport),
-        (base.REMOTE_DRAM_RDMA, RdmaVerbsTransport),
-        (base.REMOTE_SSD_NVMEOF, NvmeofSsdTransport),
-    ):
-        reason = transport.probe()
+    for name in (base.REMOTE_DRAM_NIXL, base.REMOTE_DRAM_RDMA, base.REMOTE_SSD_NVMEOF):
+        reason = transport_class(name).probe()
         if reason is None:
             found.add(name)
         else:
@@ -94,7 +90,7 @@ class NodeLink:
         key = (path, medium)
         with self._lock:
             known = self._transports.get(key)
-            if known is not None and getattr(known[0], "broken", False):
+            if known is not None and known[0].broken:
                 # A NIXL transport is dead after any transfer error (its peer was removed):
                 # reusing it would turn this node's pages into misses for good.
                 with known[1]:
@@ -113,7 +109,13 @@ class NodeLink:
             return LocalDramTransport.attach(d.arena_path, d.arena_bytes)
         if path == base.LOCAL_SSD:
             return LocalSsdTransport.open(d.pool_paths, d.pool_file_bytes)
+        if path == base.LOCAL_SSD_GDS:
+            return GdsSsdTransport(d.pool_paths, d.pool_file_bytes)
         if path == base.REMOTE_SSD_NVMEOF:
+            if self._nvmeof_paths is None:
+                raise ServiceError(
+                    f"node {self.node_id}'s pool is not visible: {self.nvmeof_reason}"
+                )
             return NvmeofSsdTransport.open(self._nvmeof_paths, d.pool_file_bytes)
         if path == base.OBJECT_STORE_FALLBACK:
             size = d.arena_bytes if medium is Medium.DRAM else pool_bytes
@@ -154,12 +156,14 @@ class NodeLink:
 class NodeTable:
     """Every storage node of the namespace, keyed by NodeID, refreshed by name listing."""
 
-    def __init__(self, namespace: str, my_ray_node_id: str) -> None:
+    def __init__(self, namespace: str, my_ray_node_id: str, secret: str | None) -> None:
         self.namespace = namespace
+        self.secret = secret  # the tenant's (None: the open default tenant)
         self.my_ray_node_id = my_ray_node_id
         self.config: ServiceConfig | None = None
         self.links: dict[int, NodeLink] = {}
         self._names: dict[str, int] = {}
+        self.drained: frozenset[int] = frozenset()  # NodeIDs that take no new scopes
         self._refreshed = 0.0
         self._lock = threading.Lock()
 
@@ -171,6 +175,7 @@ class NodeTable:
             return
         with self._lock:
             self._refreshed = now
+            self.drained = read_drained(self.namespace)
             listed = {
                 e["name"]
                 for e in ray.util.list_named_actors(all_namespaces=True)
@@ -186,10 +191,12 @@ class NodeTable:
         import ray
         from ray.exceptions import RayError
 
-        handles, refs = {}, {}
+        handles: dict[str, Any] = {}
+        refs: dict[str, Any] = {}
         for name in names:
             try:
-                handles[name] = ray.get_actor(name, namespace=self.namespace)
+                actor = ray.get_actor(name, namespace=self.namespace)
+                handles[name] = BoundNode(actor, self.secret)
             except ValueError:  # gone since the listing
                 continue
             refs[name] = handles[name].describe.remote()
@@ -203,6 +210,12 @@ class NodeTable:
                 description = ray.get(ref)
                 if self.config is None:
                     self.config = ray.get(handles[name].service_config.remote(), timeout=timeout_s)
+            except AccessDeniedError:
+                raise AccessDeniedError(
+                    f"storage node {name} refused this client: its tenant secret "
+                    "(ClientConfig.tenant_secret, FLATCAKE_TENANT_SECRET) names no tenant, or "
+                    "the service has no open default tenant"
+                ) from None
             except RayError as exc:
                 log.info("storage node %s did not describe itself: %s", name, exc)
                 continue
@@ -216,6 +229,7 @@ class NodeTable:
         if name in self._names:
             self._drop(name)
         local = description.ray_node_id == self.my_ray_node_id
+        assert self.config is not None  # fetched with the first description
         link = NodeLink(handle, description, local, self.config)
         self.links[description.node_id] = link
         self._names[name] = description.node_id
@@ -237,6 +251,13 @@ class NodeTable:
 
     def get(self, node_id: int) -> NodeLink | None:
         return self.links.get(node_id)
+
+    def require(self, node_id: int) -> NodeLink:
+        """The link of a node that must be known (a typed error otherwise)."""
+        link = self.links.get(node_id)
+        if link is None:
+            raise ServiceError(f"no storage node with NodeID {node_id} is known here")
+        return link
 
     @property
     def local_node_id(self) -> int:

@@ -16,7 +16,6 @@ scope.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -26,31 +25,73 @@ from flatcake_ray.config import StoreConfig
 from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
-from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.layout import SegmentLayout, check_pages_for
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
-from flatcake_ray.core.records import Lease, PutHints, PutPlan, Scope, Segment, Session
+from flatcake_ray.core.put_checks import (
+    SessionId,
+    check_segment_pages,
+    check_session_id,
+    put_refusal,
+)
+from flatcake_ray.core.records import Ids, Lease, PutHints, PutPlan, Scope, Segment, Session
 from flatcake_ray.core.replicas import ReplicaMixin
-from flatcake_ray.errors import MediumFullError
+from flatcake_ray.core.tenants import DEFAULT_TENANT
+from flatcake_ray.errors import QuotaExceededError
 
-__all__ = ["Catalog", "Lease", "PutHints", "PutPlan", "Scope", "Segment", "Session"]
+__all__ = [
+    "Catalog",
+    "Ids",
+    "Lease",
+    "PutHints",
+    "PutPlan",
+    "Scope",
+    "Segment",
+    "Session",
+    "media_spaces",
+]
+
+
+def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
+    """A store's two media, as allocation spaces (shared by its tenants' catalogs)."""
+    files = config.ssd_files_per_dir * len(config.ssd_folders)
+    return {
+        Medium.DRAM: MediumSpace(config.dram_bytes, 1 if config.dram_bytes else 0, 4096),
+        Medium.SSD: MediumSpace(config.ssd_file_bytes, files, config.ssd_min_run_bytes),
+    }
 
 
 class Catalog(ReplicaMixin):
-    def __init__(self, config: StoreConfig, policy: PlacementPolicy | None = None) -> None:
+    """One tenant's pages on a store's media. ``space`` and ``ids`` are shared by the catalogs
+    of one store (one per tenant); ``quota`` bounds the bytes this tenant's scopes reserve per
+    medium. A catalog reclaims only its own scopes: a tenant over its quota, or a medium
+    above its high watermark, frees this tenant's oldest unreferenced scopes, never another's.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        policy: PlacementPolicy | None = None,
+        *,
+        space: dict[Medium, MediumSpace] | None = None,
+        ids: Ids | None = None,
+        quota: dict[Medium, int | None] | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ) -> None:
         self.config = config
+        self.tenant = tenant
         self.policy = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
-        files = config.ssd_files_per_dir * len(config.ssd_folders)
-        self.space = {
-            Medium.DRAM: MediumSpace(config.dram_bytes, 1 if config.dram_bytes else 0, 4096),
-            Medium.SSD: MediumSpace(config.ssd_file_bytes, files, config.ssd_min_run_bytes),
-        }
+        self.space = space if space is not None else media_spaces(config)
+        self.quota: dict[Medium, int | None] = quota or dict.fromkeys(Medium)
+        # Bytes this tenant's segments fill, per medium (a scope's run may reserve more, as
+        # room to grow contiguously; that slack is not the tenant's use and is not counted).
+        self.used = dict.fromkeys(Medium, 0)
         self.segments: dict[int, Segment] = {}
         self.scopes: dict[int, Scope] = {}
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[SessionId, Session] = {}
         self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
         self._replica_age: OrderedDict[int, None] = OrderedDict()
-        self._ids = itertools.count(1)
+        self._ids = ids if ids is not None else Ids()
         self.leases: dict[int, Lease] = {}
         self.counters = dict.fromkeys(
             (
@@ -87,7 +128,8 @@ class Catalog(ReplicaMixin):
             scope_ids.update((segment.scope_id, view.scope_id))  # both pinned while read
         for scope_id in sorted(scope_ids):
             self._touch(self.scopes[scope_id], +1)
-        lease = Lease(next(self._ids), segment_ids, pages, tuple(sorted(scope_ids)), segments)
+        pinned = tuple(sorted(scope_ids))
+        lease = Lease(next(self._ids), segment_ids, pages, pinned, segments, self.tenant)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -104,11 +146,14 @@ class Catalog(ReplicaMixin):
         self,
         digests: np.ndarray,
         *,
-        session_id: str | None = None,
+        session_id: SessionId | None = None,
         parent: np.ndarray | None = None,
         hints: PutHints | None = None,
     ) -> PutPlan | None:
         """Place and allocate the absent pages of ``digests``; None when all are stored."""
+        if session_id is not None:
+            session_id = check_session_id(session_id)
+        check_segment_pages(len(digests))  # before the lookup: a bound on the work it does
         hints = hints or PutHints()
         found, values = self.index.lookup(digests)
         self._touch_used(values[found])
@@ -136,18 +181,25 @@ class Catalog(ReplicaMixin):
         # (docs/bench_replay.md). Only the engine knows that the pages being written are
         # shared (its radix-tree refcount), so only its hint fires the shared rule.
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
-        layout = SegmentLayout(len(new_positions), self.config.layers, self.config.page_bytes)
+        layout = self.layout_for(len(new_positions))
         placement = self.policy.decide(inputs, dram_headroom=self._dram_headroom(layout.nbytes))
         ahead = turn > 1
         scope, offset = self._allocate(session, placement.medium, layout.nbytes, ahead)
         rule = placement.rule
+        tried = [placement.medium]
         if scope is None and placement.medium is Medium.DRAM:
             rule = "spill"
             scope, offset = self._allocate(session, Medium.SSD, layout.nbytes, ahead)
+            tried.append(Medium.SSD)
         if scope is None:
-            raise MediumFullError(
-                f"no room for {layout.nbytes} bytes on DRAM or SSD and nothing reclaimable"
-            )
+            over = [m for m in tried if not self._within_quota(m, layout.nbytes)]
+            if over:
+                raise QuotaExceededError(
+                    f"tenant {self.tenant}: a put of {layout.nbytes} bytes does not fit its "
+                    f"quota on {' or '.join(m.name for m in over)} even after reclaiming its "
+                    "own unreferenced scopes; nothing of another tenant was evicted"
+                )
+            raise put_refusal(layout, {m: self.space[m] for m in tried})
         scope.refs += 1  # an in-flight write pins its scope
         segment = Segment(
             next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
@@ -171,6 +223,11 @@ class Catalog(ReplicaMixin):
             if segment.replica is not None:
                 self._touch(self.scopes[segment.replica.scope_id], 0)
 
+    def layout_for(self, pages: int) -> SegmentLayout:
+        config = self.config
+        check_pages = check_pages_for(config.check_bytes, config.page_bytes)
+        return SegmentLayout(pages, config.layers, config.page_bytes, check_pages)
+
     def _parent_value(self, parent: np.ndarray | None) -> np.ndarray:
         if parent is None:
             return np.zeros(0, dtype=np.uint64)
@@ -178,7 +235,7 @@ class Catalog(ReplicaMixin):
         return values[found]
 
     def _resolve_session(
-        self, session_id: str | None, anchor: np.ndarray
+        self, session_id: SessionId | None, anchor: np.ndarray
     ) -> tuple[Session, int, int | None]:
         """The session a put belongs to, the refcount of its prefix, the segment it continues."""
         parent_segment = None
@@ -208,35 +265,74 @@ class Catalog(ReplicaMixin):
         return session, refcount, parent_segment
 
     def _dram_headroom(self, nbytes: int) -> bool:
-        space = self.space[Medium.DRAM]
-        return bool(space.capacity) and (
-            space.used_fraction + nbytes / space.capacity <= self.config.low_watermark
-        )
+        return self._fraction(Medium.DRAM, nbytes) <= self.config.low_watermark
 
     def _allocate(
         self, session: Session, medium: Medium, nbytes: int, reserve_ahead: bool
     ) -> tuple[Scope | None, int]:
-        """Space held ahead keeps a session's turns together in one run; a first turn is
-        mostly never continued (69% of Mooncake sessions), so it takes only what it needs:
-        held-ahead space of first turns was 43% of the SSD the Mooncake replay had reserved,
-        and SSD reclamation then dropped sessions that were coming back."""
+        """Room for ``nbytes`` in ``session``'s scope on ``medium``, reclaiming unreferenced
+        scopes if needed; (None, 0), with nothing evicted, when even that would not make it.
+        Space held ahead keeps a session's turns together in one run; a first turn is mostly
+        never continued (69% of Mooncake sessions), so it takes only what it needs: held-ahead
+        space of first turns was 43% of the SSD the Mooncake replay had reserved, and SSD
+        reclamation then dropped sessions that were coming back."""
         space = self.space[medium]
-        if space.capacity < nbytes:
-            return None, 0
+        if nbytes > space.region_bytes or not space.allocators:
+            return None, 0  # a run never crosses a region (one arena, one pool file)
         scope = self._scope_for(session, medium)
         scope.refs += 1  # keep reclamation away from the scope we are growing
+        before = scope.runs.used_bytes
         try:
-            if space.used_fraction + nbytes / space.capacity > self.config.high_watermark:
-                self.reclaim(medium, target=self.config.low_watermark)
-            offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
-            while offset is None and self._reclaim_oldest(medium):
+            offset = None
+            if self._obtainable(medium, scope, nbytes) and self._fits_quota(medium, nbytes):
+                if self._fraction(medium, nbytes) > self.config.high_watermark:
+                    self.reclaim(medium, target=self.config.low_watermark)
                 offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
+                while offset is None and self._reclaim_oldest(medium):
+                    offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
         finally:
             scope.refs -= 1
+            self.used[medium] += scope.runs.used_bytes - before
         if offset is None:
             self._drop_if_unused(scope)
             return None, 0
         return scope, offset
+
+    def _fraction(self, medium: Medium, extra: int = 0) -> float:
+        """How full ``medium`` is for this tenant: of its quota if it has one, else of the
+        medium (``extra`` bytes counted as if placed)."""
+        quota = self.quota[medium]
+        if quota is not None:
+            return (self.used[medium] + extra) / quota if quota else 1.0
+        space = self.space[medium]
+        return space.used_fraction + extra / space.capacity if space.capacity else 1.0
+
+    def _within_quota(self, medium: Medium, nbytes: int) -> bool:
+        quota = self.quota[medium]
+        return quota is None or self.used[medium] + nbytes <= quota
+
+    def _fits_quota(self, medium: Medium, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within this tenant's quota, once its own unreferenced
+        scopes are reclaimed if need be (reclaiming them as needed)."""
+        quota = self.quota[medium]
+        if quota is None:
+            return True
+        if nbytes > quota:
+            return False
+        while self.used[medium] + nbytes > quota:
+            if self._reclaim_oldest(medium) is None:
+                return False
+        return True
+
+    def _obtainable(self, medium: Medium, scope: Scope, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit now, or would once every unreferenced scope were freed."""
+        space = self.space[medium]
+        last = scope.runs.runs[-1] if scope.runs.runs else None
+        if space.largest_free >= nbytes or (last is not None and last.room >= nbytes):
+            return True
+        ages = [*self._age[medium], *(self._replica_age if medium is Medium.DRAM else ())]
+        freeable = [self.scopes[s].runs for s in ages if self.scopes[s].refs == 0]
+        return space.largest_obtainable(freeable, scope.runs) >= nbytes
 
     def _scope_for(self, session: Session, medium: Medium) -> Scope:
         scope_id = session.scopes.get(medium)
@@ -282,14 +378,19 @@ class Catalog(ReplicaMixin):
     def _give_back(self, segment: Segment) -> None:
         scope = self.scopes[segment.scope_id]
         scope.refs -= 1
+        before = scope.runs.used_bytes
         last = scope.runs.runs[-1] if scope.runs.runs else None
         if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
             last.used -= segment.layout.nbytes
+        if not scope.is_replica:  # replicas are not the tenant's use (they are dropped first)
+            self.used[scope.medium] += scope.runs.used_bytes - before
         self._drop_if_unused(scope)
 
     def _drop_if_unused(self, scope: Scope) -> None:
         """A scope that never got a segment and that no put is writing gives its runs back."""
         if not scope.segments and scope.refs == 0:
+            if not scope.is_replica:
+                self.used[scope.medium] -= scope.runs.used_bytes
             self.space[scope.medium].release(scope.runs)
             self._drop_scope(scope)
 
@@ -302,10 +403,10 @@ class Catalog(ReplicaMixin):
         self._ages(scope).move_to_end(scope.scope_id)
 
     def reclaim(self, medium: Medium, target: float) -> list[Scope]:
-        """Free the oldest unreferenced scopes until ``medium`` is at most ``target`` full
-        (on DRAM, replica scopes first)."""
+        """Free this catalog's oldest unreferenced scopes until ``medium`` is at most
+        ``target`` full (of the quota, if there is one); on DRAM, replica scopes first."""
         freed = []
-        while self.space[medium].used_fraction > target:
+        while self._fraction(medium) > target:
             scope = self._reclaim_oldest(medium)
             if scope is None:
                 break
@@ -334,6 +435,7 @@ class Catalog(ReplicaMixin):
             segment = self.segments.pop(segment_id)
             self.index.delete(segment.digests)
             self._free_replicas_of(segment)
+        self.used[scope.medium] -= scope.runs.used_bytes
         freed = self.space[scope.medium].release(scope.runs)
         self.counters["reclaimed_bytes"] += freed
         self._drop_scope(scope)
@@ -373,13 +475,14 @@ class Catalog(ReplicaMixin):
 
     # ---- recovery ------------------------------------------------------------------------
     def adopt_scope(
-        self, scope_id: int, session_id: str, runs: list[list[int]], segments: list[Segment]
+        self, scope_id: int, session_id: SessionId, runs: list[list[int]], segments: list[Segment]
     ) -> None:
         """Re-create an SSD scope from the manifest (a restarted node)."""
         scope = Scope(scope_id, session_id, Medium.SSD)
         space = self.space[Medium.SSD]
         for _allocator, start, length, used in runs:
             space.reserve(scope.runs, start, length, used)
+        self.used[Medium.SSD] += scope.runs.used_bytes
         self.scopes[scope_id] = scope
         self._age[Medium.SSD][scope_id] = None
         session = self.sessions.setdefault(session_id, Session(session_id))
@@ -397,4 +500,4 @@ class Catalog(ReplicaMixin):
             self._drop_scope(scope)
 
     def skip_ids_below(self, floor: int) -> None:
-        self._ids = itertools.count(max(floor, next(self._ids)))
+        self._ids.skip_below(floor)

@@ -16,13 +16,10 @@ bytes into what it allocates.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from flatcake_ray.config import ALIGN
-
-
-def align_up(value: int, alignment: int = ALIGN) -> int:
-    return -(-value // alignment) * alignment
+from flatcake_ray.core.runs import align_up
 
 
 class ExtentAllocator:
@@ -91,6 +88,10 @@ class ExtentAllocator:
     @property
     def largest_free(self) -> int:
         return max(self._lengths, default=0)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """(start, length) of every free extent, in address order."""
+        return list(zip(self._starts, self._lengths, strict=True))
 
 
 @dataclass
@@ -186,6 +187,26 @@ class MediumSpace:
                 return Run(region, start, nbytes)
         return None
 
+    @property
+    def largest_free(self) -> int:
+        return max((a.largest_free for a in self.allocators), default=0)
+
+    def largest_obtainable(self, freeable: Iterable[ScopeRuns], growing: ScopeRuns) -> int:
+        """The most bytes one new segment of ``growing`` could get if every scope in
+        ``freeable`` were freed: a new run anywhere, or the room left in ``growing``'s last
+        run plus the free bytes right after it. No state changes."""
+        extents: list[list[tuple[int, int]]] = [a.free_extents() for a in self.allocators]
+        for runs in freeable:
+            for run in runs.runs:
+                extents[run.allocator].append((run.start, run.length))
+        merged = [dict(_merge(region)) for region in extents]
+        best = max((max(region.values(), default=0) for region in merged), default=0)
+        if growing.runs:  # a run never crosses its region, so only its own region can extend it
+            last = growing.runs[-1]
+            after = merged[last.allocator].get(last.start + last.length, 0)
+            best = max(best, last.room + after)
+        return best
+
     def release(self, scope: ScopeRuns) -> int:
         """Free every run of a scope at once; returns the bytes freed."""
         freed = 0
@@ -199,3 +220,15 @@ class MediumSpace:
         region = self.region_of(start)
         self.allocators[region].reserve(start, length)
         scope.runs.append(Run(region, start, length, used))
+
+
+def _merge(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Touching or overlapping (start, length) extents joined, in address order."""
+    joined: list[tuple[int, int]] = []
+    for start, length in sorted(extents):
+        if joined and joined[-1][0] + joined[-1][1] >= start:
+            head, size = joined[-1]
+            joined[-1] = (head, max(size, start + length - head))
+        else:
+            joined.append((start, length))
+    return joined

@@ -19,6 +19,7 @@ from flatcake_ray.core.keys import DIGEST_DTYPE
 
 PAGE_BITS = 24
 PAGE_MASK = (1 << PAGE_BITS) - 1
+MAX_SEGMENT_PAGES = 1 << PAGE_BITS  # a segment's pages are numbered 0 .. 2**24 - 1
 MAX_LOAD = 0.7
 _DELETED_LO = np.uint64(1)  # hi == 0 and lo == 1 marks a deleted slot; hi == lo == 0 an empty one
 

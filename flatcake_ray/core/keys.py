@@ -1,8 +1,17 @@
 """Page keys: an engine's page hash (chained prefix hash) inside a namespace (tenant).
 
 The index stores a 128-bit BLAKE2b digest of (namespace, key type, key), never the key itself,
-so every page costs the same 16 bytes whatever the engine's hash looks like. The type tag
-keeps ``b"1"``, ``"1"`` and ``1`` apart.
+so every page costs the same 16 bytes whatever the engine's hash looks like. The digested bytes
+are framed so that two different (namespace, key) pairs never hash the same bytes: the
+namespace is length-prefixed (4 bytes, little endian; without it namespace ``"a"`` with key
+``"\0sX"`` was namespace ``"a\0s"`` with key ``"X"``), then a type tag keeps ``b"1"``,
+``"1"`` and ``1`` apart, then the key runs to the end.
+
+Digests changed with the length prefix (format 2). Digests are persisted only in an SSD
+pool's manifest, so a pool written with the old digests cannot be found by the new ones: the
+manifest's format version went from 1 to 2 with this change, and a store refuses a version 1
+pool with :class:`~flatcake_ray.errors.ManifestError` (see ``node/manifest.py``), never
+serving it as misses while holding its space. DRAM pages do not outlive a restart.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
+from typing import Any
 
 import numpy as np
 
@@ -32,14 +42,14 @@ class PageKey:
     key: KeyLike
 
 
-def _key_bytes(key: KeyLike) -> bytes:
+def _key_bytes(key: Any) -> bytes:
     if isinstance(key, bool):
         raise InvalidKeyError("a page key may not be a bool")
     if isinstance(key, bytes | bytearray | memoryview):
         raw = bytes(key)
         tag = b"b"
     elif isinstance(key, str):
-        raw = key.encode()
+        raw = _utf8(key, "a page key")
         tag = b"s"
     elif isinstance(key, int | np.integer):
         value = int(key)
@@ -50,6 +60,12 @@ def _key_bytes(key: KeyLike) -> bytes:
     if tag != b"i" and not raw:
         raise InvalidKeyError("a page key may not be empty")
     return tag + raw
+
+
+def check_keys(keys: Iterable[KeyLike]) -> None:
+    """The rules of :func:`digest_keys` without hashing: raises for any key it would refuse."""
+    for key in keys:
+        _key_bytes(key)
 
 
 def split_namespace(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> tuple[str, list]:
@@ -72,9 +88,29 @@ def split_namespace(keys: Sequence[KeyLike | PageKey], namespace: str | None) ->
     return resolved, bare
 
 
+def _utf8(text: str, what: str) -> bytes:
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"{what} is not valid Unicode text: {exc}") from None
+
+
+def check_key(key: Any) -> None:
+    """Raise :class:`InvalidKeyError` unless ``key`` is a valid page key (bytes, str or int)."""
+    _key_bytes(key)
+
+
+def namespace_frame(namespace: str) -> bytes:
+    """The length-prefixed namespace every digest of ``namespace`` starts from."""
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidKeyError("a namespace is a non-empty str")
+    raw = _utf8(namespace, "a namespace")
+    return len(raw).to_bytes(4, "little") + raw
+
+
 def digest_keys(namespace: str, keys: Iterable[KeyLike]) -> np.ndarray:
     """An array of DIGEST_DTYPE, one row per key, in order."""
-    prefix = namespace.encode() + b"\x00"
+    prefix = namespace_frame(namespace)
     raw = b"".join(blake2b(prefix + _key_bytes(key), digest_size=16).digest() for key in keys)
     digests = np.frombuffer(raw, dtype=DIGEST_DTYPE).copy()
     digests["hi"] |= HI_MARK

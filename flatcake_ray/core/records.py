@@ -1,4 +1,4 @@
-"""The catalog's records: sessions, scopes, segments, put plans and leases (no behaviour).
+"""The catalog's records: sessions, scopes, segments, put plans, leases and ids (no rules).
 
 :mod:`flatcake_ray.core.catalog` re-exports them; they live here so the catalog module holds
 only the rules that change them.
@@ -6,6 +6,7 @@ only the rules that change them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,6 +14,8 @@ import numpy as np
 from flatcake_ray.core.extents import ScopeRuns
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.put_checks import SessionId
+from flatcake_ray.core.tenants import DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Segment:
     offset: int  # medium-local byte offset of layer 0, page 0
     layout: SegmentLayout
     digests: np.ndarray  # one per page, in page order
-    checksums: np.ndarray | None = None  # one per layer, set when written
+    checksums: np.ndarray | None = None  # uint64 [layers, blocks], set as layers are written
     continuations: int = 0  # later puts that continued from this segment's last page
     # A DRAM read replica of this (SSD) segment: same id, layout, digests and checksums,
     # its own scope and offset. Readers are handed it instead of the segment while it lives.
@@ -43,7 +46,7 @@ class Segment:
 @dataclass
 class Scope:
     scope_id: int
-    session_id: str
+    session_id: SessionId
     medium: Medium
     runs: ScopeRuns = field(default_factory=ScopeRuns)
     segments: list[int] = field(default_factory=list)
@@ -60,7 +63,7 @@ class Scope:
 
 @dataclass
 class Session:
-    session_id: str
+    session_id: SessionId
     turns: int = 0
     context_pages: int = 0
     scopes: dict[Medium, int] = field(default_factory=dict)  # home scopes, one per medium
@@ -70,7 +73,7 @@ class Session:
 class PutPlan:
     segment: Segment
     new_positions: np.ndarray  # positions in the caller's key list of the pages written
-    session_id: str
+    session_id: SessionId
     rule: str
     turn: int
     parent_segment: int | None
@@ -90,7 +93,23 @@ class Lease:
     # Held here so a quarantine mid-read cannot pull them away. A segment with a live
     # replica appears as its replica (medium DRAM): that is the copy the reader reads.
     segments: dict[int, Segment]
+    tenant: str = DEFAULT_TENANT  # whose catalog holds it
 
     @property
     def hits(self) -> int:
         return len(self.pages)
+
+
+class Ids:
+    """Ids of scopes, segments, leases and automatic sessions: unique across every catalog of
+    a store (the tenants' catalogs share one), never reused, and kept above the ids a
+    restarted store recovers."""
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def __next__(self) -> int:
+        return next(self._next)
+
+    def skip_below(self, floor: int) -> None:
+        self._next = itertools.count(max(floor, next(self._next)))

@@ -16,10 +16,9 @@ from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.records import Scope, Segment
 
 if TYPE_CHECKING:
-    import itertools
-
     from flatcake_ray.config import StoreConfig
     from flatcake_ray.core.extents import MediumSpace
+    from flatcake_ray.core.records import Ids
 
 
 class ReplicaMixin:
@@ -28,7 +27,7 @@ class ReplicaMixin:
     scopes: dict[int, Scope]
     segments: dict[int, Segment]
     counters: dict[str, int]
-    _ids: itertools.count
+    _ids: Ids
     _replica_age: OrderedDict[int, None]
 
     if TYPE_CHECKING:  # the catalog's own

@@ -253,7 +253,8 @@ class _ReadyHeap:
     """fc-mas ready queue: (arrival, seq) heap; cancelled entries are dropped when popped."""
 
     def __init__(self, live: dict[RequestId, _Live]) -> None:
-        self._live, self._heap = live, []
+        self._live = live
+        self._heap: list[tuple[float, int, RequestId]] = []
 
     def enlist(self, live: _Live) -> None:
         if live.phase is Phase.READY:
@@ -279,7 +280,8 @@ class _FcfsLine:
     """fcfs: every live request in arrival order; a head that is not ready blocks the line."""
 
     def __init__(self, live: dict[RequestId, _Live]) -> None:
-        self._live, self._line = live, OrderedDict()
+        self._live = live
+        self._line: OrderedDict[RequestId, None] = OrderedDict()
 
     def enlist(self, live: _Live) -> None:
         self._line[live.request.request_id] = None
@@ -483,6 +485,6 @@ class Scheduler:
 
 def _classify(gvas: np.ndarray | Sequence[int]) -> Medium:
     try:
-        return slowest_medium(gvas)
+        return slowest_medium(gvas if isinstance(gvas, np.ndarray) else list(gvas))
     except (OverflowError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"GVAs must be unsigned 64-bit integers: {exc}") from exc

@@ -1,40 +1,30 @@
-"""What the engine adapters share: how to reach a store, namespaces, probes, byte views.
+"""What the engine adapters share: how to reach a store, namespaces, byte views.
 
 An adapter never builds a store itself: it calls :func:`open_store` with the options the engine
 was configured with (``kv_connector_extra_config`` in vLLM, the HiCache extra config in
-SGLang). ``store: local`` opens an in-process :class:`FlatCakeStore` (tests, one-box
-serving); ``store: ray`` attaches to a running FlatCake-Ray service. Another way to reach a
-store is one :func:`register_store_opener` call away.
+SGLang) and programs against the :class:`~flatcake_ray.core.api.KVStore` it gets back.
+``store: local`` opens an in-process :class:`FlatCakeStore` (tests, one-box serving; one
+process owns a store root, so an engine whose scheduler and workers are separate processes
+gets a typed error naming ``store: ray``); ``store: ray`` attaches to a running FlatCake-Ray
+service. Another way to reach a store is one :func:`register_store_opener` call away.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
+import atexit
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from flatcake_ray.config import StoreConfig, parse_size
-from flatcake_ray.core.gva import SSD_FLOOR
+from flatcake_ray.config import ClientConfig, StoreConfig, parse_size
+from flatcake_ray.core.api import KVStore
 from flatcake_ray.errors import ConfigError, ShapeError
 
 # Keys that steer the adapter itself; every other ``store_*`` option is a StoreConfig field.
 STORE_KIND = "store"
 STORE_PREFIX = "store_"
-
-
-class KVStore(Protocol):
-    """The store API the adapters use; FlatCakeStore and the Ray client both provide it.
-    ``begin_put`` (layer at a time) and ``gvas`` (hit media) are used where a store has them."""
-
-    def put(self, keys: Sequence[Any], kv: Any, **options: Any) -> Any: ...
-    def exists(self, keys: Sequence[Any], *, namespace: str | None = None) -> int: ...
-    def get(self, keys: Sequence[Any], out: Any, *, namespace: str | None = None) -> int: ...
-    def stats(self) -> dict[str, Any]: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -48,9 +38,8 @@ class Geometry:
 StoreOpener = Callable[[Mapping[str, Any], Geometry], KVStore]
 
 _openers: dict[str, StoreOpener] = {}
-_local_stores: dict[str, KVStore] = {}
-_local_locks: dict[str, int] = {}  # root -> fd holding the root's flock
-LOCK_NAME = ".flatcake-local.lock"
+_local_stores: dict[str, KVStore] = {}  # root -> the process's one store on it
+_users: dict[int, int] = {}  # id(store) -> adapters holding it (local stores are shared)
 _local_lock = threading.Lock()
 
 
@@ -60,11 +49,30 @@ def register_store_opener(kind: str, opener: StoreOpener) -> None:
 
 
 def open_store(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
+    """The store ``options`` name, for one adapter; give it back with :func:`release_store`."""
     kind = str(options.get(STORE_KIND, "local"))
     opener = _openers.get(kind)
     if opener is None:
         raise ConfigError(f"unknown store kind {kind!r}; known: {sorted(_openers)}")
-    return opener(options, geometry)
+    store = opener(options, geometry)
+    with _local_lock:
+        _users[id(store)] = _users.get(id(store), 0) + 1
+    return store
+
+
+def release_store(store: KVStore) -> None:
+    """An adapter is done with ``store``: closed once its last user lets go (an in-process
+    store is shared by the adapters of one process; a Ray client belongs to one)."""
+    with _local_lock:
+        left = _users.get(id(store), 1) - 1
+        if left > 0:
+            _users[id(store)] = left
+            return
+        _users.pop(id(store), None)
+        for root, known in list(_local_stores.items()):
+            if known is store:
+                del _local_stores[root]
+    store.close()
 
 
 def _store_fields(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,54 +95,37 @@ def _open_local(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
         raise ConfigError("store 'local' needs store_root (a folder for the store's files)")
     resolved = str(Path(str(root)).resolve())
     with _local_lock:
-        store = _local_stores.get(resolved)
-        if store is None:
-            _lock_root(resolved)
+        known = _local_stores.get(resolved)
+        if known is None:
             config = StoreConfig.from_env(
                 root=resolved,
                 layers=geometry.layers,
                 page_bytes=geometry.page_bytes,
                 **_store_fields(options),
             )
-            store = FlatCakeStore(config)
-            _local_stores[resolved] = store
-    _check_geometry(store, geometry)
-    return store
-
-
-def _lock_root(root: str) -> None:
-    """Two processes must never run stores on one root (each would allocate the same SSD
-    extents). vLLM runs its scheduler and workers in separate processes unless told not to,
-    so a multi-process engine needs ``store: ray``; this says so instead of corrupting."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        os.close(fd)
-        raise ConfigError(
-            f"store root {root} is in use by another process; an engine whose scheduler and "
-            "workers run in separate processes reaches one store with store: ray"
-        ) from exc
-    _local_locks[root] = fd
+            known = _local_stores[resolved] = FlatCakeStore(config)
+    _check_geometry(known, geometry)
+    return known
 
 
 def _check_geometry(store: KVStore, geometry: Geometry) -> None:
-    config = getattr(store, "config", None)
-    if config is None:
-        return
-    found = Geometry(config.layers, config.page_bytes)
+    found = Geometry(store.layers, store.page_bytes)
     if found != geometry:
         raise ConfigError(f"the store holds pages of {found}, this engine's pages are {geometry}")
 
 
 def _open_ray(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
-    from flatcake_ray.client.client import FlatCakeClient  # type: ignore[import-not-found]
+    """``ray_namespace``, ``ray_address``, ``ray_allow`` reach the client; every other
+    ``ray_<field>`` is a ClientConfig field (e.g. ``ray_restore_windows``)."""
+    from flatcake_ray.client.client import FlatCakeClient
+    from flatcake_ray.integrations import _ray_connect
 
-    client_options = {
+    _ray_connect.connect(options)  # the engine's own cluster, never whichever "auto" finds
+    given = {
         name[len("ray_") :]: value for name, value in options.items() if name.startswith("ray_")
     }
-    client = FlatCakeClient(**client_options)
+    connection = {k: given.pop(k) for k in ("namespace", "address", "allow") if k in given}
+    client = FlatCakeClient(**connection, config=ClientConfig.from_env(**given))
     _check_geometry(client, geometry)
     return client
 
@@ -144,42 +135,23 @@ register_store_opener("ray", _open_ray)
 
 
 def close_local_stores() -> None:
-    """Close every in-process store :func:`open_store` opened (tests, shutdown)."""
+    """Close every in-process store :func:`open_store` opened (tests; and at exit, so no
+    DRAM arena outlives its process in /dev/shm)."""
     with _local_lock:
         stores = list(_local_stores.values())
-        locks = list(_local_locks.values())
         _local_stores.clear()
-        _local_locks.clear()
+        for store in stores:
+            _users.pop(id(store), None)
     for store in stores:
         store.close()
-    for fd in locks:
-        os.close(fd)  # closing the descriptor releases its flock
+
+
+atexit.register(close_local_stores)
 
 
 def make_namespace(engine: str, *parts: object) -> str:
     """``engine/part/part``; a part holding ``/`` keeps it (model names do), empty parts drop."""
     return "/".join([engine, *(str(part) for part in parts if part not in (None, ""))])
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Consecutive hits from the first key, and whether any of them lies on SSD."""
-
-    hits: int
-    on_ssd: bool
-
-
-def probe_prefix(store: KVStore, keys: Sequence[Any], namespace: str) -> Probe:
-    """Hits and their slowest medium in one call where the store can tell (``gvas``: an SSD
-    GVA is at or above ``1 << 60``); a store that cannot is read as all-DRAM, which only
-    costs a synchronous load where an asynchronous one would have hidden SSD latency."""
-    if not keys:
-        return Probe(0, False)
-    gvas = getattr(store, "gvas", None)
-    if gvas is None:
-        return Probe(store.exists(keys, namespace=namespace), False)
-    found = gvas(keys, namespace=namespace)
-    return Probe(len(found), bool(len(found)) and int(max(found)) >= SSD_FLOOR)
 
 
 def byte_view(tensor: Any) -> Any:
@@ -192,39 +164,3 @@ def byte_view(tensor: Any) -> Any:
     if tensor.stride(-1) != 1:
         raise ShapeError(f"a KV tensor's last axis must be contiguous, strides {tensor.stride()}")
     return tensor.view(torch.uint8)
-
-
-class BufferedPut:
-    """``begin_put`` for a store that only has ``put`` (the Ray client): layers collect in
-    host memory, one ``put`` sends them at commit."""
-
-    def __init__(self, store: KVStore, keys: Sequence[Any], geometry: Geometry, options: dict):
-        import torch
-
-        self._store = store
-        self._keys = list(keys)
-        self._options = options
-        self._pages = torch.empty(
-            (geometry.layers, len(keys), geometry.page_bytes), dtype=torch.uint8
-        )
-        self._written: set[int] = set()
-
-    def write_layer(self, layer: int, pages: Any) -> None:
-        self._pages[layer] = pages.reshape(self._pages.shape[1:])
-        self._written.add(layer)
-
-    def commit(self) -> Any:
-        missing = sorted(set(range(self._pages.shape[0])) - self._written)
-        if missing:
-            raise ShapeError(f"commit before layers {missing[:8]} were written")
-        return self._store.put(self._keys, self._pages, **self._options)
-
-    def abort(self) -> None:
-        self._written.clear()
-
-
-def begin_put(store: KVStore, keys: Sequence[Any], geometry: Geometry, **options: Any) -> Any:
-    """A layer-at-a-time put on any store: its own ``begin_put`` where it has one."""
-    if hasattr(store, "begin_put"):
-        return store.begin_put(list(keys), **options)
-    return BufferedPut(store, keys, geometry, options)

@@ -72,6 +72,15 @@ class HostPoolView:
         picked = self.pages[:, page_ids]
         return picked.reshape(picked.shape[0], len(page_ids), -1)
 
+    def gather_layer(self, layer: int, page_ids: torch.Tensor) -> torch.Tensor:
+        """uint8 [pages, page_bytes] of one layer of the given host pages."""
+        return self.pages[layer, page_ids].reshape(len(page_ids), -1)
+
+    def layer_tensors(self) -> list[torch.Tensor]:
+        """One ``[pool_pages, *page]`` view per layer, pages in canonical order (a restore
+        destination: ``LayerTensors`` finds each page's contiguous pieces)."""
+        return [self.pages[layer] for layer in range(self.pages.shape[0])]
+
     def scatter(self, page_ids: torch.Tensor, data: torch.Tensor) -> None:
         self.pages[:, page_ids] = data.view(
             self.pages.shape[0], len(page_ids), *self.pages.shape[2:]

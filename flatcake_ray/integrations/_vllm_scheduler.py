@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flatcake_ray.core.api import KVStore, Probe
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.errors import ConfigError
-from flatcake_ray.integrations._common import KVStore, Probe, probe_prefix
 
 LOAD_POLICIES = ("auto", "always", "never")
 
@@ -104,8 +104,10 @@ class SchedulerSide:
         return tracked
 
     def _probe(self, tracked: _Tracked, keys: list[bytes]) -> Probe:
+        if not keys:
+            return Probe(0, False)
         probes = [
-            probe_prefix(self.store, keys, shard + tracked.tenant)
+            self.store.probe(keys, namespace=shard + tracked.tenant)
             for shard in self.shard_namespaces
         ]
         hits = min(probe.hits for probe in probes)

@@ -5,46 +5,39 @@ vLLM hands each worker one tensor per attention layer, viewed ``[num_blocks, H, 
 stored as the bytes of ``tensor[block]`` in that logical order, so a page saved under one
 physical layout restores under another.
 
-Loads go through the restore seam of ``_vllm_restore``: a :data:`RestoreFactory` gives a
-:class:`LayerRestore` per load, whose ``layer(l)`` returns once layer ``l`` is in vLLM's
-blocks. With an in-process store it is a :class:`PipelinedRestore` on the worker's own
-:class:`RestorePipeline` (made in ``register_kv_caches``, closed by ``shutdown``), so
-``wait_for_layer_load`` waits for one layer while later layers stream in; with any other
-store, :class:`WholePrefixRestore`.
+Loads go through the store's restore pipeline, whatever the store (in process or the Ray
+service): a :class:`PipelinedRestore` per load, whose ``layer(l)`` returns once layer ``l`` is
+in vLLM's blocks, so ``wait_for_layer_load`` waits for one layer while later layers stream
+in. Saves go layer by layer through the store's ``begin_put`` as ``save_kv_layer`` hands
+each layer over; ``wait_for_save`` commits them.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
+from flatcake_ray.core.api import KVStore, PutWriter
 from flatcake_ray.errors import FlatCakeError, ShapeError
-from flatcake_ray.integrations._common import Geometry, KVStore, begin_put, byte_view
+from flatcake_ray.integrations._common import Geometry, byte_view
 from flatcake_ray.integrations._vllm_restore import (
-    LayerRestore,
     LoadTarget,
     PipelinedRestore,
-    RestoreFactory,
     RestoreSettings,
-    WholePrefixRestore,
 )
 from flatcake_ray.integrations._vllm_scheduler import LoadSpec, SaveSpec, StepPlan
-from flatcake_ray.node.store import FlatCakeStore
-from flatcake_ray.restore.pipeline import RestorePipeline
 
-__all__ = ["LayerRestore", "RestoreFactory", "WholePrefixRestore", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 logger = logging.getLogger(__name__)
 
 
 class _PendingLoad:
-    def __init__(self, spec: LoadSpec, restore: LayerRestore, layers: int) -> None:
+    def __init__(self, spec: LoadSpec, restore: PipelinedRestore, layers: int) -> None:
         self.spec = spec
         self.restore = restore
         self.layers_left = set(range(layers))
@@ -60,7 +53,6 @@ class WorkerSide:
         layer_names: Sequence[str],
         namespace: str,
         is_writer: bool,
-        restore_factory: RestoreFactory | None = None,
         restore_settings: RestoreSettings | None = None,
     ) -> None:
         self.store = store
@@ -68,14 +60,11 @@ class WorkerSide:
         self.namespace = namespace
         self.is_writer = is_writer
         self.restore_settings = restore_settings or RestoreSettings()
-        self._chosen_factory = restore_factory  # None: chosen by register_kv_caches
-        self.restore_factory: RestoreFactory = restore_factory or WholePrefixRestore
-        self.pipeline: RestorePipeline | None = None
         self._views: list[torch.Tensor] = []
         self.geometry: Geometry | None = None
         self._step: StepPlan | None = None
         self._sync_loads: list[_PendingLoad] = []
-        self._open_saves: dict[int, tuple[SaveSpec, Any, set[int]]] = {}
+        self._open_saves: dict[int, tuple[SaveSpec, PutWriter, set[int]]] = {}
         self._failed_saves: set[int] = set()
         self._async_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flatcake-load")
         self._async_loads: dict[str, tuple[LoadSpec, Future[list[int]]]] = {}
@@ -87,39 +76,22 @@ class WorkerSide:
 
     # ---- registration ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> Geometry:
-        views: list[torch.Tensor | None] = [None] * len(self.layer_index)
+        found: dict[int, torch.Tensor] = {}
         for name, tensor in kv_caches.items():
             index = self.layer_index.get(name)
             if index is not None:  # layers that reuse another layer's KV are not listed
-                views[index] = byte_view(tensor)
-        missing = [name for name, i in self.layer_index.items() if views[i] is None]
+                found[index] = byte_view(tensor)
+        missing = [name for name, i in self.layer_index.items() if i not in found]
         if missing:
             raise ShapeError(f"vLLM registered no KV tensor for layers {missing[:4]}")
+        views = [found[i] for i in range(len(self.layer_index))]
         shapes = {tuple(view.shape[1:]) for view in views}
         if len(shapes) != 1:
             raise ShapeError(f"attention layers differ in page shape: {sorted(shapes)}")
-        self._views = views  # type: ignore[assignment]
+        self._views = views
         page_bytes = int(torch.Size(shapes.pop()).numel())
         self.geometry = Geometry(len(views), page_bytes)
-        self.restore_factory = self._choose_restore()
         return self.geometry
-
-    def _choose_restore(self) -> RestoreFactory:
-        """Pipelined where the store is in this process; the Ray client has no pipeline."""
-        if self._chosen_factory is not None:
-            return self._chosen_factory
-        settings = self.restore_settings
-        if settings.pipeline == "off" or not isinstance(self.store, FlatCakeStore):
-            return WholePrefixRestore
-        if self.pipeline is not None:  # registered again: the new tensors get a new pipeline
-            self.pipeline.close(timeout=settings.load_timeout_s)
-        self.pipeline = RestorePipeline(
-            self.store,
-            windows=settings.windows,
-            slot_bytes=settings.slot_bytes,
-            device=self._views[0].device,
-        )
-        return functools.partial(PipelinedRestore, self.pipeline, timeout=settings.load_timeout_s)
 
     def _ids(self, block_ids: Sequence[int], layer: int) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long, device=self._views[layer].device)
@@ -165,10 +137,9 @@ class WorkerSide:
             self._views,
             spec.block_ids,
         )
-        restore = self.restore_factory(target)
-        if isinstance(restore, PipelinedRestore):
-            with self._failed_lock:  # async loads count from the loader threads
-                self.counters["pipelined_loads"] += 1
+        restore = PipelinedRestore(target, timeout=self.restore_settings.load_timeout_s)
+        with self._failed_lock:  # async loads count from the loader threads
+            self.counters["pipelined_loads"] += 1
         return _PendingLoad(spec, restore, self.geometry.layers)
 
     def _note_shortfall(self, spec: LoadSpec, restored: int) -> None:
@@ -234,18 +205,15 @@ class WorkerSide:
         except FlatCakeError:
             self._give_up_save(index, spec)
 
-    def _open_save(self, index: int, spec: SaveSpec) -> tuple[SaveSpec, Any, set[int]]:
-        assert self.geometry is not None
-        handle = begin_put(
-            self.store,
-            spec.keys,
-            self.geometry,
+    def _open_save(self, index: int, spec: SaveSpec) -> tuple[SaveSpec, PutWriter, set[int]]:
+        handle = self.store.begin_put(
+            list(spec.keys),
             namespace=self.namespace + spec.tenant,
             session_id=spec.session_id,
             parent=spec.parent,
             hints=spec.hints,
         )
-        entry = (spec, handle, set())
+        entry: tuple[SaveSpec, PutWriter, set[int]] = (spec, handle, set())
         self._open_saves[index] = entry
         return entry
 
@@ -312,7 +280,5 @@ class WorkerSide:
             future.exception(timeout=timeout)
 
     def shutdown(self) -> None:
-        """Async loads first (they wait on the pipeline), then the pipeline."""
+        """Async loads finish first (they wait on the store's pipeline)."""
         self._async_pool.shutdown(wait=True)
-        if self.pipeline is not None:
-            self.pipeline.close(timeout=self.restore_settings.load_timeout_s)

@@ -30,9 +30,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from flatcake_ray.core.api import KVStore
 from flatcake_ray.errors import ConfigError, FlatCakeError
-from flatcake_ray.integrations._common import KVStore, make_namespace, open_store
+from flatcake_ray.integrations._common import make_namespace, open_store, release_store
 from flatcake_ray.integrations._sglang_layout import HostPoolView, host_pool_view
+from flatcake_ray.restore.dest import LayerTensors
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +129,8 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
     ) -> list[bool]:
         view = self._view()
         started = time.perf_counter()
-        pages = self._restore(keys)
-        restored = pages.shape[1]
-        if restored:
-            view.scatter(view.page_ids(host_indices, len(keys))[:restored], pages)
+        dest = LayerTensors(view.layer_tensors(), view.page_ids(host_indices, len(keys)))
+        restored = self._store().restore(list(keys), dest, namespace=self.namespace).wait()
         self._note(self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth, restored, started)
         return [i < restored for i in range(len(keys))]
 
@@ -144,7 +144,9 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
             return [True] * len(keys)
         view = self._view()
         started = time.perf_counter()
-        stored = self._put(keys, view.gather(view.page_ids(host_indices, len(keys))), extra_info)
+        page_ids = view.page_ids(host_indices, len(keys))
+        layers = [view.gather_layer(layer, page_ids) for layer in range(view.geometry.layers)]
+        stored = self._put(keys, layers, extra_info)
         self._note(self._metrics.backup_pgs, self._metrics.backup_bandwidth, len(keys), started)
         return [stored] * len(keys)
 
@@ -186,7 +188,7 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
         pages = [
             view.flat_to_canonical(value)[:, 0].reshape(view.pages.shape[0], -1) for value in values
         ]
-        return self._put(keys, torch.stack(pages, dim=1), None)
+        return self._put(keys, list(torch.stack(pages, dim=1)), None)
 
     # ---- store calls -----------------------------------------------------------------------
     def _restore(self, keys: Sequence[str]) -> torch.Tensor:
@@ -197,18 +199,24 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
         return out[:, :restored]
 
     def _put(
-        self, keys: Sequence[str], pages: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None
+        self,
+        keys: Sequence[str],
+        layers: list[torch.Tensor],
+        extra_info: HiCacheStorageExtraInfo | None,
     ) -> bool:
-        """False when the store cannot take the pages (full, write failed): SGLang then stops
-        backing up this batch and serves on; the store's error is logged with its traceback."""
+        """Layer by layer through the store's put path (``layers``: one ``[pages, page_bytes]``
+        tensor per layer). False when the store cannot take the pages (full, write failed):
+        SGLang then stops backing up this batch and serves on; the store's error is logged
+        with its traceback."""
         prefix = extra_info.prefix_keys if extra_info is not None else None
+        parent = prefix[-1] if prefix else None
         try:
-            self._store().put(
-                list(keys),
-                pages,
-                namespace=self.namespace,
-                parent=prefix[-1] if prefix else None,
-            )
+            with self._store().begin_put(
+                list(keys), namespace=self.namespace, parent=parent
+            ) as put:
+                for layer, pages in enumerate(layers):
+                    put.write_layer(layer, pages)
+                put.commit()
         except FlatCakeError:
             logger.warning("FlatCake backup of %d pages failed", len(keys), exc_info=True)
             return False
@@ -238,4 +246,8 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
         return None
 
     def close(self) -> None:
-        self.store = None  # the store is shared; open_store's owner closes it
+        # Each backend holds its own use of the store: an in-process store closes (arena
+        # removed) with its last user, a Ray client at once.
+        store, self.store = self.store, None
+        if store is not None:
+            release_store(store)

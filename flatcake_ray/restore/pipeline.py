@@ -1,45 +1,45 @@
-"""Layer-pipelined restores into a paged KV pool through bounded staging windows.
+"""The one restore engine: layer-pipelined restores through bounded staging windows.
 
-FC-CIO's read path (paper 3.4) with FC-MAS admission (3.3), on the client side.
+FC-CIO's read path (paper 3.4) with FC-MAS admission (3.3), for every store: it reads through
+a :class:`~flatcake_ray.restore.source.Source` (the node's own media, or the Ray client's
+GVA-routed transports), so the in-process store and the Ray client restore with the same
+code. A whole-prefix restore is a restore nobody waits on layer by layer.
 
 Who calls what, in which order:
 
-1. ``pipeline = RestorePipeline(store, windows=2, slot_layers=2)``, once per engine worker. All
-   staging memory is allocated here and never again: ``windows`` windows of ``slot_layers``
-   slots of ``slot_bytes`` aligned host bytes (plus as much HBM when ``device`` is a GPU).
-2. ``handle = pipeline.submit(keys, pool, slot_ids, layout)``, from any thread: leases the
-   consecutive hits of ``keys`` (their scopes cannot be reclaimed until the restore ends) and
-   queues the restore. Prefix page ``i`` goes to slot ``slot_ids[i]`` of every layer of
-   ``pool`` (``layer_first`` ``[layers, slots, *page]`` or ``page_first`` ``[slots, layers,
-   *page]``). Slots past the hits are left alone. ``pipeline.submit(keys, dest)`` takes any
-   :class:`~flatcake_ray.restore_dest.Destination` instead, e.g. :class:`LayerTensors` for
-   one KV tensor per layer (vLLM's), where page ``i`` goes to block ``block_ids[i]``.
+1. ``pipeline = RestorePipeline(source, windows=2, slot_layers=2)``, once per store and
+   device. All staging memory is allocated here and never again: ``windows`` windows of
+   ``slot_layers`` slots of ``slot_bytes`` aligned host bytes (plus as much HBM when ``device``
+   is a GPU), and a DRAM lane (slots only where DRAM pages come through staging).
+2. ``handle = pipeline.submit(keys, dest)`` from any thread: leases the consecutive hits of
+   ``keys`` (their scopes cannot be reclaimed until the restore ends) and queues the restore.
+   ``dest`` is a :class:`~flatcake_ray.restore.dest.Destination` (``LayerTensors``: one KV
+   tensor per layer, vLLM's), or a pool with ``slot_ids`` and ``layout`` (``layer_first``
+   ``[layers, slots, *page]`` or ``page_first`` ``[slots, layers, *page]``): prefix page ``i``
+   goes to slot ``slot_ids[i]`` of every layer. Slots past the hits are left alone.
 3. ``handle.wait_for_layer(l)`` before layer ``l``'s attention (vLLM's ``wait_for_layer_load``)
    or ``handle.wait()``: block until that layer (every layer) is in place, and return the
    verified prefix length so far. A worker's exception is raised here as :class:`RestoreError`.
-   The count is final after ``wait()``; a checksum failure in a later layer can still shrink
-   it, and slots past it hold nothing usable.
+   The count is final after ``wait()``; a checksum failure in a later layer, a transfer that
+   failed or a lease the source withdrew can still shrink it, and slots past it hold nothing
+   usable. ``handle.outcome`` then says what moved on which path.
 4. ``pipeline.close(timeout=None)``: takes no new restores, lets every submitted one finish,
-   stops workers. Close the pipeline before its store, and never from a worker callback.
+   stops workers. Close the pipeline before its source's store, never from a worker callback.
 
 Every restore submitted is finished exactly once, by its lane or, if the scheduler's
 bookkeeping fails, by the pipeline with that error; that is what wakes its waiters and
 ``close()``. Lane threads survive any error of a restore or of the bookkeeping.
 
-Admission. Each restore is classified by its slowest medium. One whose hits are all in DRAM is
-dispatched at once and copied by the DRAM lane (from the shared arena; it holds no SSD window).
-One that touches SSD queues for a window in highest-response-ratio order; a window runs one
-restore at a time, so at most ``windows`` SSD restores stream at once. A queued restore only
-waits: it is never revoked, and nothing falls back to recompute because windows are busy.
+Admission. A restore is classified by its slowest medium. One whose hits are all in DRAM is
+dispatched at once to the DRAM lane (it holds no SSD window). One that touches SSD queues for
+a window in highest-response-ratio order; a window runs one restore at a time, so at most
+``windows`` SSD restores stream at once. A queued restore only waits: it is never revoked.
 ``policy="fcfs"`` is the paper's ablation: one line, nothing passes a head not yet restored.
 
-Pipelining. A window has a reader thread and a scatter thread. The reader fills free slots
-with the next chunk of the current layer (coalesced O_DIRECT reads; the GIL is released while
-the drive works), so while the scatter thread checksums layer ``l`` and scatters it into its
-pages' slots, the reads of ``l + 1`` are in flight. A layer larger than a slot streams through
-the slots in bounded chunks, in order (see ``restore_plan.py``). With a GPU pool a chunk is
-copied to the slot's HBM twin and scattered there by ``cuda_ext``'s kernel on the window's
-stream; the layer counts as in place once that stream has finished it.
+Pipelining. A window's reader thread fills free slots with the next chunk of the current layer
+(``core/plan.py``) while its scatter thread checks and scatters the previous one. With a GPU
+destination a chunk is copied to the slot's HBM twin and scattered there by ``cuda_ext``'s
+kernel on the window's stream; the layer counts as in place once that stream has finished it.
 """
 
 from __future__ import annotations
@@ -48,15 +48,17 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 import torch
 
-from flatcake_ray.config import ALIGN
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import KeyLike, PageKey
+from flatcake_ray.core.parts import wanted_bytes
+from flatcake_ray.core.plan import RestorePlan
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.scheduler import Scheduler, SchedulerConfig
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout, scatter_layer
 from flatcake_ray.errors import (
@@ -67,26 +69,13 @@ from flatcake_ray.errors import (
     StoreClosedError,
 )
 from flatcake_ray.media.buffers import AlignedBuffer
-from flatcake_ray.node.reader import ReadOutcome
-from flatcake_ray.node.store import FlatCakeStore
-from flatcake_ray.restore.dest import (
-    Destination,
-    LayerTensors,
-    PagedPool,
-    ScatterFn,
-    as_destination,
-)
-from flatcake_ray.restore.plan import LayerChunk, LayerStager, PageRun
-from flatcake_ray.restore.window import Gauge, Job, Lane, RestoreHandle, Slot
+from flatcake_ray.restore.deliver import ChunkDelivery
+from flatcake_ray.restore.dest import Destination, ScatterFn, as_destination
+from flatcake_ray.restore.handle import RestoreHandle
+from flatcake_ray.restore.source import Leased, ReadOutcome, Slot, Source
+from flatcake_ray.restore.window import Gauge, Job, Lane
 
-__all__ = [
-    "DEFAULT_SLOT_BYTES",
-    "Destination",
-    "LayerTensors",
-    "PagedPool",
-    "RestoreHandle",
-    "RestorePipeline",
-]
+__all__ = ["DEFAULT_SLOT_BYTES", "RestoreHandle", "RestorePipeline"]
 
 DEFAULT_SLOT_BYTES = 16 << 20
 logger = logging.getLogger(__name__)
@@ -98,7 +87,7 @@ class RestorePipeline:
     ``windows``: SSD restores streaming at once (the scheduler's prefetch budget).
     ``slot_layers``: slots per window (2: double-buffered). ``slot_bytes``: one slot, a multiple
     of 4 KiB holding at least a page plus 4 KiB (default 16 MiB); a layer larger than a slot
-    streams through in chunks. ``device``: where the pools live ("cpu" or a CUDA device).
+    streams through in chunks. ``device``: where the destinations live ("cpu" or a CUDA device).
     ``policy`` / ``starvation_limit``: FC-MAS (``"fc-mas"``) or the ``"fcfs"`` ablation.
     ``scatter``: the page scatter (``cuda_ext.scatter.scatter_layer``; tests wrap it).
     ``clock``: seconds, never going back, for the scheduler and the handles' timestamps.
@@ -106,7 +95,7 @@ class RestorePipeline:
 
     def __init__(
         self,
-        store: FlatCakeStore,
+        source: Source,
         *,
         windows: int = 2,
         slot_layers: int = 2,
@@ -121,22 +110,30 @@ class RestorePipeline:
             raise ConfigError("windows must be an integer >= 1")
         if not (isinstance(slot_layers, int) and slot_layers >= 1):
             raise ConfigError("slot_layers must be an integer >= 1")
-        config = store.config
-        floor = -(-(config.page_bytes + ALIGN) // ALIGN) * ALIGN
+        floor = align_up(source.page_bytes + 4096)
         self.slot_bytes = max(DEFAULT_SLOT_BYTES, floor) if slot_bytes is None else slot_bytes
-        LayerStager.check_capacity(self.slot_bytes, config.page_bytes)
-        self.store = store
+        if (
+            not isinstance(self.slot_bytes, int)
+            or self.slot_bytes % 4096
+            or self.slot_bytes < floor
+        ):
+            raise ConfigError(
+                f"a staging slot of {self.slot_bytes!r} bytes must be a multiple of 4096 and "
+                f"hold a page plus 4096 bytes ({floor})"
+            )
+        self.source = source
         self.device = _resolve_device(device)
         self.scheduler = Scheduler(SchedulerConfig(windows, None, policy, starvation_limit))
-        self._scatter, self._clock = scatter, clock
+        self._clock = clock
         self._gauge = Gauge()
+        self._delivery = ChunkDelivery(scatter, source.page_bytes)
         self._buffers: list[AlignedBuffer] = []
         self._windows = [
-            self._lane(f"flatcake-window{i}", slot_layers, host=True) for i in range(windows)
+            self._lane(f"flatcake-window{i}", slot_layers, True) for i in range(windows)
         ]
-        self._dram_lane = self._lane("flatcake-dram", slot_layers, host=False)
+        self._dram_lane = self._lane("flatcake-dram", slot_layers, source.fills_dram)
         self._idle = list(self._windows)
-        self._jobs: dict[int, Job] = {}  # submitted, not yet dispatched by the scheduler
+        self._jobs: dict[Hashable, Job] = {}  # submitted, not yet dispatched by the scheduler
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._live = 0  # submitted, not yet finished
@@ -160,11 +157,11 @@ class RestorePipeline:
         """The most staging bytes chunks in flight ever held at once."""
         return self._gauge.high_water
 
-    def _lane(self, name: str, slot_layers: int, *, host: bool) -> Lane:
+    def _lane(self, name: str, slot_layers: int, host: bool) -> Lane:
         gpu = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if gpu else None
         slots = []
-        for _ in range(slot_layers):
+        for _ in range(slot_layers if host or gpu else 0):
             buffer = AlignedBuffer(self.slot_bytes) if host else None
             if buffer is not None:
                 self._buffers.append(buffer)
@@ -173,7 +170,7 @@ class RestorePipeline:
             )
             nbytes = (buffer.nbytes if buffer else 0) + (self.slot_bytes if gpu else 0)
             slots.append(Slot(buffer.array if buffer else None, twin, stream, nbytes))
-        return Lane(name, slots, self._gauge, self._deliver, self._finish, overlap=host)
+        return Lane(name, slots, self._gauge, self._delivery.deliver, self._finish, overlap=host)
 
     # ---- submission --------------------------------------------------------------------
     def submit(
@@ -185,35 +182,55 @@ class RestorePipeline:
         *,
         namespace: str | None = None,
     ) -> RestoreHandle:
-        """Lease the hits of ``keys`` and queue their restore into ``dest`` (a
-        :class:`Destination`, or a pool with its ``slot_ids`` and ``layout``); never blocks
-        on I/O."""
+        """Lease the hits of ``keys`` and queue their restore into ``dest``; blocks only on the
+        lease (a local index probe, or one call to the node holding the prefix)."""
         self._check_open()
         dest = self._check_dest(as_destination(dest, slot_ids, layout), len(keys))
-        lease = self.store.lease(keys, namespace=namespace)
-        handed_over = False  # once a job owns the lease, its finish releases it
+        leased = self.source.lease(keys, namespace)
+        return self.submit_leased(leased, dest)
+
+    def submit_leased(self, leased: Leased, dest: Destination) -> RestoreHandle:
+        """Queue the restore of a prefix already leased from this pipeline's source; the
+        restore now owns the lease (it is released when the restore ends)."""
+        handed_over = False
         try:
-            stager = LayerStager(self.store.reader, lease, self.slot_bytes)
-            config = self.store.config
-            gvas = [encode_gva(s.medium, config.node_id, s.offset) for s in lease.segments.values()]
-            kv_bytes = stager.ssd_pages * config.layers * config.page_bytes
-            medium = Medium.SSD if kv_bytes else Medium.DRAM
+            self._check_open()
+            job = self._job(leased, dest)
             with self._lock:
                 self._check_open()
-                now = self._clock()
-                handle = RestoreHandle(next(self._ids), config.layers, lease.hits, medium, now)
-                if lease.hits == 0:
-                    handle._finish(now, None)
-                    return handle
-                self.scheduler.submit(handle.request_id, now, gvas, kv_bytes)
-                self._jobs[handle.request_id] = Job(handle, lease, stager, dest)
+                if leased.hits == 0:
+                    self._finish_empty(job)
+                    handed_over = True
+                    return job.handle
+                request_id = job.handle.request_id
+                gvas = [encode_gva(p.medium, 0, p.offset) for p in leased.parts]
+                kv_bytes = wanted_bytes(leased.parts, Medium.SSD)
+                # The scheduler's clock never goes back: read it under the lock (a restore
+                # made on another thread a moment earlier may be queued a moment later).
+                self.scheduler.submit(request_id, self._clock(), gvas, kv_bytes)
+                self._jobs[request_id] = job
                 self._live += 1
                 handed_over = True
                 self._pump_or_break()
-            return handle
+            return job.handle
         finally:
             if not handed_over:
-                self.store.release(lease)
+                self.source.release(leased, ReadOutcome(0))
+
+    def _job(self, leased: Leased, dest: Destination) -> Job:
+        media = {part.medium for part in leased.parts}
+        access = {medium: self.source.access(leased, medium) for medium in media}
+        mapped = {m: self.source.view(leased, m) for m in media if access[m].mapped}
+        plan = RestorePlan(leased.parts, self.slot_bytes, access)
+        medium = Medium.SSD if Medium.SSD in media else Medium.DRAM
+        handle = RestoreHandle(next(self._ids), self.source.layers, leased, medium, self._clock())
+        outcome = ReadOutcome(leased.hits)
+        return Job(handle, leased, plan, dest, self.source, mapped, outcome)
+
+    def _finish_empty(self, job: Job) -> None:
+        job.outcome.pages = 0
+        self.source.release(job.leased, job.outcome)
+        job.handle._finish(self._clock(), None, job.outcome)
 
     def _check_open(self) -> None:
         if self._fault is not None:
@@ -224,11 +241,11 @@ class RestorePipeline:
     def _check_dest(self, dest: Destination, keys: int) -> Destination:
         if dest.device != self.device:
             raise ShapeError(f"the destination must be on {self.device}, not on {dest.device}")
-        config = self.store.config
-        if dest.layers != config.layers or dest.page_bytes != config.page_bytes:
+        source = self.source
+        if dest.layers != source.layers or dest.page_bytes != source.page_bytes:
             raise ShapeError(
                 f"the destination has {dest.layers} layers of {dest.page_bytes}-byte pages; "
-                f"the store has {config.layers} layers of {config.page_bytes}-byte pages"
+                f"the store has {source.layers} layers of {source.page_bytes}-byte pages"
             )
         if dest.pages != keys:
             raise ShapeError(f"the destination maps {dest.pages} pages, one per key: need {keys}")
@@ -257,65 +274,16 @@ class RestorePipeline:
             # an SSD restore popped here is already in place: its window finished it
 
     # ---- the scatter threads' side -------------------------------------------------------
-    def _deliver(self, job: Job, chunk: LayerChunk, slot: Slot) -> None:
-        source = self.store.arena.view if chunk.medium is Medium.DRAM else slot.host
-        for span in chunk.hashes:
-            span.check.update(source[span.offset : span.offset + span.length])
-            if span.last and not span.check.matches():
-                job.bad_scopes.add(span.check.scope_id)
-                job.handle._shrink(span.check.first_position)
-        runs = [run for run in chunk.runs if run.scope_id not in job.bad_scopes]
-        if slot.device is None:
-            self._scatter_host(job, chunk, runs, source)
-        else:
-            self._scatter_device(job, chunk, runs, source, slot)
-        if chunk.medium is Medium.DRAM:
-            job.dram_bytes += sum(len(run.positions) for run in runs) * self.store.config.page_bytes
-        if chunk.last:
-            job.handle._layer_done(chunk.layer)
-
-    def _scatter_host(self, job: Job, chunk: LayerChunk, runs: list[PageRun], source) -> None:
-        page_bytes = self.store.config.page_bytes
-        for run in runs:
-            staged = source[run.offset : run.offset + len(run.positions) * page_bytes]
-            job.dest.scatter(torch.from_numpy(staged), run.positions, chunk.layer, self._scatter)
-
-    def _scatter_device(
-        self, job: Job, chunk: LayerChunk, runs: list[PageRun], source, slot: Slot
-    ) -> None:
-        page_bytes = self.store.config.page_bytes
-        staged: list[tuple[torch.Tensor, PageRun]] = []
-        with torch.cuda.stream(slot.stream):
-            if chunk.medium is Medium.SSD:  # one host-to-device copy of the whole chunk
-                slot.device[: chunk.nbytes].copy_(torch.from_numpy(source[: chunk.nbytes]))
-                for run in runs:
-                    length = len(run.positions) * page_bytes
-                    staged.append((slot.device[run.offset : run.offset + length], run))
-            else:  # DRAM: pack the wanted runs from the pinned arena into the slot
-                cursor = 0
-                for run in runs:
-                    length = len(run.positions) * page_bytes
-                    twin = slot.device[cursor : cursor + length]
-                    twin.copy_(
-                        torch.from_numpy(source[run.offset : run.offset + length]),
-                        non_blocking=True,
-                    )
-                    staged.append((twin, run))
-                    cursor += length
-            for twin, run in staged:
-                job.dest.scatter(twin, run.positions, chunk.layer, self._scatter, slot.stream)
-        slot.stream.synchronize()  # the slot is reused, and the layer counts, only after this
-
     def _finish(self, lane: Lane, job: Job) -> None:
         """The lane is done with ``job``; never raises (a lane thread must survive it)."""
+        outcome = job.outcome
         try:
-            try:
-                self._account(job)
-            finally:
-                self.store.release(job.lease)
+            outcome.pages = job.handle.pages if job.error is None else 0
+            job.handle._shrink(self.source.release(job.leased, outcome))
+            outcome.pages = job.handle.pages if job.error is None else 0
         except BaseException as exc:  # raised by wait()
             job.error = job.error or exc
-        job.handle._finish(self._clock(), job.error)
+        job.handle._finish(self._clock(), job.error, outcome)
         with self._lock:
             # Counted out first: close() must not wait for a job whatever the bookkeeping does.
             self._live -= 1
@@ -347,25 +315,15 @@ class RestorePipeline:
         failed = [job for job in self._jobs.values() if not job.dispatched]
         self._jobs = {i: j for i, j in self._jobs.items() if j.dispatched}
         for job in failed:  # woken and counted out before anything else can raise
-            job.handle._finish(now, exc)
+            job.outcome.pages = 0
+            job.handle._finish(now, exc, job.outcome)
             self._live -= 1
         self._drained.notify_all()
         for job in failed:
             try:
-                self.store.release(job.lease)
+                self.source.release(job.leased, job.outcome)
             except BaseException:  # a lane thread runs this: it must live on; wait() raises exc
                 logger.exception("releasing the lease of restore %d failed", job.handle.request_id)
-
-    def _account(self, job: Job) -> None:
-        restored = job.handle.pages if job.error is None else 0
-        outcome = ReadOutcome(
-            pages_ok=restored,
-            bad_scopes=set(job.bad_scopes),
-            ssd_commands=job.ssd_commands,
-            ssd_bytes=job.ssd_bytes,
-            dram_bytes=job.dram_bytes,
-        )
-        self.store.account_read(outcome, delivered_pages=restored)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:

@@ -1,133 +1,70 @@
-"""The staging windows of the restore pipeline, and the handle a restore is waited on by.
+"""The staging windows of the restore pipeline.
 
-A :class:`Lane` is one bounded window: ``slot_layers`` :class:`Slot` s, a reader thread that
-fills free slots with a restore's chunks in order (``LayerStager.fill``; O_DIRECT, the GIL is
-released while the drive works) and a scatter thread that empties them in order through the
+A :class:`Lane` is one bounded window: ``slot_layers`` slots, a reader thread that fills free
+slots with a restore's chunks in order (``Source.fill``; O_DIRECT or a network read, the GIL
+released while it waits) and a scatter thread that empties them in order through the
 pipeline's ``deliver`` callback, so the reads of layer ``l + 1`` are in flight while layer ``l``
 is scattered. A lane runs one restore (:class:`Job`) at a time; the reader blocks while every
-slot is taken, which is the whole memory bound. Exceptions on either thread end up on the job
-and are raised by :meth:`RestoreHandle.wait`. ``restore.py`` owns the lanes and the contract.
+slot is taken, which is the whole memory bound. A chunk whose fill raised ``TransferError``
+is handed on marked failed (its pages become misses); any other exception ends up on the job
+and is raised by ``RestoreHandle.wait``. ``pipeline.py`` owns the lanes and the contract.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
-from flatcake_ray.core.catalog import Lease
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import RestoreError, RestoreTimeoutError, ShapeError
+from flatcake_ray.core.plan import LayerChunk, RestorePlan
+from flatcake_ray.errors import TransferError
 from flatcake_ray.restore.dest import Destination
-from flatcake_ray.restore.plan import LayerStager
+from flatcake_ray.restore.handle import RestoreHandle
+from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
 
-__all__ = ["Gauge", "Job", "Lane", "RestoreHandle", "Slot"]
+__all__ = ["Gauge", "Job", "Lane"]
 
 _END = object()  # reader -> scatter: the job has no more chunks
-
-
-class RestoreHandle:
-    """One submitted restore; workers advance it, any thread may wait on it."""
-
-    def __init__(self, request_id: int, layers: int, hits: int, medium: Medium, now: float):
-        self.request_id = request_id
-        self.layers = layers
-        self.hits = hits  # consecutive hits located at submit
-        self.medium = medium  # slowest medium of the hits
-        self.submitted_at = now  # the pipeline's clock
-        self.started_at: float | None = None  # dispatched to a window or the DRAM lane
-        self.finished_at: float | None = None
-        self._cond = threading.Condition()
-        self._layers_done = 0
-        self._pages = hits
-        self._error: BaseException | None = None
-        self._done = False
-
-    @property
-    def pages(self) -> int:
-        """The verified prefix length: final once :attr:`done`."""
-        return self._pages
-
-    @property
-    def error(self) -> BaseException | None:
-        return self._error
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def layers_done(self) -> int:
-        return self._layers_done
-
-    def wait_for_layer(self, layer: int, timeout: float | None = None) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.layers:
-            raise ShapeError(f"layer must be an int in [0, {self.layers}), not {layer!r}")
-        return self._wait(lambda: self._layers_done > layer, f"layer {layer}", timeout)
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self._wait(lambda: self._done, "all layers", timeout)
-
-    def _wait(self, ready: Callable[[], bool], what: str, timeout: float | None) -> int:
-        with self._cond:
-            if not self._cond.wait_for(lambda: ready() or self._error is not None, timeout):
-                raise RestoreTimeoutError(
-                    f"restore {self.request_id}: {what} not in place after {timeout} s"
-                )
-            if self._error is not None:
-                raise RestoreError(f"restore {self.request_id} failed: {self._error!r}") from (
-                    self._error
-                )
-            return self._pages
-
-    # ---- called by the pipeline's workers --------------------------------------------------
-    def _start(self, now: float) -> None:
-        self.started_at = now
-
-    def _layer_done(self, layer: int) -> None:
-        with self._cond:
-            self._layers_done = layer + 1
-            self._cond.notify_all()
-
-    def _shrink(self, pages: int) -> None:
-        with self._cond:
-            self._pages = min(self._pages, pages)
-
-    def _finish(self, now: float, error: BaseException | None) -> None:
-        with self._cond:
-            self.finished_at = now
-            self._error = error
-            if error is None:
-                self._layers_done = self.layers
-            self._done = True
-            self._cond.notify_all()
 
 
 @dataclass
 class Job:
     handle: RestoreHandle
-    lease: Lease
-    stager: LayerStager
+    leased: Leased
+    plan: RestorePlan
     dest: Destination
+    source: Source
+    mapped: dict[Medium, MappedView]  # the media read in place, and their paths
+    outcome: ReadOutcome
     dispatched: bool = False  # handed to a lane, which finishes it; under the pipeline's lock
-    bad_scopes: set[int] = field(default_factory=set)
-    ssd_commands: int = 0  # written by the reader thread only
-    ssd_bytes: int = 0
-    dram_bytes: int = 0  # written by the scatter thread only
     error: BaseException | None = None
+    failed_chunks: set[int] = field(default_factory=set)  # id() of chunks whose fill failed
 
+    def fill(self, chunk: LayerChunk, slot: Slot) -> FillStats:
+        """Read a filled chunk into ``slot`` (reader thread) and count it."""
+        stats = self.source.fill(self.leased, chunk.medium, chunk.reads, slot)
+        tally = self.outcome.tally(stats.path)
+        tally.reads += 1
+        tally.bytes += stats.bytes
+        tally.io_commands += stats.commands
+        tally.seconds += stats.seconds
+        medium = chunk.medium
+        self.outcome.bytes_read[medium] = self.outcome.bytes_read.get(medium, 0) + stats.bytes
+        self.outcome.commands[medium] = self.outcome.commands.get(medium, 0) + stats.commands
+        self.outcome.actor_calls += stats.actor_calls
+        return stats
 
-@dataclass
-class Slot:
-    host: np.ndarray | None  # aligned bytes the drive reads into (SSD windows only)
-    device: torch.Tensor | None  # HBM twin when the destination is on a GPU
-    stream: Any  # the window's torch.cuda.Stream, or None
-    nbytes: int  # memory this slot holds, host and device
+    def lose(self, chunk: LayerChunk, exc: TransferError) -> None:
+        """A chunk's bytes could not be had: its scopes' pages are misses from here on."""
+        self.failed_chunks.add(id(chunk))
+        self.outcome.failures.append(f"{chunk.medium.name} layers from {chunk.first_layer}: {exc}")
+        self.outcome.lost_scopes.update(chunk.scopes)
+        for scope_id in chunk.scopes:
+            self.handle._shrink(self.plan.scope_first[scope_id])
 
 
 class Gauge:
@@ -148,14 +85,24 @@ class Gauge:
             self.held -= nbytes
 
 
+Deliver = Callable[[Job, LayerChunk, Slot | None, FillStats | None], None]
+
+
 class Lane:
     """One staging window: a reader thread fills its slots in order, a scatter thread empties
-    them in order; one job at a time. ``deliver(job, chunk, slot)`` and ``finish(lane, job)``
-    run on the scatter thread. With ``overlap=False`` (the DRAM lane: there is no drive to
+    them in order; one job at a time. ``deliver`` and ``finish(lane, job)`` run on the scatter
+    thread. With ``overlap=False`` (a DRAM lane reading a mapped arena: there is nothing to
     wait for) one thread does both, so a chunk costs no thread handoff."""
 
     def __init__(
-        self, name: str, slots: list[Slot], gauge: Gauge, deliver, finish, *, overlap: bool = True
+        self,
+        name: str,
+        slots: list[Slot],
+        gauge: Gauge,
+        deliver: Deliver,
+        finish: Callable[[Lane, Job], None],
+        *,
+        overlap: bool = True,
     ) -> None:
         self.slots = slots
         self._gauge, self._deliver, self._finish = gauge, deliver, finish
@@ -185,52 +132,67 @@ class Lane:
         while (job := self._jobs.get()) is not None:
             try:
                 self._stage(job)
-                end = _END
+                end: Any = _END
             except BaseException as exc:  # handed to the scatter side, raised by wait()
                 end = exc
             # Exactly one end per job, outside the try: finishing twice would count it out twice.
-            self._emit(job, end, None)
+            self._emit(job, end, None, None)
         self._handoff.put(None)
 
     def _stage(self, job: Job) -> None:
-        for layer in range(job.handle.layers):
-            for chunk in job.stager.chunks(layer):
+        for first, end in job.plan.groups:
+            for chunk in job.plan.chunks(first, end):
                 if job.error is not None:
                     return  # the scatter side failed: stop reading, finish with its error
+                if chunk.mapped and job.dest.device.type == "cpu":
+                    self._emit(job, chunk, None, None)  # read in place: no slot needed
+                    continue
                 slot = self._free.get()  # blocks while every slot is in use: the bound
                 self._gauge.take(slot.nbytes)
                 try:
-                    if chunk.reads:
-                        job.stager.fill(chunk, slot.host)
-                        job.ssd_commands += len(chunk.reads)
-                        job.ssd_bytes += sum(read.length for read in chunk.reads)
+                    stats = self._fill(job, chunk, slot)
                 except BaseException:
                     self._give(slot)
                     raise
-                self._emit(job, chunk, slot)
+                self._emit(job, chunk, slot, stats)
 
-    def _emit(self, job: Job, chunk, slot: Slot | None) -> None:
+    @staticmethod
+    def _fill(job: Job, chunk: LayerChunk, slot: Slot) -> FillStats | None:
+        if chunk.mapped:
+            return None
+        started = time.perf_counter()
+        try:
+            return job.fill(chunk, slot)
+        except TransferError as exc:
+            job.lose(chunk, exc)
+            return FillStats("failed", 0, 0, time.perf_counter() - started)
+
+    def _emit(self, job: Job, chunk: Any, slot: Slot | None, stats: FillStats | None) -> None:
         if self._overlap:
-            self._handoff.put((job, chunk, slot))
+            self._handoff.put((job, chunk, slot, stats))
         else:
-            self._consume(job, chunk, slot)
+            self._consume(job, chunk, slot, stats)
 
     def _scatter_loop(self) -> None:
         while (item := self._handoff.get()) is not None:
             self._consume(*item)
 
-    def _consume(self, job: Job, chunk, slot: Slot | None) -> None:
-        if chunk is _END or isinstance(chunk, BaseException):
-            job.error = job.error or (None if chunk is _END else chunk)
+    def _consume(self, job: Job, chunk: Any, slot: Slot | None, stats: FillStats | None) -> None:
+        if chunk is _END:
+            self._finish(self, job)
+            return
+        if isinstance(chunk, BaseException):  # the reader side failed
+            job.error = job.error or chunk
             self._finish(self, job)
             return
         try:
             if job.error is None:
-                self._deliver(job, chunk, slot)
+                self._deliver(job, chunk, slot, stats)
         except BaseException as exc:  # kept on the job; wait() raises it
             job.error = exc
         finally:
-            self._give(slot)
+            if slot is not None:
+                self._give(slot)
 
     def _give(self, slot: Slot) -> None:
         self._gauge.give(slot.nbytes)

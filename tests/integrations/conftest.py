@@ -17,6 +17,10 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+# The harness is a one-process engine (scheduler and worker side by side); without this,
+# vLLM's CPU platform turns the uni executor into mp, under which the connector refuses an
+# in-process store.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -100,3 +104,46 @@ def local_store_options(tmp_path):
         "store_fsync": False,
     }
     close_local_stores()
+
+
+@pytest.fixture(scope="session")
+def ray_services(tmp_path_factory):
+    """``options_for(layers, page_bytes)``: the connector options of a FlatCake-Ray service on
+    a local Ray started for this session (a service serves one page geometry, so one per
+    geometry, each in its own namespace). Everything is stopped at the end."""
+    ray = pytest.importorskip("ray")
+    from flatcake_ray.client import deploy
+    from flatcake_ray.config import ServiceConfig
+
+    root = tmp_path_factory.mktemp("ray-services")
+    context = ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    address = context.address_info["address"]
+    started: list[str] = []
+
+    def options_for(layers: int, page_bytes: int) -> dict:
+        namespace = f"fc-engines-{layers}x{page_bytes}"
+        if namespace not in started:
+            config = ServiceConfig(
+                namespace=namespace,
+                root=str(root / namespace / "{node}"),
+                layers=layers,
+                page_bytes=page_bytes,
+                dram_bytes=4 << 20,
+                ssd_file_bytes=8 << 20,
+                ssd_files_per_dir=2,
+                fsync=False,
+                ship_bytes=1 << 20,
+            )
+            deploy.start(config, address=address)
+            started.append(namespace)
+        return {"store": "ray", "ray_namespace": namespace, "ray_address": address}
+
+    yield options_for
+    for namespace in started:
+        deploy.stop(namespace)
+    ray.shutdown()
+
+
+@pytest.fixture(params=["local", "ray"])
+def store_kind(request):
+    return request.param

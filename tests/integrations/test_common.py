@@ -5,21 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
+from flatcake_ray.core.api import Probe
 from flatcake_ray.core.catalog import PutHints
-from flatcake_ray.errors import ConfigError
+from flatcake_ray.errors import ConfigError, StoreClosedError
 from flatcake_ray.integrations._common import (
-    BufferedPut,
     Geometry,
-    Probe,
-    begin_put,
     close_local_stores,
     make_namespace,
     open_store,
-    probe_prefix,
+    release_store,
 )
 
 GEOMETRY = Geometry(layers=2, page_bytes=4096)
@@ -53,33 +50,24 @@ def test_a_second_process_on_the_root_is_refused(local_store_options):
 def test_probe_tells_the_slowest_medium(local_store_options):
     store = open_store(local_store_options, GEOMETRY)
     store.put([b"a", b"b"], pages(2, 0), namespace="ns", hints=SHORT_CHAT)
-    assert probe_prefix(store, [b"a", b"b", b"c"], "ns") == Probe(2, False)
+    assert store.probe([b"a", b"b", b"c"], namespace="ns") == Probe(2, False)
     agentic = PutHints(context_tokens=1 << 20)  # placed on SSD
     result = store.put([b"c"], pages(1, 1), namespace="ns", parent=b"b", hints=agentic)
-    assert result.medium == "SSD"
-    assert probe_prefix(store, [b"a", b"b", b"c"], "ns") == Probe(3, True)
-    assert probe_prefix(store, [b"x"], "ns") == Probe(0, False)
+    assert result.medium.name == "SSD"
+    assert store.probe([b"a", b"b", b"c"], namespace="ns") == Probe(3, True)
+    assert store.probe([b"x"], namespace="ns") == Probe(0, False)
 
 
-class PutOnly:
-    def __init__(self, store):
-        self.store = store
-
-    def put(self, keys, kv, **options):
-        return self.store.put(keys, kv, **options)
-
-
-def test_layer_puts_on_a_store_without_them(local_store_options):
-    store = open_store(local_store_options, GEOMETRY)
-    handle = begin_put(PutOnly(store), [b"p", b"q"], GEOMETRY, namespace="ns")
-    assert isinstance(handle, BufferedPut)
-    data = pages(2, 2)
-    for layer in range(GEOMETRY.layers):
-        handle.write_layer(layer, data[layer])
-    assert handle.commit().pages_written == 2
-    out = np.zeros((GEOMETRY.layers, 2, GEOMETRY.page_bytes), dtype=np.uint8)
-    assert store.get([b"p", b"q"], out, namespace="ns") == 2
-    assert np.array_equal(out, data.numpy())
+def test_an_in_process_store_closes_with_its_last_user(local_store_options):
+    first = open_store(local_store_options, GEOMETRY)
+    second = open_store(local_store_options, GEOMETRY)
+    assert first is second
+    release_store(first)
+    first.put([b"k"], pages(1, 3), namespace="ns")  # still open: one user left
+    release_store(second)
+    with pytest.raises(StoreClosedError):
+        first.exists([b"k"], namespace="ns")
+    assert open_store(local_store_options, GEOMETRY) is not first  # the root is free again
 
 
 def test_unknown_store_kind_is_a_config_error():

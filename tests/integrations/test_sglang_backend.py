@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
 
+from flatcake_ray.integrations._sglang_layout import host_pool_view  # noqa: E402
 from flatcake_ray.integrations.sglang import FlatCakeHiCacheStorage, extra_config  # noqa: E402
 
 PAGE = 16
@@ -179,9 +180,17 @@ TURN2 = TURN1 + list(range(7, 39))  # the reply and the next prompt: 2 more page
         ("page_first_direct", "page_head"),
     ],
 )
-def test_two_turns_restore_byte_exact(local_store_options, writer_layout, reader_layout):
+def test_two_turns_restore_byte_exact(
+    local_store_options, ray_services, store_kind, writer_layout, reader_layout
+):
     pool = host_pool(writer_layout)
-    backend = attach(local_store_options, pool)
+    if store_kind == "local":
+        options = local_store_options
+    else:  # the Ray service, its own namespace per test
+        geometry = host_pool_view(pool, is_mla=False).geometry
+        options = ray_services(geometry.layers, geometry.page_bytes)
+        options = {**options, "namespace": f"{writer_layout}-{reader_layout}"}
+    backend = attach(options, pool)
     keys1 = page_keys(TURN1)
     assert backend.batch_exists(keys1, HiCacheStorageExtraInfo(prefix_keys=[])) == 0
     turn1 = fill(pool, 2, 4, seed=1)
@@ -196,14 +205,17 @@ def test_two_turns_restore_byte_exact(local_store_options, writer_layout, reader
     )
 
     reader_pool = host_pool(reader_layout)  # another instance, maybe another host layout
-    reader = attach(local_store_options, reader_pool)
+    reader = attach(options, reader_pool)
     assert reader.batch_exists(keys2) == 6
     target = torch.arange(20 * PAGE, 26 * PAGE)
     assert reader.batch_get_v1(keys2, target) == [True] * 6
     assert_same_tokens(pool, torch.cat([turn1, turn2_new]), reader_pool, target)
-    stats = reader.store_stats()
-    assert stats["sessions"] == 1  # turn 2 continued turn 1's session through prefix_keys
+    if store_kind == "local":
+        stats = reader.store_stats()
+        assert stats["sessions"] == 1  # turn 2 continued turn 1's session through prefix_keys
     assert sum(reader.get_stats().prefetch_pgs) == 6
+    for attached in (backend, reader):
+        attached.close()
 
 
 def test_flat_page_interface_round_trips(local_store_options):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 
@@ -12,11 +14,12 @@ require_vllm()
 from flatcake_ray.errors import ConfigError  # noqa: E402
 from flatcake_ray.integrations import _common  # noqa: E402
 from flatcake_ray.integrations.vllm import kv_transfer_config  # noqa: E402
-from flatcake_ray.restore.pipeline import RestorePipeline  # noqa: E402
-from flatcake_ray.restore.window import RestoreHandle  # noqa: E402
+from flatcake_ray.restore import RestoreHandle, RestorePipeline  # noqa: E402
+from flatcake_ray.restore.deliver import ChunkDelivery  # noqa: E402
 from tests.integrations.vllm_harness import (  # noqa: E402
     BLOCK,
     LAYER_NAMES,
+    PAGE_BYTES,
     build_engine,
     model_config,
     prefix_kv,
@@ -38,6 +41,30 @@ def local_store_options(local_store_options):
     """The shared options; the engines built on them shut down before their store closes."""
     yield local_store_options
     shutdown_engines()
+
+
+@pytest.fixture
+def store_options(store_kind, local_store_options, ray_services):
+    """Options of an in-process store, or of the Ray service (its own connector namespace
+    per test, so no test sees another's pages)."""
+    if store_kind == "local":
+        return local_store_options
+    options = ray_services(len(LAYER_NAMES), PAGE_BYTES)
+    return {**options, "namespace": f"test-{uuid.uuid4().hex[:8]}"}
+
+
+def store_view(store) -> dict:
+    """Placement rules and SSD bytes read, from either store: the Ray client reads SSD pages
+    itself (its own tallies); the nodes place them."""
+    stats = store.stats()
+    if "nodes" not in stats:
+        return {"rules": stats["placement_rules"], "ssd_bytes_read": stats["ssd_bytes_read"]}
+    rules: dict[str, int] = {}
+    for node in stats["nodes"].values():
+        for rule, count in node["placement_rules"].items():
+            rules[rule] = rules.get(rule, 0) + count
+    ssd = sum(tally["bytes"] for path, tally in stats["paths"].items() if "ssd" in path)
+    return {"rules": rules, "ssd_bytes_read": ssd}
 
 
 def expected_block_bytes(tokens: list[int], blocks: int) -> list[torch.Tensor]:
@@ -74,9 +101,9 @@ def assert_restored_exactly(engine, tokens: list[int]) -> None:
         assert torch.equal(got, want)
 
 
-def test_second_turn_restores_from_ssd_asynchronously(base_model, local_store_options):
-    reply = first_turn(base_model, local_store_options)
-    engine, tokens = second_turn(base_model, local_store_options, reply)
+def test_second_turn_restores_from_ssd_asynchronously(base_model, store_options):
+    reply = first_turn(base_model, store_options)
+    engine, tokens = second_turn(base_model, store_options, reply)
 
     scheduler_side = engine.connector.scheduler_side
     assert scheduler_side.counters["hit_blocks"] == 4
@@ -85,13 +112,12 @@ def test_second_turn_restores_from_ssd_asynchronously(base_model, local_store_op
     assert "finished_recving:['turn-2']" in engine.events
     assert_restored_exactly(engine, tokens)
     assert engine.worker.worker_side.counters["pipelined_loads"] == 1  # on the loader thread
-    stats = engine.worker.worker_side.store.stats()
-    assert stats["placement_rules"].get("one-shot", 0) >= 1
-    assert stats["ssd_bytes_read"] > 0
+    view = store_view(engine.worker.worker_side.store)
+    assert view["rules"].get("one-shot", 0) >= 1 and view["ssd_bytes_read"] > 0
 
 
-def test_synchronous_load_feeds_the_same_step(base_model, local_store_options):
-    options = {**local_store_options, "load_async": "never"}
+def test_synchronous_load_feeds_the_same_step(base_model, store_options):
+    options = {**store_options, "load_async": "never"}
     reply = first_turn(base_model, options)
     engine, tokens = second_turn(base_model, options, reply)
 
@@ -121,9 +147,11 @@ def record_layer_waits(engine, monkeypatch) -> list[tuple[str, int]]:
 
 
 def test_synchronous_load_waits_for_each_layer_in_the_pipeline(
-    base_model, local_store_options, monkeypatch
+    base_model, store_options, store_kind, monkeypatch
 ):
-    options = {**local_store_options, "load_async": "never", "restore_slot_bytes": "16KiB"}
+    # A slot smaller than a layer: each layer is its own group, read as attention needs it.
+    prefix = "store" if store_kind == "local" else "ray"
+    options = {**store_options, "load_async": "never", f"{prefix}_restore_slot_bytes": "16KiB"}
     reply = first_turn(base_model, options)
     engine = build_engine(base_model, options)
     seen = record_layer_waits(engine, monkeypatch)
@@ -131,37 +159,29 @@ def test_synchronous_load_waits_for_each_layer_in_the_pipeline(
     engine.run(engine.add_request("turn-2", tokens, max_tokens=3))
 
     worker_side = engine.worker.worker_side
-    assert isinstance(worker_side.pipeline, RestorePipeline)
+    pipeline = worker_side.store.pipeline()
+    assert isinstance(pipeline, RestorePipeline) and pipeline.slot_bytes == 16 << 10
     assert worker_side.counters["pipelined_loads"] == 1
     waits = [i for i, (kind, _) in enumerate(seen) if kind == "waited"]
     # One wait per layer, in order, each inside that layer's wait_for_layer_load.
     assert [seen[i][1] for i in waits] == list(range(len(LAYER_NAMES)))
     assert all(seen[i - 1] == ("attention", seen[i][1]) for i in waits)
-    assert worker_side.pipeline.scheduler.stats().prefetches_completed == 1  # an SSD restore
+    assert pipeline.scheduler.stats().prefetches_completed == 1  # an SSD restore
     assert worker_side.counters["loaded_pages"] == 4 and worker_side.counters["failed_pages"] == 0
-    assert_restored_exactly(engine, tokens)
-
-
-def test_restore_pipeline_off_restores_the_same_bytes(base_model, local_store_options):
-    options = {**local_store_options, "load_async": "never", "restore_pipeline": "off"}
-    reply = first_turn(base_model, options)
-    engine, tokens = second_turn(base_model, options, reply)
-    assert engine.worker.worker_side.pipeline is None
-    assert engine.worker.worker_side.counters["pipelined_loads"] == 0
     assert_restored_exactly(engine, tokens)
 
 
 def test_a_failed_pipelined_restore_is_recomputed(base_model, local_store_options, monkeypatch):
     options = {**local_store_options, "load_async": "never"}
     reply = first_turn(base_model, options)
-    real_deliver = RestorePipeline._deliver
+    real_deliver = ChunkDelivery.deliver
 
-    def deliver(self, job, chunk, slot):
-        if chunk.layer == 1:
+    def deliver(self, job, chunk, slot, stats):
+        if chunk.done_layer is not None:
             raise RuntimeError("scatter lost")
-        real_deliver(self, job, chunk, slot)
+        real_deliver(self, job, chunk, slot, stats)
 
-    monkeypatch.setattr(RestorePipeline, "_deliver", deliver)  # before the lanes bind it
+    monkeypatch.setattr(ChunkDelivery, "deliver", deliver)  # before the lanes bind it
     engine = build_engine(base_model, options, kv_load_failure_policy="recompute")
     tokens = PROMPT + reply + USER
     engine.run(engine.add_request("turn-2", tokens, max_tokens=1))
@@ -173,9 +193,9 @@ def test_a_failed_pipelined_restore_is_recomputed(base_model, local_store_option
         assert torch.equal(got, want)
 
 
-def test_hit_sources_name_the_medium(base_model, local_store_options):
-    reply = first_turn(base_model, local_store_options)
-    engine = build_engine(base_model, local_store_options)
+def test_hit_sources_name_the_medium(base_model, store_options):
+    reply = first_turn(base_model, store_options)
+    engine = build_engine(base_model, store_options)
     request = engine.add_request("probe", PROMPT + reply + USER, max_tokens=1)
     connector = engine.connector
     assert connector.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
@@ -193,18 +213,26 @@ def test_cache_salt_keeps_tenants_apart(base_model, local_store_options):
     assert engine.connector.get_num_new_matched_tokens(same, 0) == (4 * BLOCK, True)
 
 
-class ShortReads:
-    """A store that delivers one page less than it holds, as after a reclaimed scope."""
+class ShortHandle:
+    """A restore that delivers one page less than it holds, as after a reclaimed scope."""
 
+    def __init__(self, handle):
+        self.handle = handle
+        self.hits = handle.hits
+
+    def wait_for_layer(self, layer, timeout=None):
+        return max(self.handle.wait_for_layer(layer, timeout) - 1, 0)
+
+
+class ShortReads:
     def __init__(self, store):
         self.store = store
 
     def __getattr__(self, name):
         return getattr(self.store, name)
 
-    def get(self, keys, out, *, namespace=None):
-        restored = self.store.get(keys, out, namespace=namespace)
-        return max(restored - 1, 0)
+    def restore(self, keys, dest, *args, **options):
+        return ShortHandle(self.store.restore(keys, dest, *args, **options))
 
 
 def test_pages_lost_before_the_load_are_recomputed(base_model, local_store_options):
@@ -225,43 +253,6 @@ def test_pages_lost_before_the_load_are_recomputed(base_model, local_store_optio
         assert torch.equal(got, want)
 
 
-class PutOnly:
-    """A store with the Ray client's surface: put, no begin_put, no gvas."""
-
-    def __init__(self, store):
-        self.store = store
-        self.config = store.config
-
-    def put(self, keys, kv, **options):
-        return self.store.put(keys, kv, **options)
-
-    def exists(self, keys, *, namespace=None):
-        return self.store.exists(keys, namespace=namespace)
-
-    def get(self, keys, out, *, namespace=None):
-        return self.store.get(keys, out, namespace=namespace)
-
-    def stats(self):
-        return self.store.stats()
-
-    def close(self):
-        self.store.close()
-
-
-def test_a_store_without_layer_puts_or_media_still_round_trips(base_model, local_store_options):
-    _common.register_store_opener(
-        "put-only", lambda options, geometry: PutOnly(_common._open_local(options, geometry))
-    )
-    options = {**local_store_options, "store": "put-only"}
-    reply = first_turn(base_model, options)
-    engine, tokens = second_turn(base_model, options, reply)
-    # Without hit media the load is synchronous; the pages are the same. Not a FlatCakeStore:
-    # whole-prefix gets, as for the Ray client.
-    assert engine.connector.scheduler_side.counters["async_loads"] == 0
-    assert engine.worker.worker_side.pipeline is None
-    assert_restored_exactly(engine, tokens)
-
-
 def test_random_hash_seed_is_refused(base_model, local_store_options, monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     with pytest.raises(ConfigError, match="PYTHONHASHSEED"):
@@ -272,3 +263,28 @@ def test_configuration_dict_names_this_module():
     config = kv_transfer_config(store="ray", ray_namespace="flatcake")
     assert config["kv_connector_module_path"] == "flatcake_ray.integrations.vllm"
     assert config["kv_connector_extra_config"] == {"store": "ray", "ray_namespace": "flatcake"}
+
+
+def test_sha256_block_hashes_need_no_seed(base_model, local_store_options, monkeypatch):
+    """vLLM >= 0.32 seeds sha256 block hashes with a fixed value when PYTHONHASHSEED is unset,
+    so the connector starts; xxhash stays refused (test above)."""
+    from flatcake_ray.integrations._vllm_compat import hash_seed_problem
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert hash_seed_problem("sha256") is None
+    assert "xxhash" in hash_seed_problem("xxhash")
+    build_engine(base_model, local_store_options, hash_algo="sha256")
+
+
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_in_process_store_under_a_multiprocess_executor_names_store_ray(backend):
+    from types import SimpleNamespace
+
+    from vllm.config import ParallelConfig
+
+    from flatcake_ray.integrations._vllm_compat import check_store_layout
+
+    config = SimpleNamespace(parallel_config=ParallelConfig(distributed_executor_backend=backend))
+    with pytest.raises(ConfigError, match="store: ray"):
+        check_store_layout(config, "local")
+    check_store_layout(config, "ray")

@@ -53,6 +53,7 @@ HEAD = 32
 NUM_BLOCKS = 96
 EOS = 2
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+PAGE_BYTES = 2 * KV_HEADS * BLOCK * HEAD * 2  # K and V of one block of one layer, bfloat16
 
 
 def model_config(folder: str) -> ModelConfig:
@@ -232,8 +233,9 @@ class Engine:
         return sampled
 
     def shutdown(self) -> None:
-        """What vLLM does at exit: the worker connector closes its restore pipeline."""
+        """What vLLM does at exit: both connectors shut down and let go of their stores."""
         self.worker.shutdown()
+        self.connector.shutdown()
 
     def run(self, request: Request, max_steps: int = 200) -> list[int]:
         """Step until ``request`` finished; its output tokens."""

@@ -1,0 +1,78 @@
+"""A storage node's standing in the service: its NodeID and its reports to the coordinator.
+
+The node registers with the coordinator (presenting the service secret) for its 12-bit
+NodeID, kept in ``<root>/node_id`` so a restart keeps it, then reports its usage every
+``report_interval_s``. A coordinator that answers a report with "unknown" restarted and lost
+this node: the node registers again, and must get its own NodeID back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from flatcake_ray.actors.protocol import COORDINATOR_NAME, NodeUsage
+from flatcake_ray.config import ServiceConfig
+from flatcake_ray.errors import ServiceError
+
+
+class Membership:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        service_secret: str,
+        ray_node_id: str,
+        actor_name: str,
+        started_at: float,
+    ) -> None:
+        self.config = config
+        self._secret = service_secret
+        self.ray_node_id = ray_node_id
+        self.actor_name = actor_name
+        self.started_at = started_at
+        self.node_id = 0
+
+    def join(self, root: Path) -> int:
+        """Register (keeping the NodeID persisted under ``root``) and persist the answer."""
+        self.node_id = self._register(self._persisted(root))
+        (root / "node_id").write_text(f"{self.node_id}\n")
+        return self.node_id
+
+    @staticmethod
+    def _persisted(root: Path) -> int | None:
+        path = root / "node_id"
+        if not path.exists():
+            return None
+        text = path.read_text().strip()
+        if not text.isdigit():
+            raise ServiceError(f"{path} holds {text!r}, not a NodeID")
+        return int(text)
+
+    def _coordinator(self) -> Any:
+        import ray
+
+        return ray.get_actor(COORDINATOR_NAME, namespace=self.config.namespace)
+
+    def _register(self, wanted: int | None) -> int:
+        import ray
+
+        ref = self._coordinator().register.remote(
+            self._secret, self.ray_node_id, self.actor_name, wanted, self.started_at
+        )
+        return int(ray.get(ref, timeout=self.config.rpc_timeout_s))
+
+    def report(self, usage: NodeUsage) -> bool:
+        """Send ``usage``; True when the coordinator knew this node (else it re-registers)."""
+        import ray
+
+        coordinator = self._coordinator()
+        ref = coordinator.report.remote(self._secret, self.node_id, self.ray_node_id, usage)
+        known = ray.get(ref, timeout=self.config.rpc_timeout_s)
+        if not known:  # a coordinator that lost us (restarted and we missed its rebuild)
+            granted = self._register(self.node_id)
+            if granted != self.node_id:
+                raise ServiceError(
+                    f"NodeID {self.node_id} was given to another node while the coordinator "
+                    f"did not know this one (offered {granted}); restart this storage node"
+                )
+        return bool(known)

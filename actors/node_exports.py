@@ -1,0 +1,78 @@
+"""What a storage node exports for one-sided access: its arena and ship buffer over NIXL (one
+agent, one progress thread), the NIXL buffers it pulls staged puts into, and its arena as an
+RDMA memory region. Each export is optional: NIXL or RDMA missing, or a node with no DRAM,
+leaves it out and says why (readers then take another path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flatcake_ray.actors.shipping import PullArea, ShipBuffer
+from flatcake_ray.errors import ServiceError
+from flatcake_ray.media.arena import DramArena
+
+
+class NodeExports:
+    def __init__(self, node_id: int, arena: DramArena, ship_buffer: ShipBuffer) -> None:
+        self._arena_exporter: Any = None
+        self._agent: Any = None
+        self.pull: PullArea | None = None
+        self.arena_peer: Any = None
+        self.ship_peer: Any = None
+        self.nixl_reason = self._export_nixl(f"fc{node_id}", arena, ship_buffer)
+        self._rdma = self._export_rdma(arena)
+
+    def _export_nixl(self, tag: str, arena: DramArena, ship_buffer: ShipBuffer) -> str | None:
+        from flatcake_ray.actors.nixl_roles import exporter_agent
+        from flatcake_ray.transports.nixl_dram import (
+            NixlArenaExporter,
+            NixlDramTransport,
+            unique_agent_name,
+        )
+
+        reason = NixlDramTransport.probe()
+        if reason is not None:
+            return reason
+        self._agent = exporter_agent(unique_agent_name(f"{tag}-export"))
+        if arena.nbytes:  # a node may run SSD-only
+            self._arena_exporter = NixlArenaExporter(tag, arena.view, agent=self._agent)
+            self.arena_peer = self._arena_exporter.peer_info()
+        self.ship_peer = ship_buffer.export(self._agent)
+        self.pull = PullArea(unique_agent_name(f"{tag}-pull"))
+        return None
+
+    @staticmethod
+    def _export_rdma(arena: DramArena) -> Any:
+        from flatcake_ray.transports.rdma_verbs import RdmaArenaExporter, rdma_probe
+
+        if rdma_probe() is not None or not arena.nbytes:
+            return None
+        return RdmaArenaExporter(arena.view)
+
+    @property
+    def rdma(self) -> bool:
+        return self._rdma is not None
+
+    def accept_rdma(self, reader: Any) -> Any:
+        if self._rdma is None:
+            raise ServiceError("this node exports no RDMA memory region")
+        return self._rdma.accept(reader)
+
+    def close(self) -> None:
+        """Drop the exports (before the memory they export goes)."""
+        if self._rdma is not None:
+            self._rdma.close()
+            self._rdma = None
+        if self._arena_exporter is not None:
+            self._arena_exporter.close()
+            self._arena_exporter = None
+        if self.pull is not None:
+            self.pull.close()
+            self.pull = None
+
+    def close_agent(self) -> None:
+        """The agent goes last: after the ship buffer's export it also serves."""
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None

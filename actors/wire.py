@@ -1,0 +1,59 @@
+"""The shape checks of what arrives at an actor method: anything a caller can send.
+
+Ray hands an actor whatever a caller pickled, so every argument is checked here (its type, its
+length, its bounds) before it reaches the store; a malformed one is a typed error, and nothing
+stored changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.errors import InvalidKeyError, ReadRangeError, ShapeError
+
+MAX_KEYS = 1 << 20  # pages one call may name
+MAX_RANGES = 1 << 20  # ranges one read call may name
+
+
+def check_request(keys: Any, namespace: Any, hints: Any = None) -> None:
+    if not isinstance(keys, list | tuple):
+        raise InvalidKeyError(f"keys are a list, not {type(keys).__name__}")
+    if not 0 < len(keys) <= MAX_KEYS:
+        raise ShapeError(f"a call names 1 to {MAX_KEYS} keys, not {len(keys)}")
+    if namespace is not None and not isinstance(namespace, str):
+        raise InvalidKeyError(f"a namespace is a str, not {type(namespace).__name__}")
+    if hints is not None and not isinstance(hints, PutHints):
+        raise ShapeError(f"hints are PutHints, not {type(hints).__name__}")
+
+
+def _int_array(value: Any, what: str) -> np.ndarray:
+    if not isinstance(value, np.ndarray | list | tuple):
+        raise ReadRangeError(f"{what} are an array of ints, not {type(value).__name__}")
+    array = np.asarray(value)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise ReadRangeError(f"{what} are a 1-D array of ints")
+    return array.astype(np.int64)
+
+
+def check_ranges(offsets: Any, lengths: Any, max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read ranges as int64 arrays: as many offsets as lengths, none negative, the total at
+    most ``max_bytes`` (a reply is bounded)."""
+    src, sizes = _int_array(offsets, "offsets"), _int_array(lengths, "lengths")
+    if len(src) != len(sizes) or not 0 < len(src) <= MAX_RANGES:
+        raise ReadRangeError(f"{len(src)} offsets and {len(sizes)} lengths")
+    if (src < 0).any() or (sizes <= 0).any():
+        raise ReadRangeError("offsets are >= 0 and lengths > 0")
+    total = int(sizes.sum())
+    if total > max_bytes:
+        raise ReadRangeError(f"{total} bytes asked in one call; at most {max_bytes}")
+    return src, sizes
+
+
+def scope_ids(value: Any) -> set[int]:
+    """The scope ids a reader reports bad (anything else in the list is ignored)."""
+    if not isinstance(value, list | tuple):
+        raise ShapeError(f"bad scopes are a list, not {type(value).__name__}")
+    return {s for s in value if isinstance(s, int) and not isinstance(s, bool)}

@@ -1,0 +1,332 @@
+"""FlatCake-Ray on a local 2-node Ray cluster (127.0.0.1), driven through its public API only.
+
+Paths come from placement, not from internals: a session is *seeded* with one page (the
+coordinator places its scope on some node, the owner), then a client on the owner's node
+(local) or on the other node (remote) puts the session's pages with the same ``session_id``,
+so they join the owner's scope. After each put the harness asks ``locate`` where the pages
+are and labels the row by where they really landed, so a change of placement policy shows up
+as a relabelled row, never as a wrong one. DRAM or SSD is chosen with the put's hints.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zlib
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from benchmarks.peers.workload import Workload, check_bytes, gbps, median
+from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas, start_local_cluster
+
+NAMESPACE = "flatcake-peers"
+RESOURCE = "peersbench"
+SHORT_CHAT = {"turn": 2, "prior_reply_tokens": 1, "context_tokens": 1}  # -> DRAM
+FIRST_TURN = {"turn": 1}  # -> SSD
+
+
+def seed_of(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+class FlatCakeWorker:
+    """One FlatCake client in its own process, pinned to one node (a Ray actor)."""
+
+    def __init__(self, namespace: str, workload: Workload) -> None:
+        from flatcake_ray.client.client import FlatCakeClient
+
+        self.client = FlatCakeClient(namespace)
+        self.workload = workload
+        self.node_id = self.client.stats(nodes=False)["local_node_id"]
+        self._out: dict[int, np.ndarray] = {}
+
+    def node(self) -> int:
+        return self.node_id
+
+    def _hints(self, medium: str) -> Any:
+        from flatcake_ray.core.catalog import PutHints
+
+        return PutHints(**(SHORT_CHAT if medium == "DRAM" else FIRST_TURN))
+
+    def seed(self, session: str, medium: str) -> int:
+        """Open ``session`` with one page; returns the node its scope was placed on."""
+        key = [f"{session}-seed"]
+        kv = np.zeros((self.workload.layers, 1, self.workload.page_bytes), np.uint8)
+        self.client.put(key, kv, session_id=session, hints=self._hints(medium))
+        return self.client.locate(key).node_id
+
+    def put(self, session: str, pages: int, medium: str) -> dict[str, Any]:
+        keys = self.workload.keys(session, pages)
+        kv = self.workload.kv(seed_of(session), pages)
+        started = time.time()
+        result = self.client.put(keys, kv, session_id=session, hints=self._hints(medium))
+        ended = time.time()
+        owner = self.client.locate(keys).node_id
+        return {
+            "seconds": ended - started,
+            "start": started,
+            "end": ended,
+            "bytes": kv.nbytes,
+            "medium": result.medium,
+            "written": result.pages_written,
+            "local": owner == self.node_id,
+        }
+
+    def _buffer(self, pages: int) -> np.ndarray:
+        if pages not in self._out:
+            self._out[pages] = np.zeros(
+                (self.workload.layers, pages, self.workload.page_bytes), np.uint8
+            )
+        return self._out[pages]
+
+    def restore_once(self, session: str, pages: int) -> dict[str, Any]:
+        """One restore, checked byte for byte; wall-clock start and end (for aggregates)."""
+        keys = self.workload.keys(session, pages)
+        out = self._buffer(pages)
+        out.fill(0)
+        started = time.time()
+        report = self.client.restore_report(keys, out)
+        ended = time.time()
+        if report.pages != pages:
+            raise AssertionError(
+                f"FlatCake restored {report.pages} of {pages} pages of {session} on node "
+                f"{self.node_id} (owner {report.node_id}, lease expired {report.lease_expired}, "
+                f"failures {report.failures})"
+            )
+        check_bytes(out, self.workload.kv(seed_of(session), pages), f"FlatCake {session}")
+        return {"start": started, "end": ended, "bytes": out.nbytes, "paths": sorted(report.paths)}
+
+    def restore(self, session: str, pages: int) -> dict[str, Any]:
+        """One warm-up, then ``rounds`` timed restores: median seconds."""
+        self.restore_once(session, pages)
+        runs = [self.restore_once(session, pages) for _ in range(self.workload.rounds)]
+        seconds = median([r["end"] - r["start"] for r in runs])
+        return {"seconds": seconds, "bytes": runs[0]["bytes"], "paths": runs[0]["paths"]}
+
+    def control(self, session: str, pages: int) -> dict[str, Any]:
+        """``locate(lease=True)``: lookup + lease + release, no bytes; cold and warm cache."""
+        keys = self.workload.keys(session, pages)
+        cold, warm = [], []
+        for _ in range(self.workload.rounds + 2):
+            self.client.forget_locations()
+            cold.append(self.client.locate(keys, lease=True))
+            warm.append(self.client.locate(keys, lease=True))
+        return {
+            "warm_ms": median([r.control_seconds * 1e3 for r in warm]),
+            "cold_ms": median([r.control_seconds * 1e3 for r in cold]),
+            "warm_calls": int(median([r.actor_calls for r in warm])),
+            "cold_calls": int(median([r.actor_calls for r in cold])),
+        }
+
+
+class FlatCakeBench:
+    """The cluster, the service and the workers of one pass (one UCX setting)."""
+
+    def __init__(self, workload: Workload, root: str, scale_pages: int) -> None:
+        self.workload, self.root, self.scale_pages = workload, root, scale_pages
+        self.cluster: Any = None
+        self.workers: dict[int, list[Any]] = defaultdict(list)  # FlatCake node id -> actors
+        self.ray_nodes: dict[int, str] = {}
+
+    def __enter__(self) -> FlatCakeBench:
+        import ray
+
+        from flatcake_ray.client import deploy
+
+        self.cluster = start_local_cluster(2, RESOURCE)
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        session = self.workload.nbytes
+        scale = 8 * 2 * self.scale_pages * self.workload.object_bytes
+        config = bench_service_config(
+            NAMESPACE, self.root, self.workload.layers, self.workload.page_bytes,
+            dram_bytes=max(5 * session, 2 * scale) + (64 << 20),
+            ssd_bytes=5 * session + (64 << 20),
+        )  # fmt: skip
+        deploy.start(config, resource=RESOURCE)
+        for ray_node in deploy.service_nodes(RESOURCE):
+            self._add_worker(ray_node)
+        return self
+
+    def _add_worker(self, ray_node: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor = (
+            ray.remote(FlatCakeWorker)
+            .options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node, False)
+            )
+            .remote(NAMESPACE, self.workload)
+        )
+        node_id = ray.get(actor.node.remote())
+        self.workers[node_id].append(actor)
+        self.ray_nodes[node_id] = ray_node
+        return actor
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+
+        from flatcake_ray.client import deploy
+
+        try:
+            if ray.is_initialized():
+                deploy.stop(NAMESPACE)
+        finally:
+            ray.shutdown()
+            if self.cluster is not None:
+                self.cluster.shutdown()
+            shutil.rmtree(self.root, ignore_errors=True)
+            remove_arenas(self.root)
+
+    # ---- helpers ------------------------------------------------------------------------
+    def first(self, node_id: int) -> Any:
+        return self.workers[node_id][0]
+
+    def other(self, node_id: int) -> int:
+        return next(n for n in self.workers if n != node_id)
+
+    def seeded(self, session: str, medium: str) -> int:
+        import ray
+
+        any_worker = next(iter(self.workers.values()))[0]
+        return ray.get(any_worker.seed.remote(session, medium))
+
+    # ---- measurements -------------------------------------------------------------------
+    def put_round(self, tag: str, local_writers: bool) -> dict[tuple[str, str], dict]:
+        """One put per (medium, writer side) into freshly seeded sessions."""
+        import ray
+
+        rows = {}
+        for medium in ("DRAM", "SSD"):
+            for side in ("local", "remote") if local_writers else ("remote",):
+                session = f"{medium.lower()}-{side}-{tag}"
+                owner = self.seeded(session, medium)
+                writer = self.first(owner if side == "local" else self.other(owner))
+                put = ray.get(writer.put.remote(session, self.workload.pages, medium))
+                put["session"], put["owner"] = session, owner
+                rows[(medium, side)] = put
+        return rows
+
+    def timed_puts(self, local_writers: bool) -> dict[str, Any]:
+        runs = [self.put_round(str(r + 1), local_writers) for r in range(self.workload.rounds)]
+        out: dict[str, Any] = {}
+        for key in runs[0]:
+            samples = [run[key] for run in runs]
+            label = put_label(key[0], samples)
+            out[label] = {
+                "gbps": gbps(samples[0]["bytes"], median([s["seconds"] for s in samples])),
+                "medium": sorted({str(s["medium"]) for s in samples}),
+                "asked": f"{key[1]} {key[0]}",
+            }
+        return out
+
+    def restores(self, warm: dict, local_readers: bool) -> dict[str, Any]:
+        import ray
+
+        out = {}
+        for medium in ("DRAM", "SSD"):
+            put = warm[(medium, "local")] if (medium, "local") in warm else warm[(medium, "remote")]
+            owner = put["owner"]
+            sides = {"local": owner, "remote": self.other(owner)}
+            for side, node in sides.items():
+                if side == "local" and not local_readers:
+                    continue
+                got = ray.get(self.first(node).restore.remote(put["session"], self.workload.pages))
+                out[f"{side} {medium}"] = {
+                    "gbps": gbps(got["bytes"], got["seconds"]),
+                    "served_by": got["paths"],
+                    "medium": str(put["medium"]),
+                }
+        return out
+
+    def control(self, warm: dict) -> dict[str, Any]:
+        import ray
+
+        put = warm[("DRAM", "local")]
+        reader = self.first(self.other(put["owner"]))
+        return ray.get(reader.control.remote(put["session"], self.workload.pages))
+
+    def scale(self, clients: list[int], out: dict[int, Any]) -> dict[int, dict[str, Any]]:
+        """Aggregate restore and put rates with ``k`` concurrent clients on each node."""
+        import ray
+
+        pages = self.scale_pages
+        for k in clients:
+            for node_id, ray_node in list(self.ray_nodes.items()):
+                while len(self.workers[node_id]) < k:
+                    self._add_worker(ray_node)
+            team = [w for node_id in self.workers for w in self.workers[node_id][:k]]
+            # A fresh source each k: the puts of the previous k may have reclaimed the last.
+            source = f"scale-src-{k}"
+            owner = self.seeded(source, "DRAM")
+            ray.get(self.first(owner).put.remote(source, pages, "DRAM"))
+            ray.get([w.restore_once.remote(source, pages) for w in team])  # warm-up
+            restore = [
+                aggregate(ray.get([w.restore_once.remote(source, pages) for w in team]))
+                for _ in range(self.workload.rounds)
+            ]
+            puts = []
+            for r in range(-1, self.workload.rounds):  # round -1: new clients' first puts
+                refs = [
+                    w.put.remote(f"scale-{k}-{r}-{i}", pages, "DRAM") for i, w in enumerate(team)
+                ]
+                runs = ray.get(refs)
+                if r >= 0:
+                    puts.append((aggregate(runs), sum(run["local"] for run in runs) / len(runs)))
+            out[k] = {
+                "restore_gbps": median(restore),
+                "put_gbps": median([p[0] for p in puts]),
+                "put_local_share": median([p[1] for p in puts]),
+                "clients": len(team),
+            }
+        return out
+
+
+def aggregate(runs: list[dict[str, Any]]) -> float:
+    """Bytes of all concurrent requests over the span from the first start to the last end."""
+    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    return gbps(sum(r["bytes"] for r in runs), span)
+
+
+def put_label(medium: str, samples: list[dict[str, Any]]) -> str:
+    """Where the pages really went: ``local``/``remote`` by owner, medium by the put's."""
+    local = {s["local"] for s in samples}
+    side = "local" if local == {True} else "remote" if local == {False} else "mixed"
+    return f"{side} {medium}"
+
+
+def run_flatcake(
+    workload: Workload,
+    root: str,
+    ucx_tls: str | None,
+    full: bool,
+    scale_pages: int,
+    clients: list[int],
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """One pass: every path with ``full``, else only the remote ones (the TCP column).
+    Fills ``result`` as it goes (a failure keeps what was measured before it)."""
+    from benchmarks.peers.limits import environment
+
+    with (
+        environment(UCX_TLS=ucx_tls, PYTHONPATH=_pythonpath()),
+        FlatCakeBench(workload, root, scale_pages) as bench,
+    ):
+        warm = bench.put_round("0", local_writers=full)  # warm-up; restored below
+        result["restore"] = bench.restores(warm, local_readers=full)
+        if full:
+            result["control"] = bench.control(warm)
+        result["put"] = bench.timed_puts(local_writers=full)
+        if full and clients:
+            bench.scale(clients, result.setdefault("scale", {}))
+    return result
+
+
+def _pythonpath() -> str:
+    """The repository root first, so Ray's workers import ``benchmarks.peers``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rest = os.environ.get("PYTHONPATH")
+    return root if not rest else f"{root}{os.pathsep}{rest}"

@@ -1,0 +1,64 @@
+"""The one workload every system runs, its seeded bytes and the byte checks on every side."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flatcake_ray.cli.benchkit import seeded_pages
+
+TOKENS_PER_PAGE = 16  # LMCache counts tokens; a page holds this many (K and V halves)
+
+
+class ByteMismatch(AssertionError):
+    """A system returned bytes that differ from what was put: the run fails."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    pages: int = 3421
+    layers: int = 4
+    page_bytes: int = 16 << 10
+    rounds: int = 3  # timed rounds per measurement (medians); one untimed warm-up first
+
+    def __post_init__(self) -> None:
+        if self.pages < 1 or self.layers < 1 or self.rounds < 1:
+            raise ValueError("pages, layers and rounds must be positive")
+        if self.page_bytes % (4 * TOKENS_PER_PAGE):
+            raise ValueError(f"page_bytes must be a multiple of {4 * TOKENS_PER_PAGE}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.layers * self.pages * self.page_bytes
+
+    @property
+    def object_bytes(self) -> int:
+        """One page of every layer: one key-value object for the object stores."""
+        return self.layers * self.page_bytes
+
+    def kv(self, seed: int, pages: int | None = None) -> np.ndarray:
+        """``[layers, pages, page_bytes]`` uint8, the same in every process for a seed."""
+        return seeded_pages(
+            self.layers, self.pages if pages is None else pages, self.page_bytes, seed
+        )
+
+    def keys(self, name: str, pages: int | None = None) -> list[str]:
+        return [f"{name}-{i}" for i in range(self.pages if pages is None else pages)]
+
+
+def check_bytes(got: np.ndarray, expected: np.ndarray, what: str) -> None:
+    """Raise :class:`ByteMismatch` unless ``got`` equals ``expected`` byte for byte."""
+    if got.shape != expected.shape or not np.array_equal(got, expected):
+        bad = int(np.count_nonzero(got != expected)) if got.shape == expected.shape else -1
+        raise ByteMismatch(f"{what}: {bad} bytes differ from what was put")
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))

@@ -1,0 +1,167 @@
+"""Pieces every service benchmark shares: seeded page data, timing, a local Ray cluster, the
+service's bench config, and the physical limits measured beside each path (memcpy, O_DIRECT
+sequential read and write). Used by ``flatcake-ray bench restore`` and ``benchmarks/peers``.
+
+Only the public API of the service is used here (``ServiceConfig``); nothing reaches into the
+store, the restore engine or the transports, so a rewrite of those leaves this module alone.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flatcake_ray.config import ServiceConfig
+
+ODIRECT_CHUNK = 32 << 20  # bytes per O_DIRECT command of the sequential limits
+ALIGN = 4096
+
+
+def seeded_pages(layers: int, pages: int, page_bytes: int, seed: int) -> np.ndarray:
+    """``[layers, pages, page_bytes]`` uint8 that any process regenerates from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (layers, pages, page_bytes), dtype=np.uint8)
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``."""
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def best_gbps(nbytes: int, repeats: int, fn: Callable[[], Any]) -> float:
+    return nbytes / min(timed(fn, repeats)) / 1e9
+
+
+def median_gbps(nbytes: int, repeats: int, fn: Callable[[], Any]) -> float:
+    return nbytes / statistics.median(timed(fn, repeats)) / 1e9
+
+
+# ---- physical limits ----------------------------------------------------------------------
+def memcpy_gbps(nbytes: int, repeats: int, *, median: bool = False) -> float:
+    """One memcpy of ``nbytes`` (numpy copyto, pages touched before timing)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    measure = median_gbps if median else best_gbps
+    return measure(nbytes, repeats, lambda: np.copyto(dst, src))
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """Zeroed uint8 array whose address is 4 KiB aligned (O_DIRECT needs it)."""
+    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start : start + nbytes]
+
+
+def odirect_read_gbps(
+    paths: Sequence[str], file_bytes: int, nbytes: int, repeats: int, *, median: bool = False
+) -> float:
+    """Sequential O_DIRECT reads of ``nbytes`` striped over ``paths`` (each ``file_bytes``
+    long), ``ODIRECT_CHUNK`` a command: the drive's streaming read rate, no page cache."""
+    chunk = min(ODIRECT_CHUNK, file_bytes)
+    buffer = aligned_buffer(chunk)
+    fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
+
+    def read_all() -> None:
+        left, at = nbytes, 0
+        while left:
+            n = min(chunk, left, file_bytes - at % file_bytes)
+            fd = fds[(at // file_bytes) % len(fds)]
+            os.preadv(fd, [memoryview(buffer[:n])], at % file_bytes)
+            left, at = left - n, at + n
+
+    try:
+        measure = median_gbps if median else best_gbps
+        return measure(nbytes, repeats, read_all)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def odirect_write_gbps(
+    path: str, data: np.ndarray, repeats: int, *, median: bool = False, sync: bool = False
+) -> float:
+    """Sequential O_DIRECT writes of ``data`` (uint8, a multiple of 4 KiB) over ``path``,
+    ``ODIRECT_CHUNK`` a command, into space allocated and written once beforehand (as a
+    store's pre-allocated pool is); with ``sync`` each pass ends with an fdatasync. The
+    drive's streaming write rate; leaves the file holding ``data``."""
+    flat = data.reshape(-1)
+    if flat.nbytes % ALIGN:
+        raise ValueError(f"O_DIRECT writes need a multiple of {ALIGN} bytes")
+    staging = aligned_buffer(min(ODIRECT_CHUNK, flat.nbytes))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+
+    def write_all() -> None:
+        for at in range(0, flat.nbytes, staging.nbytes):
+            n = min(staging.nbytes, flat.nbytes - at)
+            staging[:n] = flat[at : at + n]  # the caller's buffer need not be aligned
+            os.pwritev(fd, [memoryview(staging[:n])], at)
+        if sync:
+            os.fdatasync(fd)
+
+    try:
+        os.posix_fallocate(fd, 0, flat.nbytes)
+        write_all()  # first touch of the extents, untimed
+        measure = median_gbps if median else best_gbps
+        return measure(flat.nbytes, repeats, write_all)
+    finally:
+        os.close(fd)
+
+
+# ---- a local cluster and the service's bench config ---------------------------------------
+def start_local_cluster(nodes: int, resource: str) -> Any:
+    """A ``ray.cluster_utils.Cluster`` of ``nodes`` one-CPU nodes on 127.0.0.1, each offering
+    ``resource`` (so the service lands only on these nodes, never on another cluster's)."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    head = {"num_cpus": 1, "include_dashboard": False, "resources": {resource: 1}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=1, resources={resource: 1})
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def bench_service_config(
+    namespace: str,
+    root: str,
+    layers: int,
+    page_bytes: int,
+    *,
+    dram_bytes: int,
+    ssd_bytes: int,
+    files: int = 2,
+) -> ServiceConfig:
+    """A service config for benchmarks: ``dram_bytes`` of arena and ``ssd_bytes`` of pool per
+    node (rounded up to 4 MiB per file), no fsync, long RPC timeouts (loaded 2-core VMs)."""
+    file_bytes = -(-max(ssd_bytes // files, 8 << 20) // (4 << 20)) * (4 << 20)
+    return ServiceConfig(
+        namespace=namespace,
+        root=os.path.join(root, "{node}"),
+        layers=layers,
+        page_bytes=page_bytes,
+        dram_bytes=-(-dram_bytes // (4 << 20)) * (4 << 20),
+        ssd_files_per_dir=files,
+        ssd_file_bytes=file_bytes,
+        fsync=False,
+        rpc_timeout_s=60.0,
+    )
+
+
+def remove_arenas(root: str) -> None:
+    """Arenas of storage nodes that did not shut down cleanly stay in /dev/shm: drop ours."""
+    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
+    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
+        path.unlink(missing_ok=True)

@@ -1,0 +1,173 @@
+"""The Ray client's restore :class:`~flatcake_ray.restore.source.Source`: a lease held on some
+storage node, read through the transports its GVAs route to.
+
+``lease`` finds the node holding the prefix (``Locator``: the location cache, else one call to
+every node) and takes its lease in the same call. Each medium of the lease is reached by the
+path its GVA bits route to (``transports/routing.py``): the local arena is *mapped* (the
+pipeline reads pages in place); everything else is *filled* into the pipeline's slots, with
+the plan's coalesced reads: local SSD (O_DIRECT, or GDS into a GPU slot), remote DRAM (NIXL
+or RDMA READ), remote SSD (NVMe-oF, or shipped by the owner), the labelled object-store
+fallback last. A transport failure loses that chunk's pages (a miss, never wrong bytes);
+a node that is gone is marked down. ``release`` hands checksum failures back to the owner
+(which re-reads and quarantines) and withdraws the pages if the lease may have lapsed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flatcake_ray.actors.protocol import LeaseReply
+from flatcake_ray.client.locate import Locator
+from flatcake_ray.client.nodes import NodeLink, NodeTable
+from flatcake_ray.client.report import RestoreReport
+from flatcake_ray.config import ALIGN
+from flatcake_ray.core.gva import MAX_OFFSET, Medium
+from flatcake_ray.core.gva import encode as encode_gva
+from flatcake_ray.core.keys import KeyLike, PageKey, check_keys, digest_keys, split_namespace
+from flatcake_ray.core.plan import MediumAccess, SlotRead
+from flatcake_ray.errors import (
+    PeerDisconnectedError,
+    ReadRangeError,
+    ShapeError,
+    TransferError,
+    TransferTimeoutError,
+)
+from flatcake_ray.failpoints import failpoint
+from flatcake_ray.restore.source import (
+    FillStats,
+    Leased,
+    MappedView,
+    ReadOutcome,
+    Slot,
+    Source,
+)
+from flatcake_ray.transports.base import LOCAL_DRAM, LOCAL_SSD, LOCAL_SSD_GDS, ReadBatch
+from flatcake_ray.transports.routing import route
+
+LEASE_MARGIN_S = 1.0
+
+
+@dataclass
+class HeldLease:
+    """The client's side of a lease: where it is held, and the report it feeds."""
+
+    link: NodeLink | None
+    reply: LeaseReply | None
+    report: RestoreReport
+    started: float
+
+
+def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> bytes:
+    """Check every key here (before any call) and digest the first: the location key."""
+    if len(keys) == 0:
+        raise ShapeError("a call needs at least one key")
+    resolved, bare = split_namespace(keys, namespace)
+    check_keys(bare)
+    return digest_keys(resolved, bare[:1]).tobytes()
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What a failed path may raise: a transfer error, or the owner's own error carried by
+    Ray (object-store fallback, shipped SSD). Each turns that chunk into a miss."""
+    from ray.exceptions import RayError
+
+    return (TransferError, ReadRangeError, OSError, RayError)
+
+
+def _node_gone(exc: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, PeerDisconnectedError | TransferTimeoutError | RayActorError)
+
+
+class TransportSource(Source):
+    fills_dram = True
+
+    def __init__(
+        self,
+        nodes: NodeTable,
+        locator: Locator,
+        *,
+        layers: int,
+        page_bytes: int,
+        allowed: frozenset[str],
+        agents: Callable[[str], Any],
+        lease_ttl_s: float,
+        gds: bool,
+        on_release: Callable[[HeldLease, ReadOutcome, int], None],
+    ) -> None:
+        self.nodes, self.locator = nodes, locator
+        self.layers, self.page_bytes = layers, page_bytes
+        self.allowed = allowed
+        self._agents = agents
+        self._lease_ttl_s = lease_ttl_s
+        self._gds = gds
+        self._on_release = on_release
+
+    def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased:
+        first = first_digest(keys, namespace)
+        report = RestoreReport(len(keys))
+        started = time.monotonic()
+        link, reply = self.locator.ask("lookup", list(keys), namespace, first, report)
+        report.control_seconds = time.monotonic() - started
+        if link is None or reply is None or not reply.hits:
+            return Leased(0, (), HeldLease(None, None, report, started))
+        report.node_id = link.node_id
+        return Leased(reply.hits, reply.parts, HeldLease(link, reply, report, started))
+
+    def path(self, leased: Leased, medium: Medium) -> str:
+        link = leased.token.link
+        gva = encode_gva(medium, link.node_id, 0)
+        return route(gva, self.nodes.local_node_id, link.available(self.allowed))
+
+    def access(self, leased: Leased, medium: Medium) -> MediumAccess:
+        description = leased.token.link.description
+        if medium is Medium.DRAM:
+            mapped = self.path(leased, medium) == LOCAL_DRAM
+            return MediumAccess(mapped, description.verify_dram, MAX_OFFSET + 1)
+        return MediumAccess(False, True, description.pool_file_bytes, ALIGN, description.gap_bytes)
+
+    def view(self, leased: Leased, medium: Medium) -> MappedView:
+        transport, _ = leased.token.link.transport(LOCAL_DRAM, medium, self._agents)
+        view = transport.mapped_view()
+        assert view is not None  # routed local-dram: this process maps that arena
+        return MappedView(view, LOCAL_DRAM)
+
+    def fill(
+        self, leased: Leased, medium: Medium, reads: Sequence[SlotRead], slot: Slot
+    ) -> FillStats:
+        link: NodeLink = leased.token.link
+        path = self.path(leased, medium)
+        if path == LOCAL_SSD and self._gds and slot.device is not None:
+            path = LOCAL_SSD_GDS
+        batch = ReadBatch(
+            [r.src for r in reads], [r.length for r in reads], [r.slot_offset for r in reads]
+        )
+        try:
+            failpoint("source.fill", medium=medium, path=path)
+            transport, lock = link.transport(path, medium, self._agents)
+            with lock:
+                calls = transport.actor_calls
+                on_device = transport.destination == "device"
+                stats = transport.read(batch, slot.device if on_device else slot.host)
+                calls = transport.actor_calls - calls
+        except _read_errors() as exc:
+            if _node_gone(exc):
+                self.nodes.mark_down(link, f"{path}: {exc}")
+            raise TransferError(f"{path}: {exc}") from exc
+        return FillStats(path, stats.bytes, stats.commands, stats.seconds, calls, on_device)
+
+    def release(self, leased: Leased, outcome: ReadOutcome) -> int:
+        held: HeldLease = leased.token
+        pages = outcome.pages
+        if held.link is not None and held.reply is not None:
+            good = self.locator.release_held(held.link, held.reply, outcome.bad_scopes, held.report)
+            late = time.monotonic() - held.started > self._lease_ttl_s - LEASE_MARGIN_S
+            if late or not good:
+                held.report.lease_expired = True  # the owner let go (or may have): bytes reused
+                pages = 0
+        self._on_release(held, outcome, pages)
+        return pages

@@ -1,0 +1,107 @@
+"""The store contract, stated once: what every store gives the engine adapters.
+
+Both :class:`~flatcake_ray.node.store.FlatCakeStore` (in process) and
+:class:`~flatcake_ray.client.client.FlatCakeClient` (the Ray service) satisfy :class:`KVStore`;
+the vLLM connector and the SGLang backend program against it and nothing else.
+
+Who calls what:
+
+- The engine's scheduler side: ``probe(keys)`` (how many consecutive pages from the first are
+  stored, and whether any lies on SSD: an SSD hit is loaded asynchronously) or ``exists``.
+- The engine's worker side, to load: ``restore(keys, dest)`` returns a :class:`RestoreWaiter`
+  at once; ``wait_for_layer(l)`` before layer ``l``'s attention, ``wait()`` for all of it.
+  ``get(keys, out)`` is ``restore(...).wait()`` into a ``[layers, pages, page_elems]`` buffer.
+- The worker side, to save: ``begin_put(keys)`` returns a :class:`PutWriter`; ``write_layer``
+  each layer once, as the forward pass finishes it, then ``commit`` (keys are published only
+  after the last layer landed) or ``abort`` (space given back, nothing published). ``put``
+  is the same for a buffer holding every layer.
+- Anyone: ``stats()``; the owner of the store: ``close()``.
+
+Every call raises typed errors from ``flatcake_ray.errors``; a rejected call changes nothing
+already stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.keys import KeyLike, PageKey
+
+Keys = Sequence[KeyLike | PageKey]
+
+
+@dataclass(frozen=True)
+class PutResult:
+    pages_written: int
+    pages_skipped: int  # already stored (write-once)
+    medium: Medium | None  # None when nothing was written
+    rule: str | None  # the placement rule that chose the medium
+    session_id: str | None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Consecutive hits from the first key, and whether any of them lies on SSD."""
+
+    hits: int
+    on_ssd: bool
+
+
+class RestoreWaiter(Protocol):
+    @property
+    def hits(self) -> int: ...
+    @property
+    def pages(self) -> int: ...
+    @property
+    def done(self) -> bool: ...
+    def wait_for_layer(self, layer: int, timeout: float | None = None) -> int: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class PutWriter(Protocol):
+    @property
+    def pages_new(self) -> int: ...
+    def write_layer(self, layer: int, pages: Any) -> None: ...
+    def commit(self) -> PutResult: ...
+    def abort(self) -> None: ...
+    def __enter__(self) -> PutWriter: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class KVStore(Protocol):
+    """See the module docstring. ``dest`` of ``restore`` is a restore destination
+    (``flatcake_ray.restore.dest``: ``LayerTensors``, ``PagedPool``) or a pool with
+    ``slot_ids`` and ``layout``."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def page_bytes(self) -> int: ...
+    def exists(self, keys: Keys, *, namespace: str | None = None) -> int: ...
+    def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe: ...
+    def restore(
+        self,
+        keys: Keys,
+        dest: Any,
+        slot_ids: Any = None,
+        layout: Any = "layer_first",
+        *,
+        namespace: str | None = None,
+    ) -> RestoreWaiter: ...
+    def get(self, keys: Keys, out: Any, *, namespace: str | None = None) -> int: ...
+    def begin_put(
+        self,
+        keys: Keys,
+        *,
+        namespace: str | None = None,
+        session_id: str | None = None,
+        parent: KeyLike | PageKey | None = None,
+        hints: PutHints | None = None,
+    ) -> PutWriter: ...
+    def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult: ...
+    def stats(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...

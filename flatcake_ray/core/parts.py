@@ -1,0 +1,79 @@
+"""The pages a lease wants, grouped by segment: one type for the node and for the wire.
+
+A :class:`LeasePart` says where one segment's wanted pages sit (medium, medium-local offset,
+layout, per-block checksums) and where they go in the request. The node builds them from a
+catalog :class:`~flatcake_ray.core.catalog.Lease`; a storage node sends the same objects to
+readers on any node (they are frozen and picklable, and carry no keys and no bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from flatcake_ray.core.catalog import Lease
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.layout import SegmentLayout
+
+
+@dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise
+class LeasePart:
+    scope_id: int
+    medium: Medium
+    offset: int  # medium-local offset of the segment's layer 0, page 0
+    layout: SegmentLayout
+    checksums: np.ndarray | None  # uint64 [layers, blocks]; None in the replay model
+    src_pages: np.ndarray  # int64, ascending: pages of the segment the lease wants
+    dst_positions: np.ndarray  # int64: the request position of each of those pages
+
+    def extent_offset(self, layer: int) -> int:
+        """Medium-local offset of this segment's layer ``layer`` (its page 0)."""
+        return self.offset + self.layout.layer_offset(layer)
+
+    @property
+    def first_position(self) -> int:
+        return int(self.dst_positions.min())
+
+    @property
+    def pages(self) -> int:
+        return len(self.src_pages)
+
+
+def lease_parts(lease: Lease) -> tuple[LeasePart, ...]:
+    """A lease's pages grouped by segment (no I/O), each part's pages ascending."""
+    order = np.lexsort((lease.pages, lease.segment_ids))
+    ids = lease.segment_ids[order]
+    cuts = np.flatnonzero(np.diff(ids)) + 1
+    parts = []
+    for group in np.split(order, cuts):
+        if not group.size:
+            continue
+        segment = lease.segments[int(lease.segment_ids[group[0]])]
+        parts.append(
+            LeasePart(
+                segment.scope_id,
+                segment.medium,
+                segment.offset,
+                segment.layout,
+                segment.checksums,
+                np.asarray(lease.pages[group], dtype=np.int64),
+                np.asarray(group, dtype=np.int64),
+            )
+        )
+    return tuple(parts)
+
+
+def first_positions(parts: Sequence[LeasePart]) -> dict[int, int]:
+    """Each scope's first request position: where the verified prefix ends if it fails."""
+    first: dict[int, int] = {}
+    for part in parts:
+        known = first.get(part.scope_id, part.first_position)
+        first[part.scope_id] = min(part.first_position, known)
+    return first
+
+
+def wanted_bytes(parts: Sequence[LeasePart], medium: Medium) -> int:
+    """Bytes of every layer of the wanted pages on ``medium`` (FC-MAS's ``kv_bytes``)."""
+    return sum(p.pages * p.layout.layers * p.layout.page_bytes for p in parts if p.medium is medium)

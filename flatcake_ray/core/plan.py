@@ -1,0 +1,368 @@
+"""How one layer of a leased prefix streams through a bounded staging slot (FC-CIO, 3.4).
+
+Pure planning, shared by the live restore pipeline (both stores) and the replay model: no
+threads, no I/O. A restore moves its layers in order, in *groups*: consecutive layers whose
+filled bytes fit one staging slot together (one layer per group once a layer fills a slot, so
+a long context streams layer by layer; a short one is read in a few commands). For each group
+:meth:`RestorePlan.chunks` returns the chunks to move, in order; each fits one slot of
+``capacity`` bytes whatever the context length. A chunk says which bytes to read into its
+slot (:class:`SlotRead`), which byte spans feed which checksum (:class:`HashSpan`) and which
+pages of which layer go to which request positions (:class:`PageRun`).
+
+How a source reaches a medium is its :class:`MediumAccess`:
+
+- *mapped* (the local DRAM arena): the pages are read in place from a host view of the
+  medium; no slot, no read. A chunk only groups page runs (a GPU destination packs them into
+  a device slot).
+- *filled* (SSD; remote DRAM): wanted byte ranges are sort-merge coalesced (holes under
+  ``gap_bytes`` bridged, ends aligned for O_DIRECT, never across a pool file) into reads of at
+  most ``capacity`` bytes; small reads share a chunk, a read longer than a slot is cut into
+  pieces. With ``verify`` a range covers the whole checksum blocks holding its pages, so
+  every delivered byte is checked and a partial segment costs at most one block per end.
+
+A page is delivered from the one piece that holds it whole: a piece ends on the alignment
+and the next starts at the alignment below the page cut in two. A block's checksum is fed
+span by span, in order, and decided by the span holding its last byte, so pages of a long
+block may be scattered before it is verified; a failure withdraws them (the verified prefix
+shrinks to the scope's first position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flatcake_ray.core.coalesce import CoalescedReads, coalesce
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.integrity import StreamingCheck
+from flatcake_ray.core.parts import LeasePart, first_positions
+from flatcake_ray.core.runs import align_down, run_bounds
+from flatcake_ray.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MediumAccess:
+    """How a source reaches one medium of a lease (declared by the source)."""
+
+    mapped: bool  # a host view addresses the medium: pages are read in place
+    verify: bool  # check every block read (always for SSD)
+    file_bytes: int  # a read never crosses a multiple of this (one pool file)
+    align: int = 1  # reads start and end on multiples of this (O_DIRECT: 4096)
+    gap_bytes: int = 0  # holes smaller than this between wanted ranges are read and dropped
+
+
+@dataclass(frozen=True)
+class SlotRead:
+    src: int  # medium-local offset
+    length: int
+    slot_offset: int
+
+
+@dataclass(frozen=True)
+class HashSpan:
+    layer: int
+    check: StreamingCheck
+    offset: int  # bytes into the chunk's source (its slot, or the mapped medium)
+    length: int
+    last: bool  # the block's final bytes: decide the check after feeding these
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """Pages of ``layer`` back to back in a chunk's source, bound for ``positions`` in order."""
+
+    layer: int
+    offset: int  # bytes into the chunk's source
+    positions: np.ndarray
+    scope_id: int
+
+
+@dataclass
+class LayerChunk:
+    first_layer: int  # the first layer of the group this chunk belongs to
+    medium: Medium
+    mapped: bool  # the source is the mapped medium (offsets are medium offsets), else the slot
+    nbytes: int = 0  # bytes of the slot used (mapped: bytes of its runs)
+    reads: list[SlotRead] = field(default_factory=list)
+    hashes: list[HashSpan] = field(default_factory=list)
+    runs: list[PageRun] = field(default_factory=list)
+    scopes: set[int] = field(default_factory=set)  # whose bytes this chunk carries
+    done_layer: int | None = None  # every layer up to this one is in place after this chunk
+
+
+@dataclass
+class _Range:
+    """Wanted bytes ``[lo, hi)`` of one part's layer extent, streaming through pieces."""
+
+    part: LeasePart
+    layer: int
+    lo: int
+    hi: int
+    src: np.ndarray  # wanted pages inside, ascending
+    positions: np.ndarray
+    checks: list[tuple[int, int, StreamingCheck]]  # extent-relative [start, end) of each block
+    skip: int = 0  # byte offset of ``lo`` inside its coalesced read
+    delivered: int = 0  # wanted pages handed out so far
+    hashed: int = 0  # range bytes fed to the checks so far
+    next_check: int = 0
+
+
+def check_capacity(capacity: int, page_bytes: int, align: int) -> None:
+    if not isinstance(capacity, int) or capacity % align or capacity < page_bytes + align:
+        raise ConfigError(
+            f"a staging slot of {capacity!r} bytes must be a multiple of {align} and hold a "
+            f"page plus {align} bytes ({page_bytes + align})"
+        )
+
+
+class RestorePlan:
+    """The chunks of one restore, group by group; built once per restore."""
+
+    def __init__(
+        self, parts: Sequence[LeasePart], capacity: int, access: Mapping[Medium, MediumAccess]
+    ) -> None:
+        self.parts = tuple(parts)
+        self.capacity = capacity
+        self.access = dict(access)
+        for part in self.parts:
+            check_capacity(capacity, part.layout.page_bytes, self.access[part.medium].align)
+        self.scope_first = first_positions(self.parts)
+        self.layers = self.parts[0].layout.layers if self.parts else 0
+        self.groups = self._groups()
+
+    def _groups(self) -> list[tuple[int, int]]:
+        """[first, end) layers moved together: as many as fit one slot (at least one)."""
+        per_layer = sum(
+            _filled_bytes(part, self.access[part.medium].verify)
+            for part in self.parts
+            if not self.access[part.medium].mapped
+        )
+        size = max(1, self.capacity // per_layer) if per_layer else 1
+        return [(first, min(first + size, self.layers)) for first in range(0, self.layers, size)]
+
+    def chunks(self, first: int, end: int) -> list[LayerChunk]:
+        """The chunks that move layers ``[first, end)`` (a group), in order."""
+        chunks: list[LayerChunk] = []
+        for medium in (Medium.DRAM, Medium.SSD):
+            parts = [p for p in self.parts if p.medium is medium]
+            if not parts:
+                continue
+            access = self.access[medium]
+            if access.mapped:
+                for layer in range(first, end):
+                    chunks.extend(self._mapped_chunks(parts, layer, medium, access))
+            else:
+                chunks.extend(self._filled_chunks(parts, first, end, medium, access))
+        if chunks:
+            chunks[-1].done_layer = end - 1
+        return chunks
+
+    def reads(self, first: int, end: int, medium: Medium) -> CoalescedReads:
+        """The coalesced reads of layers ``[first, end)`` on a filled ``medium``."""
+        parts = [p for p in self.parts if p.medium is medium]
+        ranges = self._ranges(parts, first, end, medium, checks=False)
+        return self._coalesce(ranges, self.access[medium])
+
+    # ---- mapped media: page runs in place ----------------------------------------------
+    def _mapped_chunks(
+        self, parts: list[LeasePart], layer: int, medium: Medium, access: MediumAccess
+    ) -> list[LayerChunk]:
+        chunks: list[LayerChunk] = []
+        for part in parts:
+            base, page_bytes = part.extent_offset(layer), part.layout.page_bytes
+            pending = self._block_spans(part, layer, base) if access.verify else []
+            for start, stop in run_bounds(part.src_pages, max(1, self.capacity // page_bytes)):
+                nbytes = (stop - start) * page_bytes
+                if not chunks or chunks[-1].nbytes + nbytes > self.capacity:
+                    chunks.append(LayerChunk(layer, medium, mapped=True))
+                chunk = chunks[-1]
+                chunk.hashes.extend(pending)
+                pending = []
+                offset = base + int(part.src_pages[start]) * page_bytes
+                run = PageRun(layer, offset, part.dst_positions[start:stop], part.scope_id)
+                chunk.runs.append(run)
+                chunk.scopes.add(part.scope_id)
+                chunk.nbytes += nbytes
+        return chunks
+
+    def _block_spans(self, part: LeasePart, layer: int, base: int) -> list[HashSpan]:
+        layout = part.layout
+        blocks = np.unique(part.src_pages // layout.check_pages)
+        assert part.checksums is not None  # a live segment: written with its sums
+        spans = []
+        for block in blocks.tolist():
+            first, end = layout.block_pages(block)
+            check = StreamingCheck(int(part.checksums[layer, block]), part.scope_id)
+            offset = base + first * layout.page_bytes
+            spans.append(HashSpan(layer, check, offset, (end - first) * layout.page_bytes, True))
+        return spans
+
+    # ---- filled media: coalesced reads into slots ----------------------------------------
+    def _filled_chunks(
+        self, parts: list[LeasePart], first: int, end: int, medium: Medium, access: MediumAccess
+    ) -> list[LayerChunk]:
+        ranges = self._ranges(parts, first, end, medium, checks=True)
+        reads = self._coalesce(ranges, access)
+        members: list[list[_Range]] = [[] for _ in range(reads.count)]
+        for i, item in enumerate(ranges):
+            item.skip = int(reads.descriptor_skip[i])
+            members[int(reads.descriptor_read[i])].append(item)
+        chunks = [LayerChunk(first, medium, mapped=False)]
+        for r in range(reads.count):
+            src = int(reads.files[r]) * access.file_bytes + int(reads.offsets[r])
+            group = sorted(members[r], key=lambda m: m.skip)
+            self._stream(chunks, src, int(reads.lengths[r]), group, access.align)
+        for chunk in chunks:  # layer order (stable: a block's spans stay in byte order)
+            chunk.runs.sort(key=lambda run: run.layer)
+            chunk.hashes.sort(key=lambda span: span.layer)
+        return [c for c in chunks if c.reads]
+
+    def _ranges(
+        self,
+        parts: list[LeasePart],
+        first_layer: int,
+        end_layer: int,
+        medium: Medium,
+        *,
+        checks: bool,
+    ) -> list[_Range]:
+        """Wanted byte ranges (whole blocks when verifying); ``checks``: with their streaming
+        checksums (reads only need the ranges: the replay model's segments hold no sums)."""
+        verify = self.access[medium].verify
+        ranges: list[_Range] = []
+        for part in parts:
+            spans = _block_ranges(part) if verify else _page_ranges(part)
+            for layer in range(first_layer, end_layer):
+                for first, end in spans:
+                    ranges.append(self._range(part, layer, first, end, verify and checks))
+        return ranges
+
+    @staticmethod
+    def _range(part: LeasePart, layer: int, first: int, end: int, checked: bool) -> _Range:
+        layout = part.layout
+        inside = (part.src_pages >= first) & (part.src_pages < end)
+        lo, hi = first * layout.page_bytes, end * layout.page_bytes
+        checks = []
+        if checked:
+            assert part.checksums is not None  # a live segment: written with its sums
+            for block in range(first // layout.check_pages, -(-end // layout.check_pages)):
+                b_first, b_end = layout.block_pages(block)
+                check = StreamingCheck(int(part.checksums[layer, block]), part.scope_id)
+                checks.append((b_first * layout.page_bytes, b_end * layout.page_bytes, check))
+        return _Range(
+            part, layer, lo, hi, part.src_pages[inside], part.dst_positions[inside], checks
+        )
+
+    def _coalesce(self, ranges: list[_Range], access: MediumAccess) -> CoalescedReads:
+        offsets = np.array([r.part.extent_offset(r.layer) + r.lo for r in ranges], dtype=np.int64)
+        lengths = np.array([r.hi - r.lo for r in ranges], dtype=np.int64)
+        files, in_file = np.divmod(offsets, access.file_bytes)
+        return coalesce(
+            files,
+            in_file,
+            lengths,
+            gap_bytes=access.gap_bytes,
+            max_read_bytes=self.capacity,
+            align=access.align,
+        )
+
+    def _stream(
+        self, chunks: list[LayerChunk], src: int, length: int, members: list[_Range], align: int
+    ) -> None:
+        """Cut one coalesced read into pieces that fit the slots, appending to ``chunks``."""
+        start = 0
+        while start < length:
+            room = self.capacity - chunks[-1].nbytes
+            if room < min(length - start, self.capacity):
+                chunks.append(LayerChunk(chunks[-1].first_layer, chunks[-1].medium, mapped=False))
+                room = self.capacity
+            end = min(length, start + room)
+            chunk = chunks[-1]
+            base = chunk.nbytes - start  # slot offset of read byte 0 for this piece
+            chunk.reads.append(SlotRead(src + start, end - start, chunk.nbytes))
+            chunk.nbytes += end - start
+            cut = None
+            for member in members:
+                if member.skip < end and member.skip + (member.hi - member.lo) > start:
+                    chunk.scopes.add(member.part.scope_id)
+                cut = _piece(chunk, member, end, base, cut)
+            start = align_down(cut, align) if cut is not None else end
+
+
+def _filled_bytes(part: LeasePart, verify: bool) -> int:
+    """Bytes of one layer of ``part`` a filled medium reads (whole blocks when verifying)."""
+    layout = part.layout
+    if not verify:
+        return part.pages * layout.page_bytes
+    blocks = np.unique(part.src_pages // layout.check_pages)
+    return min(layout.layer_bytes, len(blocks) * layout.check_pages * layout.page_bytes)
+
+
+def _block_ranges(part: LeasePart) -> list[tuple[int, int]]:
+    """[first, end) pages of the runs of whole checksum blocks holding the wanted pages."""
+    layout = part.layout
+    blocks = np.unique(part.src_pages // layout.check_pages)
+    return [
+        (
+            int(blocks[a]) * layout.check_pages,
+            min(layout.pages, (int(blocks[b - 1]) + 1) * layout.check_pages),
+        )
+        for a, b in run_bounds(blocks)
+    ]
+
+
+def _page_ranges(part: LeasePart) -> list[tuple[int, int]]:
+    src = part.src_pages
+    return [(int(src[a]), int(src[b - 1]) + 1) for a, b in run_bounds(src)]
+
+
+def _piece(chunk: LayerChunk, member: _Range, end: int, base: int, cut: int | None) -> int | None:
+    """Hash and deliver what of ``member`` lies before read byte ``end``; returns the start
+    of the first wanted page cut in two by ``end`` (the next piece starts at it)."""
+    _feed_checks(chunk, member, end, base)
+    page_bytes = member.part.layout.page_bytes
+    limit = (end - member.skip + member.lo) // page_bytes  # pages ending by ``end``
+    stop = int(np.searchsorted(member.src, limit, side="left"))
+    first = member.delivered
+    for run_start, run_stop in run_bounds(member.src[first:stop]):
+        page = int(member.src[first + run_start])
+        chunk.runs.append(
+            PageRun(
+                member.layer,
+                base + member.skip + page * page_bytes - member.lo,
+                member.positions[first + run_start : first + run_stop],
+                member.part.scope_id,
+            )
+        )
+    member.delivered = max(first, stop)
+    if cut is None and member.delivered < len(member.src):
+        page_start = member.skip + int(member.src[member.delivered]) * page_bytes - member.lo
+        if page_start < end:
+            return page_start
+    return cut
+
+
+def _feed_checks(chunk: LayerChunk, member: _Range, end: int, base: int) -> None:
+    """Hash spans of ``member``'s blocks from where hashing stopped up to read byte ``end``."""
+    stop = min(end - member.skip, member.hi - member.lo)  # range-relative
+    while member.next_check < len(member.checks) and member.hashed < stop:
+        b_start, b_end, check = member.checks[member.next_check]
+        b_start, b_end = b_start - member.lo, b_end - member.lo
+        span_end = min(b_end, stop)
+        span_start = max(b_start, member.hashed)
+        chunk.hashes.append(
+            HashSpan(
+                member.layer,
+                check,
+                base + member.skip + span_start,
+                span_end - span_start,
+                span_end == b_end,
+            )
+        )
+        member.hashed = span_end
+        if span_end == b_end:
+            member.next_check += 1
+        else:
+            break

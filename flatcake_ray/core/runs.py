@@ -1,0 +1,39 @@
+"""Small arithmetic idioms shared by every floor: alignment and runs of consecutive numbers."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from flatcake_ray.config import ALIGN
+
+
+def align_up(value: int, alignment: int = ALIGN) -> int:
+    return -(-value // alignment) * alignment
+
+
+def align_down(value: int, alignment: int = ALIGN) -> int:
+    return value // alignment * alignment
+
+
+def run_bounds(values: np.ndarray, max_len: int | None = None) -> list[tuple[int, int]]:
+    """[start, stop) index ranges of ``values`` that go up by one, each at most ``max_len``."""
+    if not len(values):
+        return []
+    cuts = np.flatnonzero(np.diff(values) != 1) + 1
+    bounds = [0, *cuts.tolist(), len(values)]
+    if max_len is None:
+        return list(itertools.pairwise(bounds))
+    spans: list[tuple[int, int]] = []
+    for start, stop in itertools.pairwise(bounds):
+        spans.extend((s, min(s + max_len, stop)) for s in range(start, stop, max_len))
+    return spans
+
+
+def paired_run_bounds(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) index ranges where ``src`` and ``dst`` both go up by one."""
+    if not len(src):
+        return []
+    cuts = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    return list(itertools.pairwise([0, *cuts.tolist(), len(src)]))

@@ -1,0 +1,132 @@
+"""The scatter side of a window: a filled (or mapped) chunk checked and put in place.
+
+Runs on a lane's scatter thread (``Lane`` calls :meth:`ChunkDelivery.deliver`): the chunk's
+checksum spans are fed and decided, the page runs of scopes that failed a check or a transfer
+are dropped, and the rest are scattered into the destination, on the host (one memcpy per
+run) or on the GPU (the slot's device twin, then the scatter kernel on the window's stream).
+On the host, a group's layers are checked and scattered one after another, and each is
+reported in place as soon as it is, so a group's first layer can be waited on before its
+last has landed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flatcake_ray.core.plan import HashSpan, LayerChunk, PageRun
+from flatcake_ray.restore.dest import ScatterFn
+from flatcake_ray.restore.source import FillStats, Slot
+from flatcake_ray.restore.window import Job
+
+
+class ChunkDelivery:
+    def __init__(self, scatter: ScatterFn, page_bytes: int) -> None:
+        self._scatter = scatter
+        self.page_bytes = page_bytes
+
+    def deliver(
+        self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
+    ) -> None:
+        if id(chunk) in job.failed_chunks:
+            pass  # its pages are misses already; the layers still count as done below
+        elif slot is None or slot.device is None:
+            source = self._source_bytes(job, chunk, slot, stats)
+            # Layer by layer, so a group's first layers are waited on before its last lands.
+            for layer in sorted(
+                {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
+            ):
+                self._check(job, [s for s in chunk.hashes if s.layer == layer], source)
+                runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
+                self._count(job, chunk, runs, stats)
+                self._scatter_host(job, runs, source)
+                if chunk.done_layer is not None:
+                    job.handle._layer_done(layer)
+        else:
+            source = self._source_bytes(job, chunk, slot, stats)
+            self._check(job, chunk.hashes, source)
+            runs = self._kept(job, chunk.runs)
+            self._count(job, chunk, runs, stats)
+            self._scatter_device(job, chunk, runs, source, slot, stats)
+        if chunk.done_layer is not None:
+            job.handle._layer_done(chunk.done_layer)
+
+    def _kept(self, job: Job, runs: list[PageRun]) -> list[PageRun]:
+        """The runs whose scopes have not failed a checksum or a transfer."""
+        dropped = job.outcome.bad_scopes | job.outcome.lost_scopes
+        kept = [run for run in runs if run.scope_id not in dropped]
+        return kept
+
+    def _source_bytes(
+        self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
+    ) -> np.ndarray:
+        """Where a chunk's bytes are: the mapped medium, or its slot's host bytes."""
+        if chunk.mapped:
+            return job.mapped[chunk.medium].view
+        assert slot is not None and slot.host is not None
+        if stats is not None and stats.on_device:  # GDS: checksums are taken on the host
+            with torch.cuda.stream(slot.stream):
+                torch.from_numpy(slot.host).copy_(slot.device, non_blocking=True)
+            slot.stream.synchronize()
+        return slot.host
+
+    def _check(self, job: Job, spans: list[HashSpan], source: np.ndarray) -> None:
+        for span in spans:
+            span.check.update(source[span.offset : span.offset + span.length])
+            if span.last and not span.check.matches():
+                job.outcome.bad_scopes.add(span.check.scope_id)
+                job.handle._shrink(job.plan.scope_first[span.check.scope_id])
+
+    def _scatter_host(self, job: Job, runs: list[PageRun], source) -> None:
+        page_bytes = self.page_bytes
+        for run in runs:
+            staged = source[run.offset : run.offset + len(run.positions) * page_bytes]
+            job.dest.scatter(torch.from_numpy(staged), run.positions, run.layer, self._scatter)
+
+    def _scatter_device(
+        self,
+        job: Job,
+        chunk: LayerChunk,
+        runs: list[PageRun],
+        source,
+        slot: Slot,
+        stats: FillStats | None,
+    ) -> None:
+        page_bytes = self.page_bytes
+        staged: list[tuple[torch.Tensor, PageRun]] = []
+        with torch.cuda.stream(slot.stream):
+            if not chunk.mapped:  # one host-to-device copy of the whole chunk (none for GDS)
+                if stats is None or not stats.on_device:
+                    slot.device[: chunk.nbytes].copy_(torch.from_numpy(source[: chunk.nbytes]))
+                for run in runs:
+                    length = len(run.positions) * page_bytes
+                    staged.append((slot.device[run.offset : run.offset + length], run))
+            else:  # a mapped arena: pack the wanted runs from the pinned arena into the slot
+                cursor = 0
+                for run in runs:
+                    length = len(run.positions) * page_bytes
+                    twin = slot.device[cursor : cursor + length]
+                    twin.copy_(
+                        torch.from_numpy(source[run.offset : run.offset + length]),
+                        non_blocking=True,
+                    )
+                    staged.append((twin, run))
+                    cursor += length
+            for twin, run in staged:
+                job.dest.scatter(twin, run.positions, run.layer, self._scatter, slot.stream)
+        slot.stream.synchronize()  # the slot is reused, and the layer counts, only after this
+
+    def _count(
+        self, job: Job, chunk: LayerChunk, runs: list[PageRun], stats: FillStats | None
+    ) -> None:
+        """Pages delivered, per medium and per path (a mapped path's bytes too: no fill)."""
+        pages = sum(len(run.positions) for run in runs)
+        nbytes = pages * self.page_bytes
+        wanted = job.outcome.bytes_wanted
+        wanted[chunk.medium] = wanted.get(chunk.medium, 0) + nbytes
+        path = job.mapped[chunk.medium].path if chunk.mapped else stats.path if stats else ""
+        tally = job.outcome.tally(path)
+        tally.pages += pages
+        if chunk.mapped:
+            tally.reads += len(runs)
+            tally.bytes += nbytes

@@ -1,0 +1,129 @@
+"""Running vLLM's offline engine on the tiny model, and comparing what it produced."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any
+
+BLOCK = 32  # vLLM's CPU attention backend takes block sizes in multiples of 32
+MAX_TOKENS = 6
+TOP_LOGPROBS = 2
+
+
+def engine_args(model: str, **overrides: Any) -> dict[str, Any]:
+    """vLLM engine arguments for the tiny model on 1-2 CPU threads: eager (no torch.compile,
+    which costs minutes), a fixed KV pool (the CPU backend otherwise reserves a fraction of
+    the machine's memory), no tokenizer (prompts are token ids)."""
+    args: dict[str, Any] = {
+        "model": model,
+        "dtype": "bfloat16",
+        "block_size": BLOCK,
+        "max_model_len": 2048,
+        "max_num_seqs": 4,
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.05,  # on CPU: the share of RAM vLLM checks is free
+        "kv_cache_memory_bytes": 32 << 20,
+        "seed": 0,
+        "skip_tokenizer_init": True,
+        "disable_log_stats": True,
+    }
+    args.update(overrides)
+    return args
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: tuple[int, ...]
+    # per generated token: (token id, logprob as float.hex) of the sampled and top tokens
+    logprobs: tuple[tuple[tuple[int, str], ...], ...]
+    cached_tokens: int
+
+
+def sampling(kv_params: dict[str, Any] | None = None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": kv_params} if kv_params else None
+    return SamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logprobs=TOP_LOGPROBS,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args=extra,
+    )
+
+
+def completion_of(output: Any) -> Completion:
+    sample = output.outputs[0]
+    logprobs = tuple(
+        tuple(sorted((int(token), float(entry.logprob).hex()) for token, entry in step.items()))
+        for step in sample.logprobs
+    )
+    return Completion(tuple(sample.token_ids), logprobs, int(output.num_cached_tokens or 0))
+
+
+def generate(llm: Any, prompt: list[int], kv_params: dict[str, Any] | None = None) -> Completion:
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)], sampling(kv_params), use_tqdm=False
+    )
+    return completion_of(outputs[0])
+
+
+def assert_same_completion(got: Completion, reference: Completion) -> None:
+    """Same tokens and bit-identical logprobs: a restore that swaps two blocks can leave the
+    greedy tokens unchanged, never the logprobs."""
+    assert got.token_ids == reference.token_ids, "restored prefix changed the output tokens"
+    assert got.logprobs == reference.logprobs, "restored prefix changed the logprobs"
+
+
+def worker_counters(worker: Any) -> dict[str, int]:
+    """Runs inside a vLLM worker (``collective_rpc`` passes it): the connector's counters."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return dict(get_kv_transfer_group().worker_side.counters)
+
+
+def shutdown(llm: Any) -> None:
+    """Stop an engine now (its connectors release their stores) and free what vLLM keeps per
+    process, so a later engine in this process starts clean."""
+    from vllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+    )
+
+    llm.llm_engine.engine_core.shutdown()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
+
+
+def store_paths(worker: Any) -> dict[str, dict[str, float]]:
+    """Runs inside a vLLM worker: what each data path of its Ray client moved."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().worker_side.store.stats(nodes=False)["paths"]
+
+
+class EngineActor:
+    """A vLLM offline engine inside a Ray actor: pinned to a node, it runs vLLM's default
+    multi-process layout (engine core and worker in processes of their own)."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(**args)
+
+    def generate(self, prompt: list[int], kv_params: dict[str, Any] | None = None) -> Completion:
+        return generate(self.llm, prompt, kv_params)
+
+    def counters(self) -> dict[str, int]:
+        return self.llm.collective_rpc(worker_counters)[0]
+
+    def paths(self) -> dict[str, dict[str, float]]:
+        return self.llm.collective_rpc(store_paths)[0]
+
+    def shutdown(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()

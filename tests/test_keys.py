@@ -1,0 +1,39 @@
+"""Page keys: the digested bytes frame (namespace, key) unambiguously."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flatcake_ray.core.keys import digest_keys
+from flatcake_ray.errors import InvalidKeyError
+from tests.conftest import random_kv
+
+
+def test_a_nul_in_the_namespace_cannot_forge_another_namespaces_key():
+    assert digest_keys("a", ["\0sX"]).tobytes() != digest_keys("a\0s", ["X"]).tobytes()
+    assert digest_keys("a", [b"\0bX"]).tobytes() != digest_keys("a\0b", [b"X"]).tobytes()
+
+
+def test_tenants_cannot_reach_each_other_through_the_framing(make_store):
+    store = make_store()
+    store.put(["\0sX"], random_kv(1), namespace="a")
+    assert store.exists(["X"], namespace="a\0s") == 0
+    assert store.exists(["\0sX"], namespace="a") == 1
+
+
+@given(
+    first=st.tuples(st.text(min_size=1, max_size=6), st.text(min_size=1, max_size=6)),
+    second=st.tuples(st.text(min_size=1, max_size=6), st.text(min_size=1, max_size=6)),
+)
+def test_distinct_namespace_key_pairs_get_distinct_digests(first, second):
+    same = (
+        digest_keys(*first[:1], first[1:]).tobytes()
+        == digest_keys(*second[:1], second[1:]).tobytes()
+    )
+    assert same == (first == second)
+
+
+@pytest.mark.parametrize(("namespace", "key"), [("ok", "\ud800"), ("\udfff", "ok")])
+def test_text_that_is_not_unicode_is_a_typed_error(namespace, key):
+    with pytest.raises(InvalidKeyError):
+        digest_keys(namespace, [key])
