@@ -207,6 +207,39 @@ def test_flatcake_drives_the_live_catalog_policy_plan_and_scheduler(monkeypatch)
     assert scheduler.max_inflight_prefetches_seen <= engine.profile.prefetch_windows
 
 
+def test_a_request_sent_back_for_a_prefetch_reads_only_what_it_lacks():
+    """Turn 3 arrives while turn 2 runs: it prefetches turn 1's pages from SSD; at dispatch
+    turn 2's pages are stored too, so it goes back for a prefetch, which must read only
+    those (its slots hold the rest). Pages of one checksum block each: every byte read is
+    a byte delivered."""
+    page = PAGE_TOKENS * 8192  # 2 layers x 64 KiB: one page per checksum block
+    profile = tiny_profile(
+        kv_bytes_per_token=8192,
+        hbm_kv_bytes=2 * page,
+        dram_bytes=16 * page,
+        ssd_bytes=1 << 28,
+        host_staging_bytes=12 * page,
+        ssd_worker_gb_s=0.016,
+        ssd_drive_gb_s=0.016,
+        h2d_gb_s=0.16,
+        prefill_tokens_per_s=1000.0,
+        slot_bytes=4 << 20,
+    )
+    first = list(range(8))
+    trace = Trace.from_requests(
+        [
+            request(0.0, "s", 1, first),
+            request(5.0, "s", 2, [*first, 50, 51, 52, 53, *range(60, 100)]),
+            request(5.001, "s", 3, [*first, 50, 51, 52, 53, 54]),
+        ]
+    )
+    agentic = PlacementConfig(page_tokens=PAGE_TOKENS, l_agent_tokens=64)  # all on SSD
+    _, summary = replay(trace, "flatcake-table2", profile=profile, placement=agentic)
+    counters = summary["counters"]
+    assert counters["resubmitted"] == 1
+    assert counters["ssd_read_bytes_restore"] == counters["ssd_bytes_delivered"] > 0
+
+
 def test_model_ssd_reads_are_the_live_pipelines_reads():
     """The model counts the read commands the live pipeline's chunks issue for a lease."""
     config = StoreConfig(

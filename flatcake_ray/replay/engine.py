@@ -61,6 +61,9 @@ class Flight:
     prefetch_start: float = math.nan
     resubmitted: bool = False
     used: slice = field(default_factory=lambda: slice(0, 0))
+    # Request positions of the pages its prefetches read into its own KV slots (storage
+    # that keeps restored pages only): a second prefetch does not read them again.
+    restored: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class Replay:
@@ -174,6 +177,9 @@ class Replay:
 
     def _read(self, flight: Flight, now: float) -> None:
         lengths = self.storage.ssd_reads(flight.located)
+        if self.storage.keeps_restored:
+            read = flight.hbm_prefix + np.flatnonzero(flight.located.unread())
+            flight.restored = np.union1d(flight.restored, read)
         flight.prefetch_start = now
         self.counters["ssd_read_bytes_restore"] += int(lengths.sum())
         self._push(self.ssd.submit(now, lengths), PREFETCH_DONE, flight.request)
@@ -244,24 +250,32 @@ class Replay:
     def _refresh(self, flight: Flight, hbm: int, now: float) -> bool:
         """Look storage up again as the request is dispatched (an engine matches its caches
         at schedule time): requests that were still running when this one arrived may have
-        stored more of its prefix since. If more is stored now and some of it is on SSD, the
-        request goes back for a prefetch (once; it queues as a new arrival, since the
-        scheduler's clock only moves forward) and True is returned. Otherwise it keeps the
-        data it prefetched, or, if it prefetched none, takes the fresher DRAM view."""
+        stored more of its prefix since. If more is stored now and some of it is on SSD and
+        not yet in the request's slots, the request goes back for a prefetch of just that
+        (once; it queues as a new arrival, since the scheduler's clock only moves forward)
+        and True is returned. Otherwise it keeps the data it prefetched, or takes the fresher
+        view when that needs no read (it prefetched none, or what it adds is in DRAM or was
+        read by its own earlier prefetch)."""
         digests = self.pages.digests_for(flight.request)
         fresh = self.storage.locate(flight.request, digests, hbm)
+        if flight.restored.size:
+            fresh.have = np.isin(hbm + np.arange(fresh.pages), flight.restored)
         planned = flight.hbm_prefix + flight.usable
-        grew = hbm + fresh.pages > planned and fresh.ssd_pages > 0
+        grew = hbm + fresh.pages > planned
         revoked = bool(self.records.revoked[flight.request])  # revoked means recomputed
-        if grew and not flight.resubmitted and not revoked:
+        if grew and fresh.ssd_pages_to_read and not flight.resubmitted and not revoked:
             self._drop_restore(flight, now)
             flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
             flight.resubmitted = True
             self.counters["resubmitted"] += 1
-            kv_bytes = fresh.ssd_pages * self.page_bytes
+            kv_bytes = fresh.ssd_pages_to_read * self.page_bytes
             self.scheduler.submit(flight.request, now, fresh.gvas, kv_bytes)
             self._start_prefetches(now)
             return True
+        if grew and fresh.have is not None and not fresh.ssd_pages_to_read and not revoked:
+            self._drop_restore(flight, now)  # the growth is in DRAM or already in its slots
+            flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
+            return False
         if flight.located.ssd_pages == 0:
             self._drop_restore(flight, now)
             flight.located, flight.hbm_prefix = fresh, hbm

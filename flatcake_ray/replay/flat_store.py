@@ -11,6 +11,7 @@ into slot-sized commands, as the pipeline streams it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
 from flatcake_ray.core.catalog import Catalog, PutHints
 from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
-from flatcake_ray.core.parts import lease_parts
+from flatcake_ray.core.parts import LeasePart, lease_parts
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.core.plan import MediumAccess, RestorePlan
 from flatcake_ray.core.runs import align_up
@@ -70,6 +71,7 @@ def store_config_for(
 
 class FlatStorage:
     saves_during_prefill = True
+    keeps_restored = True
 
     def __init__(
         self,
@@ -113,8 +115,11 @@ class FlatStorage:
         return Located(media, gvas, lease)
 
     def ssd_reads(self, located: Located) -> np.ndarray:
-        """Byte lengths of the SSD read commands the live pipeline would issue."""
+        """Byte lengths of the SSD read commands the live pipeline would issue for the pages
+        the request does not have yet."""
         parts = [p for p in lease_parts(located.handle) if p.medium is Medium.SSD]
+        if located.have is not None:
+            parts = [p for p in (_without(p, located.have) for p in parts) if p.pages]
         if not parts:
             return np.zeros(0, dtype=np.int64)
         plan = RestorePlan(parts, self.profile.slot_bytes, {Medium.SSD: self.ssd_access})
@@ -248,3 +253,13 @@ def split_to_slots(lengths: np.ndarray, slot_bytes: int) -> np.ndarray:
     last = np.cumsum(pieces) - 1
     out[last] = lengths - (pieces - 1) * slot_bytes
     return out
+
+
+def _without(part: LeasePart, have: np.ndarray) -> LeasePart:
+    """``part`` less the pages whose request positions ``have`` marks."""
+    keep = ~have[part.dst_positions]
+    if keep.all():
+        return part
+    return dataclasses.replace(
+        part, src_pages=part.src_pages[keep], dst_positions=part.dst_positions[keep]
+    )

@@ -134,6 +134,9 @@ class Located:
     media: np.ndarray  # per page of the leading run: Medium value (0 DRAM, 1 SSD)
     gvas: np.ndarray  # per page, uint64, for the scheduler's medium check
     handle: Any = None  # storage-private: a lease, pinned slots
+    # Per page: already in the request's KV slots (restored by an earlier prefetch of the
+    # same request, before it went back to the scheduler), so never read again; None: none.
+    have: np.ndarray | None = None
 
     @property
     def pages(self) -> int:
@@ -145,6 +148,19 @@ class Located:
 
     def first_ssd(self) -> int:
         hits = np.flatnonzero(self.media)
+        return int(hits[0]) if hits.size else self.pages
+
+    def unread(self) -> np.ndarray:
+        """Per page: on SSD and not yet in the request's slots (what a prefetch must read)."""
+        on_ssd = self.media != 0
+        return on_ssd if self.have is None else on_ssd & ~self.have
+
+    @property
+    def ssd_pages_to_read(self) -> int:
+        return int(np.count_nonzero(self.unread()))
+
+    def first_unread(self) -> int:
+        hits = np.flatnonzero(self.unread())
         return int(hits[0]) if hits.size else self.pages
 
 
@@ -170,6 +186,10 @@ class StorageCounters:
 class Storage(Protocol):
     counters: StorageCounters
     saves_during_prefill: bool  # store() is called as the prefill starts, not as it ends
+    # Restored pages land in the request's own KV slots and stay there if the request goes
+    # back to the scheduler (FlatCake's GPU windows); False: they sit in host staging, which
+    # is given back, so a second prefetch reads them again (tiered systems).
+    keeps_restored: bool
 
     def locate(self, request: int, digests: np.ndarray, start: int) -> Located: ...
 

@@ -29,6 +29,7 @@ _DEFAULTS = StoreConfig(root="replay-model", layers=1, page_bytes=1)  # gap / ma
 
 class TieredStorage:
     saves_during_prefill = False
+    keeps_restored = False
 
     def __init__(self, profile: Profile, spec: SystemSpec, pages: TracePages) -> None:
         self.profile = profile
