@@ -44,8 +44,8 @@ ALIGN = 4096  # O_DIRECT and cuFile alignment
 DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
 GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
-STORE_FIELDS = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs", "ssd_files_per_dir")
-STORE_FIELDS += ("ssd_file_bytes", "hugepages", "fsync")
+STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
+STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync")
 
 
 def _require(condition: bool, message: str, *names: str) -> None:

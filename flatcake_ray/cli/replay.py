@@ -107,7 +107,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from flatcake_ray.replay import sweep
 
     systems = [s for s in args.systems.split(",") if s]
-    common = {"profile_overrides": _overrides(args), "progress": not args.no_progress}
+    common: dict[str, Any] = {
+        "profile_overrides": _overrides(args),
+        "progress": not args.no_progress,
+    }
     if args.sweep == "context":
         values = args.values or [8192, 16384, 32768, 65536, 131072]
         profile = args.profile if args.profile != "this-machine" else "llama-3.1-70b-a100"

@@ -26,7 +26,12 @@ from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
 from flatcake_ray.core.layout import SegmentLayout, check_pages_for
-from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
+from flatcake_ray.core.placement import (
+    Placement,
+    PlacementInputs,
+    PlacementPolicy,
+    PlacementRule,
+)
 from flatcake_ray.core.put_checks import (
     SessionId,
     check_segment_pages,
@@ -70,7 +75,7 @@ class Catalog(ReplicaMixin):
     def __init__(
         self,
         config: StoreConfig,
-        policy: PlacementPolicy | None = None,
+        policy: PlacementRule | None = None,
         *,
         space: dict[Medium, MediumSpace] | None = None,
         ids: Ids | None = None,
@@ -79,7 +84,7 @@ class Catalog(ReplicaMixin):
     ) -> None:
         self.config = config
         self.tenant = tenant
-        self.policy = policy or PlacementPolicy(config.placement)
+        self.policy: PlacementRule = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
         self.space = space if space is not None else media_spaces(config)
         self.quota: dict[Medium, int | None] = quota or dict.fromkeys(Medium)

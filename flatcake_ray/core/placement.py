@@ -42,6 +42,7 @@ happen by rule 1 because the context only grows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from flatcake_ray.config import PlacementConfig
 from flatcake_ray.core.gva import Medium
@@ -61,6 +62,17 @@ class PlacementInputs:
 class Placement:
     medium: Medium
     rule: str  # agentic | shared | short-chat | one-shot | unknown-reply | spill | admitted
+
+
+class PlacementRule(Protocol):
+    """What the catalog asks of a placement: :class:`PlacementPolicy`, or a stand-in (the
+    replay model's oracle)."""
+
+    def decide(self, inputs: PlacementInputs, *, dram_headroom: bool = ...) -> Placement: ...
+
+    def replicate(self, home: Placement) -> bool: ...
+
+    def infer_prior_reply(self, turn: int, appended_tokens: int) -> int | None: ...
 
 
 @dataclass(frozen=True)

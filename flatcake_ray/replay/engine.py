@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,14 +116,14 @@ class Replay:
         )
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self._flights: dict[int, Flight] = {}
+        self._flights: dict[Hashable, Flight] = {}  # by request (the scheduler's ids)
         self._gpu_busy = False
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, on_done: Callable[[], None] | None = None) -> RequestRecords:
         for request, when in enumerate(self.arrivals):
             self._push(float(when), ARRIVE, request)
-        handlers = {
+        handlers: dict[int, Callable[[Any, float], None]] = {
             ARRIVE: self._arrive,
             PREFETCH_DONE: self._prefetch_done,
             PREFILL_DONE: self._prefill_done,
@@ -201,6 +201,7 @@ class Replay:
         self._dispatch(now)
 
     def _staging_free(self, nbytes: int, now: float) -> None:
+        assert self.staging is not None  # only staged restores free staging
         for request in self.staging.release(nbytes):
             self._read(self._flights[request], now)
 

@@ -150,13 +150,14 @@ class TieredStorage:
             )
         self.counters.add("dram_evictions", len(evicted))
         if self.ssd is not None and len(evicted):
-            offsets, written = self.ssd.append(evicted, owners)
+            offsets, demoted = self.ssd.append(evicted, owners)
             if len(offsets):
                 self.counters.add("pages_demoted", len(offsets))
-                transfers.append(self._write(offsets, written))
+                transfers.append(self._write(offsets, demoted))
         return transfers
 
     def _write(self, pool_offsets: np.ndarray, digests: np.ndarray) -> Transfer:
+        assert self.ssd is not None  # only a system with an SSD tier writes to it
         lengths = np.full(len(pool_offsets), self.object_bytes, dtype=np.int64)
         # Objects appended together are contiguous in their bucket: one command per run.
         buckets = pool_offsets // max(self.ssd.bucket_bytes, 1)
