@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -278,7 +279,7 @@ def kept_findings(text: str) -> str:
 
 
 def compose(chosen, done, args, total: float, findings: str = "") -> str:
-    command = "python benchmarks/replay_sweep.py" + (" --quick" if args.quick else "")
+    command = "python " + shlex.join(["benchmarks/replay_sweep.py", *sys.argv[1:]])
     parts = [
         "# Replay model: FlatCake vs tiered baselines\n\n",
         f"Command: `{command}` ({platform.node()}, {time.strftime('%Y-%m-%d')}; "
