@@ -104,6 +104,7 @@ class Replay:
                 "ssd_read_bytes_restore",
                 "ssd_read_bytes_promotion",
                 "ssd_bytes_delivered",
+                "ssd_read_bytes_hbm_covered",  # restored pages a sibling's prefill brought
                 "ssd_write_bytes",
                 "ssd_pages_written_distinct",
                 "h2d_bytes",
@@ -224,6 +225,7 @@ class Replay:
         used = slice(start, max(start, planned - flight.hbm_prefix))
         flight.used = used
         media = flight.located.media[used]
+        self.counters["ssd_read_bytes_hbm_covered"] += self._covered(flight, hbm) * self.page_bytes
         ssd_hits = int(np.count_nonzero(media))
         dram_hits = len(media) - ssd_hits
         self._attribute(request, hbm, dram_hits, ssd_hits)
@@ -247,6 +249,15 @@ class Replay:
             self._run_transfers(self.storage.store(request, digests, now), now, now + service)
         if flight.staged_bytes:
             self._push(now + copy, STAGING_FREE, flight.staged_bytes)
+
+    def _covered(self, flight: Flight, hbm: int) -> int:
+        """Pages this request read from SSD that its HBM prefix holds by the time it runs (a
+        sibling's or an earlier turn's prefill brought them): read, never delivered."""
+        if self.storage.keeps_restored:
+            return int(np.count_nonzero(flight.restored < hbm))
+        if math.isnan(flight.prefetch_start):
+            return 0
+        return int(np.count_nonzero(flight.located.media[: hbm - flight.hbm_prefix]))
 
     def _refresh(self, flight: Flight, hbm: int, now: float) -> bool:
         """Look storage up again as the request is dispatched (an engine matches its caches
