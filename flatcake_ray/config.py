@@ -57,18 +57,32 @@ def _align_up(value: int) -> int:
     return -(-value // ALIGN) * ALIGN
 
 
+DRAM_POLICIES = ("replica", "table2", "admit")
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Write-time placement thresholds (paper Table 2); the paper gives no values."""
+    """Write-time placement (paper Table 2; the paper gives no thresholds) and how DRAM is
+    used beyond it (``core/placement.py`` states the rules; ``docs/placement.md`` the
+    measurements behind the default)."""
 
     page_tokens: int = 256
     tau_tokens: int = 1024  # a prior reply shorter than this marks a short-turn chat
     l_agent_tokens: int = 32768  # a context at least this long marks an agentic session
+    # replica: SSD segments also keep a droppable DRAM read replica while DRAM has room;
+    # table2: the paper's rules only; admit: SSD-bound later turns go to DRAM (no SSD copy)
+    # while DRAM stays under its low watermark.
+    dram_policy: str = "replica"
 
     def __post_init__(self) -> None:
         normalise(self)
         for name in ("page_tokens", "tau_tokens", "l_agent_tokens"):
             _require(getattr(self, name) > 0, f"{name} must be positive", name)
+        _require(
+            self.dram_policy in DRAM_POLICIES,
+            f"dram_policy must be one of {DRAM_POLICIES}",
+            "dram_policy",
+        )
 
 
 @dataclass(frozen=True)

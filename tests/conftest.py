@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from flatcake_ray import failpoints as failpoints_module
-from flatcake_ray.config import StoreConfig
+from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.node.store import FlatCakeStore
 
 # Services the tests start keep their secrets here, not in the home folder.
@@ -37,6 +37,9 @@ def small_config(root, **overrides) -> StoreConfig:
         ssd_files_per_dir=2,
         ssd_min_run_bytes=256 << 10,
         fsync=False,
+        # These stores test the SSD paths, so SSD-homed pages are read from SSD: no DRAM
+        # read replicas unless a test asks for them (tests/test_replicas.py does).
+        placement=PlacementConfig(dram_policy="table2"),
     )
     base.update(overrides)
     return StoreConfig(**base)

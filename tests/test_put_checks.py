@@ -130,7 +130,7 @@ def test_a_put_larger_than_a_pool_file_is_refused_before_any_eviction(make_store
 
 def test_a_put_that_only_leased_space_could_hold_evicts_nothing(make_store):
     store = make_store()
-    pinned = fill(store, sessions=2, pages=100)  # a 6.25 MiB run in each 8 MiB pool file
+    pinned = fill(store, sessions=2, pages=200)  # a 6.25 MiB run in each 8 MiB pool file
     leases = [store.lease(keys) for keys, _ in pinned.values()]
     loose_keys = [f"loose/{i}" for i in range(8)]
     loose_kv = random_kv(8, seed=99)

@@ -207,9 +207,48 @@ def test_flatcake_drives_the_live_catalog_policy_plan_and_scheduler(monkeypatch)
     assert scheduler.max_inflight_prefetches_seen <= engine.profile.prefetch_windows
 
 
+def test_a_request_sent_back_for_a_prefetch_reads_only_what_it_lacks():
+    """Turn 3 arrives while turn 2 runs: it prefetches turn 1's pages from SSD; at dispatch
+    turn 2's pages are stored too, so it goes back for a prefetch, which must read only
+    those (its slots hold the rest). Pages of one checksum block each: every byte read is
+    a byte delivered."""
+    page = PAGE_TOKENS * 8192  # 2 layers x 64 KiB: one page per checksum block
+    profile = tiny_profile(
+        kv_bytes_per_token=8192,
+        hbm_kv_bytes=2 * page,
+        dram_bytes=16 * page,
+        ssd_bytes=1 << 28,
+        host_staging_bytes=12 * page,
+        ssd_worker_gb_s=0.016,
+        ssd_drive_gb_s=0.016,
+        h2d_gb_s=0.16,
+        prefill_tokens_per_s=1000.0,
+        slot_bytes=4 << 20,
+    )
+    first = list(range(8))
+    trace = Trace.from_requests(
+        [
+            request(0.0, "s", 1, first),
+            request(5.0, "s", 2, [*first, 50, 51, 52, 53, *range(60, 100)]),
+            request(5.001, "s", 3, [*first, 50, 51, 52, 53, 54]),
+        ]
+    )
+    agentic = PlacementConfig(page_tokens=PAGE_TOKENS, l_agent_tokens=64)  # all on SSD
+    _, summary = replay(trace, "flatcake-table2", profile=profile, placement=agentic)
+    counters = summary["counters"]
+    assert counters["resubmitted"] == 1
+    assert counters["ssd_read_bytes_restore"] == counters["ssd_bytes_delivered"] > 0
+
+
 def test_model_ssd_reads_are_the_live_pipelines_reads():
     """The model counts the read commands the live pipeline's chunks issue for a lease."""
-    config = StoreConfig(root="unused", layers=3, page_bytes=4096, ssd_file_bytes=1 << 20)
+    config = StoreConfig(
+        root="unused",
+        layers=3,
+        page_bytes=4096,
+        ssd_file_bytes=1 << 20,
+        placement=PlacementConfig(dram_policy="table2"),  # SSD homes read from SSD
+    )
     catalog = Catalog(config)
     keys = digests_of(np.arange(40))
     for stop in (10, 17, 40):
@@ -231,7 +270,8 @@ def test_model_ssd_reads_are_the_live_pipelines_reads():
     catalog.release(lease)
 
 
-def test_live_store_still_reads_what_it_wrote(tmp_path):
+@pytest.mark.parametrize(("policy", "ssd_read"), [("table2", True), ("replica", False)])
+def test_live_store_still_reads_what_it_wrote(tmp_path, policy, ssd_read):
     from flatcake_ray.node.store import FlatCakeStore
 
     config = StoreConfig(
@@ -243,7 +283,7 @@ def test_live_store_still_reads_what_it_wrote(tmp_path):
         ssd_files_per_dir=2,
         fsync=False,
         hugepages="off",
-        placement=PlacementConfig(page_tokens=16),
+        placement=PlacementConfig(page_tokens=16, dram_policy=policy),
     )
     rng = np.random.default_rng(0)
     kv = rng.integers(0, 255, (3, 15, 4096), dtype=np.uint8)
@@ -252,7 +292,9 @@ def test_live_store_still_reads_what_it_wrote(tmp_path):
         store.put(list(range(15)), kv)
         out = np.zeros_like(kv)
         assert store.get(list(range(15)), out) == 15
-        assert (out == kv).all() and store.stats()["ssd_read_commands"] >= 1
+        assert (out == kv).all()
+        # the first put is on SSD; with replicas its DRAM copy is what is read
+        assert (store.stats()["ssd_read_commands"] > 0) == ssd_read
 
 
 # ---- determinism and outputs ------------------------------------------------------------

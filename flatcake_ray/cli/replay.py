@@ -13,7 +13,9 @@ HELP = """\
 Replay a trace through a model of a serving engine (GPU HBM prefix cache, host DRAM, SSD,
 H2D link, staging, prefill compute) that drives the live placement, allocation, coalescing
 and FC-MAS code, and compare systems: recompute, dram-only, tiered (Mooncake-like),
-tiered-gds, tiered-tuned, flatcake, flatcake-fcfs, oracle.
+tiered-gds, tiered-tuned, tiered-aware (eviction and admission by predicted reuse),
+flatcake (Table 2 + DRAM read replicas), flatcake-table2, flatcake-admit, flatcake-fcfs,
+oracle.
 
 Hit rate = pages in HBM before prefill / pages an infinite cache would hold; TTFT = prefill
 end - arrival. Writes result.json, results.md and PNG plots to --out, prints the table.
@@ -105,7 +107,10 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from flatcake_ray.replay import sweep
 
     systems = [s for s in args.systems.split(",") if s]
-    common = {"profile_overrides": _overrides(args), "progress": not args.no_progress}
+    common: dict[str, Any] = {
+        "profile_overrides": _overrides(args),
+        "progress": not args.no_progress,
+    }
     if args.sweep == "context":
         values = args.values or [8192, 16384, 32768, 65536, 131072]
         profile = args.profile if args.profile != "this-machine" else "llama-3.1-70b-a100"

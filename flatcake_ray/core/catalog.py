@@ -5,116 +5,55 @@ model pairs one with modeled devices and a virtual clock. Not thread-safe: calle
 
 Lifecycle of a put: :meth:`Catalog.plan_put` resolves the session, places the batch (paper
 Table 2), allocates its segment (the address exists before the write) and pins the scope;
-the caller writes the bytes; :meth:`Catalog.publish` then makes the keys visible, or
-:meth:`Catalog.abort` gives the space back. A reader takes a :class:`Lease` (scope refcounts
-up) and releases it; reclamation frees only unreferenced scopes, oldest first, whole.
+an SSD segment may also get a DRAM read replica (``core/placement.py``), allocated from DRAM
+that no home scope needs; the caller writes the bytes (to both places); :meth:`Catalog.publish`
+then makes the keys visible, or :meth:`Catalog.abort` gives the space back. A reader takes a
+:class:`Lease` (scope refcounts up; a segment with a live replica is handed out as its
+replica) and releases it; reclamation frees only unreferenced scopes, oldest first, whole.
+DRAM reclamation drops replica scopes (no write-back: the SSD copy stays) before any home
+scope.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.core.extents import MediumSpace, ScopeRuns
+from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
 from flatcake_ray.core.layout import SegmentLayout, check_pages_for
-from flatcake_ray.core.placement import PlacementInputs, PlacementPolicy
+from flatcake_ray.core.placement import (
+    Placement,
+    PlacementInputs,
+    PlacementPolicy,
+    PlacementRule,
+)
 from flatcake_ray.core.put_checks import (
     SessionId,
     check_segment_pages,
     check_session_id,
     put_refusal,
 )
+from flatcake_ray.core.records import Ids, Lease, PutHints, PutPlan, Scope, Segment, Session
+from flatcake_ray.core.replicas import ReplicaMixin
 from flatcake_ray.core.tenants import DEFAULT_TENANT
 from flatcake_ray.errors import QuotaExceededError
 
-
-@dataclass(frozen=True)
-class PutHints:
-    """Placement signals an engine may know better than the store can infer."""
-
-    prefix_refcount: int | None = None
-    turn: int | None = None
-    prior_reply_tokens: int | None = None
-    context_tokens: int | None = None
-
-
-@dataclass
-class Segment:
-    segment_id: int
-    scope_id: int
-    medium: Medium
-    offset: int  # medium-local byte offset of layer 0, page 0
-    layout: SegmentLayout
-    digests: np.ndarray  # one per page, in page order
-    checksums: np.ndarray | None = None  # uint64 [layers, blocks], set as layers are written
-    continuations: int = 0  # later puts that continued from this segment's last page
-
-
-@dataclass
-class Scope:
-    scope_id: int
-    session_id: SessionId
-    medium: Medium
-    runs: ScopeRuns = field(default_factory=ScopeRuns)
-    segments: list[int] = field(default_factory=list)
-    refs: int = 0  # leases plus in-flight puts
-    pages: int = 0
-
-
-@dataclass
-class Session:
-    session_id: SessionId
-    turns: int = 0
-    context_pages: int = 0
-    scopes: dict[Medium, int] = field(default_factory=dict)
-
-
-@dataclass
-class PutPlan:
-    segment: Segment
-    new_positions: np.ndarray  # positions in the caller's key list of the pages written
-    session_id: SessionId
-    rule: str
-    turn: int
-    parent_segment: int | None
-
-
-@dataclass
-class Lease:
-    """The located prefix of a request; its scopes cannot be reclaimed until release."""
-
-    lease_id: int
-    segment_ids: np.ndarray  # per page
-    pages: np.ndarray  # per page: index inside its segment
-    scope_ids: tuple[int, ...]
-    segments: dict[int, Segment]  # held here so a quarantine mid-read cannot pull them away
-    tenant: str = DEFAULT_TENANT  # whose catalog holds it
-
-    @property
-    def hits(self) -> int:
-        return len(self.pages)
-
-
-class Ids:
-    """Ids of scopes, segments, leases and automatic sessions: unique across every catalog of
-    a store (the tenants' catalogs share one), never reused, and kept above the ids a
-    restarted store recovers."""
-
-    def __init__(self) -> None:
-        self._next = itertools.count(1)
-
-    def __next__(self) -> int:
-        return next(self._next)
-
-    def skip_below(self, floor: int) -> None:
-        self._next = itertools.count(max(floor, next(self._next)))
+__all__ = [
+    "Catalog",
+    "Ids",
+    "Lease",
+    "PutHints",
+    "PutPlan",
+    "Scope",
+    "Segment",
+    "Session",
+    "media_spaces",
+]
 
 
 def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
@@ -126,7 +65,7 @@ def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
     }
 
 
-class Catalog:
+class Catalog(ReplicaMixin):
     """One tenant's pages on a store's media. ``space`` and ``ids`` are shared by the catalogs
     of one store (one per tenant); ``quota`` bounds the bytes this tenant's scopes reserve per
     medium. A catalog reclaims only its own scopes: a tenant over its quota, or a medium
@@ -136,7 +75,7 @@ class Catalog:
     def __init__(
         self,
         config: StoreConfig,
-        policy: PlacementPolicy | None = None,
+        policy: PlacementRule | None = None,
         *,
         space: dict[Medium, MediumSpace] | None = None,
         ids: Ids | None = None,
@@ -145,7 +84,7 @@ class Catalog:
     ) -> None:
         self.config = config
         self.tenant = tenant
-        self.policy = policy or PlacementPolicy(config.placement)
+        self.policy: PlacementRule = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
         self.space = space if space is not None else media_spaces(config)
         self.quota: dict[Medium, int | None] = quota or dict.fromkeys(Medium)
@@ -156,14 +95,22 @@ class Catalog:
         self.scopes: dict[int, Scope] = {}
         self.sessions: dict[SessionId, Session] = {}
         self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
+        self._replica_age: OrderedDict[int, None] = OrderedDict()
         self._ids = ids if ids is not None else Ids()
         self.leases: dict[int, Lease] = {}
-        self.counters = {
-            "reclaimed_scopes": 0,
-            "reclaimed_bytes": 0,
-            "quarantined_scopes": 0,
-            "forks": 0,
-        }
+        self.counters = dict.fromkeys(
+            (
+                "reclaimed_scopes",
+                "reclaimed_bytes",
+                "quarantined_scopes",
+                "forks",
+                "replicas_written",
+                "replicas_refused",
+                "replica_scopes_dropped",
+                "replica_bytes_dropped",
+            ),
+            0,
+        )
         self.rule_counts: dict[str, int] = {}
         self.on_free: Callable[[Scope], None] | None = None  # the store logs SSD frees
 
@@ -177,12 +124,17 @@ class Catalog:
 
     def lease(self, digests: np.ndarray) -> Lease:
         segment_ids, pages = self.prefix(digests)
-        unique_segments = np.unique(segment_ids)
-        scope_ids = tuple(sorted({self.segments[int(s)].scope_id for s in unique_segments}))
-        for scope_id in scope_ids:
+        segments: dict[int, Segment] = {}
+        scope_ids: set[int] = set()
+        for segment_id in np.unique(segment_ids).tolist():
+            segment = self.segments[segment_id]
+            view = segment.replica or segment  # readers prefer the DRAM replica
+            segments[segment_id] = view
+            scope_ids.update((segment.scope_id, view.scope_id))  # both pinned while read
+        for scope_id in sorted(scope_ids):
             self._touch(self.scopes[scope_id], +1)
-        segments = {int(s): self.segments[int(s)] for s in unique_segments}
-        lease = Lease(next(self._ids), segment_ids, pages, scope_ids, segments, self.tenant)
+        pinned = tuple(sorted(scope_ids))
+        lease = Lease(next(self._ids), segment_ids, pages, pinned, segments, self.tenant)
         self.leases[lease.lease_id] = lease
         return lease
 
@@ -209,6 +161,7 @@ class Catalog:
         check_segment_pages(len(digests))  # before the lookup: a bound on the work it does
         hints = hints or PutHints()
         found, values = self.index.lookup(digests)
+        self._touch_used(values[found])
         new_positions = np.flatnonzero(~found)
         if not new_positions.size:
             return None
@@ -234,12 +187,14 @@ class Catalog:
         # shared (its radix-tree refcount), so only its hint fires the shared rule.
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
         layout = self.layout_for(len(new_positions))
-        placement = self.policy.decide(inputs)
-        scope, offset = self._allocate(session, placement.medium, layout.nbytes)
+        placement = self.policy.decide(inputs, dram_headroom=self._dram_headroom(layout.nbytes))
+        ahead = turn > 1
+        scope, offset = self._allocate(session, placement.medium, layout.nbytes, ahead)
         rule = placement.rule
         tried = [placement.medium]
         if scope is None and placement.medium is Medium.DRAM:
-            scope, offset, rule = (*self._allocate(session, Medium.SSD, layout.nbytes), "spill")
+            rule = "spill"
+            scope, offset = self._allocate(session, Medium.SSD, layout.nbytes, ahead)
             tried.append(Medium.SSD)
         if scope is None:
             over = [m for m in tried if not self._within_quota(m, layout.nbytes)]
@@ -254,7 +209,24 @@ class Catalog:
         segment = Segment(
             next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
         )
-        return PutPlan(segment, new_positions, session.session_id, rule, turn, parent_segment)
+        replica = None
+        if self.policy.replicate(Placement(scope.medium, rule)):
+            replica = self._plan_replica(scope, segment)
+        return PutPlan(
+            segment, new_positions, session.session_id, rule, turn, parent_segment, replica
+        )
+
+    def _touch_used(self, values: np.ndarray) -> None:
+        """A put's stored pages were just used by the engine (from its own cache, maybe, so
+        no lease saw them): their scopes become the most recently used. Without this the
+        replicas of a prefix the engine kept in HBM aged out while it was in use, and were
+        gone when HBM later dropped it (agentic, DRAM above the working set, 1 QPS: 0.3% of
+        hits from SSD where a tiered DRAM, touched on every write-through, had none)."""
+        for segment_id in np.unique(unpack_location(values)[0]).tolist():
+            segment = self.segments[segment_id]
+            self._touch(self.scopes[segment.scope_id], 0)
+            if segment.replica is not None:
+                self._touch(self.scopes[segment.replica.scope_id], 0)
 
     def layout_for(self, pages: int) -> SegmentLayout:
         config = self.config
@@ -297,9 +269,18 @@ class Catalog:
             session.context_pages = self.sessions[inherited].context_pages
         return session, refcount, parent_segment
 
-    def _allocate(self, session: Session, medium: Medium, nbytes: int) -> tuple[Scope | None, int]:
+    def _dram_headroom(self, nbytes: int) -> bool:
+        return self._fraction(Medium.DRAM, nbytes) <= self.config.low_watermark
+
+    def _allocate(
+        self, session: Session, medium: Medium, nbytes: int, reserve_ahead: bool
+    ) -> tuple[Scope | None, int]:
         """Room for ``nbytes`` in ``session``'s scope on ``medium``, reclaiming unreferenced
-        scopes if needed; (None, 0), with nothing evicted, when even that would not make it."""
+        scopes if needed; (None, 0), with nothing evicted, when even that would not make it.
+        Space held ahead keeps a session's turns together in one run; a first turn is mostly
+        never continued (69% of Mooncake sessions), so it takes only what it needs: held-ahead
+        space of first turns was 43% of the SSD the Mooncake replay had reserved, and SSD
+        reclamation then dropped sessions that were coming back."""
         space = self.space[medium]
         if nbytes > space.region_bytes or not space.allocators:
             return None, 0  # a run never crosses a region (one arena, one pool file)
@@ -311,15 +292,14 @@ class Catalog:
             if self._obtainable(medium, scope, nbytes) and self._fits_quota(medium, nbytes):
                 if self._fraction(medium, nbytes) > self.config.high_watermark:
                     self.reclaim(medium, target=self.config.low_watermark)
-                offset = space.place(scope.runs, nbytes)
+                offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
                 while offset is None and self._reclaim_oldest(medium):
-                    offset = space.place(scope.runs, nbytes)
+                    offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
         finally:
             scope.refs -= 1
             self.used[medium] += scope.runs.used_bytes - before
         if offset is None:
-            if not scope.segments and not scope.runs.runs:
-                self._drop_scope(scope)
+            self._drop_if_unused(scope)
             return None, 0
         return scope, offset
 
@@ -355,11 +335,8 @@ class Catalog:
         last = scope.runs.runs[-1] if scope.runs.runs else None
         if space.largest_free >= nbytes or (last is not None and last.room >= nbytes):
             return True
-        freeable = [
-            self.scopes[scope_id].runs
-            for scope_id in self._age[medium]
-            if self.scopes[scope_id].refs == 0
-        ]
+        ages = [*self._age[medium], *(self._replica_age if medium is Medium.DRAM else ())]
+        freeable = [self.scopes[s].runs for s in ages if self.scopes[s].refs == 0]
         return space.largest_obtainable(freeable, scope.runs) >= nbytes
 
     def _scope_for(self, session: Session, medium: Medium) -> Scope:
@@ -372,6 +349,7 @@ class Catalog:
         self._age[medium][scope.scope_id] = None
         return scope
 
+    # ---- publish and abort ---------------------------------------------------------------
     def publish(self, plan: PutPlan) -> np.ndarray:
         """Make a written segment's keys visible; returns the mask of pages published."""
         segment = plan.segment
@@ -384,6 +362,8 @@ class Catalog:
         )
         inserted = self.index.insert(segment.digests, values)
         scope.pages += int(inserted.sum())
+        if plan.replica is not None:
+            self._publish_replica(plan.replica, segment)
         session = self.sessions[plan.session_id]
         session.turns = max(session.turns, plan.turn)
         session.context_pages += segment.layout.pages
@@ -393,29 +373,43 @@ class Catalog:
 
     def abort(self, plan: PutPlan) -> None:
         """Give back an unwritten segment's space (exactly when it is still the run's tail)."""
-        segment = plan.segment
-        scope = self.scopes[segment.scope_id]
-        scope.refs -= 1
         if plan.parent_segment in self.segments:
             parent = self.segments[plan.parent_segment]
             parent.continuations = max(0, parent.continuations - 1)
+        if plan.replica is not None:
+            self._give_back(plan.replica)
+        self._give_back(plan.segment)
+
+    def _give_back(self, segment: Segment) -> None:
+        scope = self.scopes[segment.scope_id]
+        scope.refs -= 1
         before = scope.runs.used_bytes
         last = scope.runs.runs[-1] if scope.runs.runs else None
         if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
             last.used -= segment.layout.nbytes
-        if not scope.segments and scope.refs == 0:  # nothing published, nothing in flight
+        if not scope.is_replica:  # replicas are not the tenant's use (they are dropped first)
+            self.used[scope.medium] += scope.runs.used_bytes - before
+        self._drop_if_unused(scope)
+
+    def _drop_if_unused(self, scope: Scope) -> None:
+        """A scope that never got a segment and that no put is writing gives its runs back."""
+        if not scope.segments and scope.refs == 0:
+            if not scope.is_replica:
+                self.used[scope.medium] -= scope.runs.used_bytes
             self.space[scope.medium].release(scope.runs)
             self._drop_scope(scope)
-        self.used[scope.medium] += scope.runs.used_bytes - before
 
     # ---- reclamation ---------------------------------------------------------------------
+    def _ages(self, scope: Scope) -> OrderedDict[int, None]:
+        return self._replica_age if scope.is_replica else self._age[scope.medium]
+
     def _touch(self, scope: Scope, ref_delta: int) -> None:
         scope.refs += ref_delta
-        self._age[scope.medium].move_to_end(scope.scope_id)
+        self._ages(scope).move_to_end(scope.scope_id)
 
     def reclaim(self, medium: Medium, target: float) -> list[Scope]:
         """Free this catalog's oldest unreferenced scopes until ``medium`` is at most
-        ``target`` full (of the quota, if there is one)."""
+        ``target`` full (of the quota, if there is one); on DRAM, replica scopes first."""
         freed = []
         while self._fraction(medium) > target:
             scope = self._reclaim_oldest(medium)
@@ -425,6 +419,10 @@ class Catalog:
         return freed
 
     def _reclaim_oldest(self, medium: Medium) -> Scope | None:
+        if medium is Medium.DRAM:
+            replica = self._drop_oldest_replica()
+            if replica is not None:
+                return replica
         for scope_id in self._age[medium]:
             scope = self.scopes[scope_id]
             if scope.refs == 0:
@@ -434,10 +432,14 @@ class Catalog:
         return None
 
     def free_scope(self, scope: Scope) -> int:
-        """Drop a scope whole: its keys leave the index at once, its runs return to the pool."""
+        """Drop a scope whole: its keys leave the index at once, its runs return to the pool,
+        and its replicas go with it."""
+        if scope.is_replica:
+            return self._free_replicas(scope)
         for segment_id in scope.segments:
             segment = self.segments.pop(segment_id)
             self.index.delete(segment.digests)
+            self._free_replicas_of(segment)
         self.used[scope.medium] -= scope.runs.used_bytes
         freed = self.space[scope.medium].release(scope.runs)
         self.counters["reclaimed_bytes"] += freed
@@ -448,18 +450,29 @@ class Catalog:
 
     def _drop_scope(self, scope: Scope) -> None:
         self.scopes.pop(scope.scope_id, None)
-        self._age[scope.medium].pop(scope.scope_id, None)
+        self._ages(scope).pop(scope.scope_id, None)
+        if scope.is_replica:
+            return
         session = self.sessions.get(scope.session_id)
         if session is not None and session.scopes.get(scope.medium) == scope.scope_id:
             del session.scopes[scope.medium]
 
     def quarantine(self, scope_id: int) -> None:
-        """A scope with a bad checksum: its keys go at once; its space is never reused."""
+        """A scope with a bad checksum: its keys go at once; its space is never reused. A bad
+        replica takes only itself: its segments are read from SSD again."""
         scope = self.scopes.get(scope_id)
         if scope is None:
             return
-        for segment_id in scope.segments:
-            self.index.delete(self.segments.pop(segment_id).digests)
+        if scope.is_replica:
+            for segment_id in scope.segments:
+                segment = self.segments.get(segment_id)
+                if segment is not None:
+                    segment.replica = None
+        else:
+            for segment_id in scope.segments:
+                segment = self.segments.pop(segment_id)
+                self.index.delete(segment.digests)
+                self._free_replicas_of(segment)
         scope.segments.clear()
         scope.runs.runs.clear()  # the runs stay allocated: suspect media is not handed out again
         self._drop_scope(scope)

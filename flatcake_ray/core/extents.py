@@ -8,8 +8,9 @@ bytes into what it allocates.
   run is one single-extent file range).
 - :class:`MediumSpace`: the allocators of one medium, plus the rule that keeps a scope's
   segments contiguous without wasting a large file on a small chat scope: a new scope
-  reserves a run of ``max(2 x first segment, min_run)``; later segments fill the run, then
-  grow it in place if the bytes after it are free, else chain a new run twice as large.
+  reserves a run of ``max(2 x first segment, min_run)`` (exactly the segment when the
+  caller expects no continuation); later segments fill the run, then grow it in place if
+  the bytes after it are free, else chain a new run of ``max(2 x segment, min_run)``.
 """
 
 from __future__ import annotations
@@ -146,8 +147,12 @@ class MediumSpace:
     def region_of(self, offset: int) -> int:
         return offset // self.region_bytes
 
-    def place(self, scope: ScopeRuns, nbytes: int) -> int | None:
-        """Medium offset for a new segment of ``nbytes`` appended to ``scope``, or None."""
+    def place(self, scope: ScopeRuns, nbytes: int, *, reserve_ahead: bool = True) -> int | None:
+        """Medium offset for a new segment of ``nbytes`` appended to ``scope``, or None.
+
+        ``reserve_ahead=False`` takes exactly what the segment needs (DRAM read replicas:
+        they gain nothing from contiguity, and space held ahead would be space they take
+        from other replicas)."""
         if scope.runs:
             last = scope.runs[-1]
             if last.room < nbytes and self.allocators[last.allocator].extend(
@@ -158,8 +163,11 @@ class MediumSpace:
                 offset = last.start + last.used
                 last.used += nbytes
                 return offset
-        grown = 2 * scope.runs[-1].length if scope.runs else 2 * nbytes
-        for want in (max(grown, self.min_run), nbytes):
+        # Room ahead for about one more segment like this one. (Twice the last run, as this
+        # once was, held a whole first turn's size ahead for a chat's small second turn:
+        # 106 GiB of 451 GiB reserved in the Mooncake replay were never written.)
+        wants = (max(2 * nbytes, self.min_run), nbytes) if reserve_ahead else (nbytes,)
+        for want in wants:
             run = self._new_run(min(align_up(want), self.region_bytes))
             if run is not None and run.length >= nbytes:
                 run.used = nbytes

@@ -13,6 +13,12 @@ if TYPE_CHECKING:
 
 
 _GEOMETRY = ("layers", "page_bytes")
+_REPLICA_COUNTERS = (  # DRAM read replicas (core/replicas.py)
+    "replicas_written",
+    "replicas_refused",
+    "replica_scopes_dropped",
+    "replica_bytes_dropped",
+)
 
 
 def tenant_stats(catalog: Catalog) -> dict[str, Any]:
@@ -60,6 +66,7 @@ def store_stats(store: FlatCakeStore) -> dict[str, Any]:
         **store.counters,
         **{k: summed[k] for k in ("reclaimed_scopes", "reclaimed_bytes", "quarantined_scopes")},
         "forks": summed["forks"],
+        **{k: summed[k] for k in _REPLICA_COUNTERS},
         **store.manifest.report.counters(),
         "pages_indexed": pages,
         "index_bytes": summed["index_bytes"],

@@ -114,13 +114,11 @@ class SegmentWriter:
         failpoint("store.write_layer", layer=layer, medium=segment.medium)
         with state.lock:
             state.received[layer] = state.pages_new
-        start = self.layer_extent(state, layer)
+        self._count(layers_landed=1)
         if segment.medium is Medium.DRAM:
             if source is not None:
-                self.arena.write(start, source[: layout.layer_bytes])
-            extent = self.arena.view[start : start + layout.layer_bytes]
-            state.checksums[layer] = layer_checksums(extent, layout)
-            self._count(dram_bytes_written=layout.layer_bytes, layers_landed=1)
+                self.arena.write(self.layer_extent(state, layer), source[: layout.layer_bytes])
+            self._finish_dram_layer(state, layer)
             return
         assert source is not None
         aligned = source.nbytes >= layout.layer_stride and source.ctypes.data % ALIGN == 0
@@ -129,13 +127,10 @@ class SegmentWriter:
         try:
             if staging is not None:  # bytes of a call: O_DIRECT needs an aligned buffer
                 block[: layout.layer_bytes] = source[: layout.layer_bytes]
-            block[layout.layer_bytes :] = 0
-            state.checksums[layer] = layer_checksums(block, layout)
-            self.pool.write(start, block)
+            self._write_ssd_layer(state, layer, block)
         finally:
             if staging is not None:
                 staging.close()
-        self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1, layers_landed=1)
 
     def _place(self, state: WriteState, layer: int, first_new: int, pages: np.ndarray) -> None:
         """Put new pages ``[first_new, first_new + n)`` of ``layer`` where they belong."""
@@ -151,22 +146,36 @@ class SegmentWriter:
         state.staging[layer].array[at : at + pages.nbytes] = pages.reshape(-1)
 
     def _finish_layer(self, state: WriteState, layer: int) -> None:
-        segment = state.plan.segment
-        layout = segment.layout
-        start = segment.offset + layout.layer_offset(layer)
-        if segment.medium is Medium.DRAM:
-            extent = self.arena.view[start : start + layout.layer_bytes]
-            state.checksums[layer] = layer_checksums(extent, layout)
-            self._count(dram_bytes_written=layout.layer_bytes)
+        if state.plan.segment.medium is Medium.DRAM:
+            self._finish_dram_layer(state, layer)
             return
         staging = state.staging.pop(layer)
         try:
-            staging.array[layout.layer_bytes : layout.layer_stride] = 0
-            state.checksums[layer] = layer_checksums(staging.array, layout)
-            self.pool.write(start, staging.array[: layout.layer_stride])
+            self._write_ssd_layer(state, layer, staging.array)
         finally:
             staging.close()
+
+    def _finish_dram_layer(self, state: WriteState, layer: int) -> None:
+        """The layer's new pages are in the arena: their checksums."""
+        layout = state.plan.segment.layout
+        start = self.layer_extent(state, layer)
+        extent = self.arena.view[start : start + layout.layer_bytes]
+        state.checksums[layer] = layer_checksums(extent, layout)
+        self._count(dram_bytes_written=layout.layer_bytes)
+
+    def _write_ssd_layer(self, state: WriteState, layer: int, block: np.ndarray) -> None:
+        """``block`` (``layer_stride`` aligned bytes, the new pages first) to the drive with one
+        O_DIRECT command, and to the segment's DRAM read replica if it has one."""
+        layout = state.plan.segment.layout
+        replica = state.plan.replica  # a DRAM read replica of the same bytes (placement.py)
+        block[layout.layer_bytes : layout.layer_stride] = 0
+        state.checksums[layer] = layer_checksums(block, layout)
+        self.pool.write(self.layer_extent(state, layer), block[: layout.layer_stride])
         self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
+        if replica is not None:
+            at = replica.offset + layout.layer_offset(layer)
+            self.arena.write(at, block[: layout.layer_bytes])
+            self._count(dram_bytes_written=layout.layer_bytes)
 
     def commit(self, state: WriteState) -> np.ndarray:
         """Make the segment durable and its keys visible; returns the mask published."""

@@ -10,8 +10,11 @@ A request's life on the virtual clock:
    (a sibling's prefill may have brought the prefix meanwhile); DRAM pages (and host-staged
    SSD pages) cross the H2D link layer by layer, overlapped with compute; compute is the
    profile's prefill time of the uncached tokens.
-4. *done*: all its pages enter HBM; storage stores the new ones (FlatCake: plan_put now,
-   publish when the modelled write completes); the TTFT is recorded.
+4. *done*: all its pages enter HBM; storage stores the new ones; the TTFT is recorded.
+   FlatCake saves layer-wise, as the live store's ``begin_put``/``write_layer`` let an
+   engine do: the put is planned when the prefill starts, its writes run alongside it, and
+   its keys are published when both the writes and the prefill are done. Tiered systems
+   write through to DRAM, which the model makes visible when the prefill ends.
 
 Attribution of a request's reusable pages (those an infinite cache would hold), each to
 exactly one of: HBM, DRAM, SSD, miss. Pages in HBM past the reusable prefix (brought by a
@@ -21,9 +24,10 @@ part of the hit rate, whose denominator they are not in.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +61,9 @@ class Flight:
     prefetch_start: float = math.nan
     resubmitted: bool = False
     used: slice = field(default_factory=lambda: slice(0, 0))
+    # Request positions of the pages its prefetches read into its own KV slots (storage
+    # that keeps restored pages only): a second prefetch does not read them again.
+    restored: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class Replay:
@@ -70,6 +77,8 @@ class Replay:
     ) -> None:
         self.pages, self.arrivals, self.profile, self.spec = pages, arrivals, profile, spec
         placement = placement or PlacementConfig(page_tokens=profile.page_tokens)
+        if spec.dram_policy is not None:
+            placement = dataclasses.replace(placement, dram_policy=spec.dram_policy)
         self.storage: Storage = (
             FlatStorage(profile, spec, pages, placement, arrivals)
             if spec.storage == "flat"
@@ -95,6 +104,7 @@ class Replay:
                 "ssd_read_bytes_restore",
                 "ssd_read_bytes_promotion",
                 "ssd_bytes_delivered",
+                "ssd_read_bytes_hbm_covered",  # restored pages a sibling's prefill brought
                 "ssd_write_bytes",
                 "ssd_pages_written_distinct",
                 "h2d_bytes",
@@ -107,14 +117,14 @@ class Replay:
         )
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self._flights: dict[int, Flight] = {}
+        self._flights: dict[Hashable, Flight] = {}  # by request (the scheduler's ids)
         self._gpu_busy = False
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, on_done: Callable[[], None] | None = None) -> RequestRecords:
         for request, when in enumerate(self.arrivals):
             self._push(float(when), ARRIVE, request)
-        handlers = {
+        handlers: dict[int, Callable[[Any, float], None]] = {
             ARRIVE: self._arrive,
             PREFETCH_DONE: self._prefetch_done,
             PREFILL_DONE: self._prefill_done,
@@ -168,6 +178,9 @@ class Replay:
 
     def _read(self, flight: Flight, now: float) -> None:
         lengths = self.storage.ssd_reads(flight.located)
+        if self.storage.keeps_restored:
+            read = flight.hbm_prefix + np.flatnonzero(flight.located.unread())
+            flight.restored = np.union1d(flight.restored, read)
         flight.prefetch_start = now
         self.counters["ssd_read_bytes_restore"] += int(lengths.sum())
         self._push(self.ssd.submit(now, lengths), PREFETCH_DONE, flight.request)
@@ -189,6 +202,7 @@ class Replay:
         self._dispatch(now)
 
     def _staging_free(self, nbytes: int, now: float) -> None:
+        assert self.staging is not None  # only staged restores free staging
         for request in self.staging.release(nbytes):
             self._read(self._flights[request], now)
 
@@ -211,6 +225,7 @@ class Replay:
         used = slice(start, max(start, planned - flight.hbm_prefix))
         flight.used = used
         media = flight.located.media[used]
+        self.counters["ssd_read_bytes_hbm_covered"] += self._covered(flight, hbm) * self.page_bytes
         ssd_hits = int(np.count_nonzero(media))
         dram_hits = len(media) - ssd_hits
         self._attribute(request, hbm, dram_hits, ssd_hits)
@@ -229,30 +244,50 @@ class Replay:
         self.records.dispatch[request] = now
         self.records.compute_s[request] = compute
         self._push(now + service, PREFILL_DONE, request)
+        if self.storage.saves_during_prefill:  # layer-wise puts: each layer saved as computed
+            digests = self.pages.digests_for(request)
+            self._run_transfers(self.storage.store(request, digests, now), now, now + service)
         if flight.staged_bytes:
             self._push(now + copy, STAGING_FREE, flight.staged_bytes)
+
+    def _covered(self, flight: Flight, hbm: int) -> int:
+        """Pages this request read from SSD that its HBM prefix holds by the time it runs (a
+        sibling's or an earlier turn's prefill brought them): read, never delivered."""
+        if self.storage.keeps_restored:
+            return int(np.count_nonzero(flight.restored < hbm))
+        if math.isnan(flight.prefetch_start):
+            return 0
+        return int(np.count_nonzero(flight.located.media[: hbm - flight.hbm_prefix]))
 
     def _refresh(self, flight: Flight, hbm: int, now: float) -> bool:
         """Look storage up again as the request is dispatched (an engine matches its caches
         at schedule time): requests that were still running when this one arrived may have
-        stored more of its prefix since. If more is stored now and some of it is on SSD, the
-        request goes back for a prefetch (once; it queues as a new arrival, since the
-        scheduler's clock only moves forward) and True is returned. Otherwise it keeps the
-        data it prefetched, or, if it prefetched none, takes the fresher DRAM view."""
+        stored more of its prefix since. If more is stored now and some of it is on SSD and
+        not yet in the request's slots, the request goes back for a prefetch of just that
+        (once; it queues as a new arrival, since the scheduler's clock only moves forward)
+        and True is returned. Otherwise it keeps the data it prefetched, or takes the fresher
+        view when that needs no read (it prefetched none, or what it adds is in DRAM or was
+        read by its own earlier prefetch)."""
         digests = self.pages.digests_for(flight.request)
         fresh = self.storage.locate(flight.request, digests, hbm)
+        if flight.restored.size:
+            fresh.have = np.isin(hbm + np.arange(fresh.pages), flight.restored)
         planned = flight.hbm_prefix + flight.usable
-        grew = hbm + fresh.pages > planned and fresh.ssd_pages > 0
+        grew = hbm + fresh.pages > planned
         revoked = bool(self.records.revoked[flight.request])  # revoked means recomputed
-        if grew and not flight.resubmitted and not revoked:
+        if grew and fresh.ssd_pages_to_read and not flight.resubmitted and not revoked:
             self._drop_restore(flight, now)
             flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
             flight.resubmitted = True
             self.counters["resubmitted"] += 1
-            kv_bytes = fresh.ssd_pages * self.page_bytes
+            kv_bytes = fresh.ssd_pages_to_read * self.page_bytes
             self.scheduler.submit(flight.request, now, fresh.gvas, kv_bytes)
             self._start_prefetches(now)
             return True
+        if grew and fresh.have is not None and not fresh.ssd_pages_to_read and not revoked:
+            self._drop_restore(flight, now)  # the growth is in DRAM or already in its slots
+            flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
+            return False
         if flight.located.ssd_pages == 0:
             self._drop_restore(flight, now)
             flight.located, flight.hbm_prefix = fresh, hbm
@@ -284,14 +319,19 @@ class Replay:
         self.hbm.insert(digests)
         self.hbm.pin(flight.hbm_slots, -1)
         transfers = self.storage.release(request, flight.located, flight.used)
-        transfers += self.storage.store(request, digests, now)
+        if not self.storage.saves_during_prefill:
+            transfers += self.storage.store(request, digests, now)
         self._run_transfers(transfers, now)
         self.records.done[request] = now
         self.records.arrival[request] = flight.arrival
         self._dispatch(now)
 
     # ---- background transfers ------------------------------------------------------------
-    def _run_transfers(self, transfers: list[Transfer], now: float) -> None:
+    def _run_transfers(
+        self, transfers: list[Transfer], now: float, not_before: float = 0.0
+    ) -> None:
+        """Start ``transfers``; one with a token completes when its I/O is done, and not
+        before ``not_before`` (a put's keys never appear before its prefill has ended)."""
         for transfer in transfers:
             if transfer.kind == "ssd-write":
                 done = self.ssd.submit(now, transfer.lengths, write=True)
@@ -305,7 +345,7 @@ class Replay:
             else:
                 done = self.d2h.submit(now, int(transfer.lengths.sum()))
             if transfer.token is not None:
-                self._push(done, TRANSFER_DONE, transfer)
+                self._push(max(done, not_before), TRANSFER_DONE, transfer)
 
     def _transfer_done(self, transfer: Transfer, now: float) -> None:
         self.storage.complete(transfer)

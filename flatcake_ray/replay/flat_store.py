@@ -11,6 +11,7 @@ into slot-sized commands, as the pipeline streams it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,7 @@ import numpy as np
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
 from flatcake_ray.core.catalog import Catalog, PutHints
 from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
-from flatcake_ray.core.parts import lease_parts
+from flatcake_ray.core.parts import LeasePart, lease_parts
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.core.plan import MediumAccess, RestorePlan
 from flatcake_ray.core.runs import align_up
@@ -36,8 +37,11 @@ class OraclePlacement:
         self._inner = PlacementPolicy(config)
         self.pending = Placement(Medium.SSD, "oracle-ssd")
 
-    def decide(self, inputs: PlacementInputs, dram_has_room: bool = True) -> Placement:
+    def decide(self, inputs: PlacementInputs, **room: bool) -> Placement:
         return self.pending
+
+    def replicate(self, home: Placement) -> bool:
+        return False  # the oracle puts a page where it will be read; it needs no copies
 
     def infer_prior_reply(self, turn: int, appended_tokens: int) -> int | None:
         return self._inner.infer_prior_reply(turn, appended_tokens)
@@ -66,6 +70,9 @@ def store_config_for(
 
 
 class FlatStorage:
+    saves_during_prefill = True
+    keeps_restored = True
+
     def __init__(
         self,
         profile: Profile,
@@ -104,12 +111,15 @@ class FlatStorage:
             | node
             | (bases + lease.pages.astype(np.uint64) * np.uint64(self.profile.page_bytes))
         )
-        self._check_never_moved(segments)
+        self._check_never_moved(unique.tolist())
         return Located(media, gvas, lease)
 
     def ssd_reads(self, located: Located) -> np.ndarray:
-        """Byte lengths of the SSD read commands the live pipeline would issue."""
+        """Byte lengths of the SSD read commands the live pipeline would issue for the pages
+        the request does not have yet."""
         parts = [p for p in lease_parts(located.handle) if p.medium is Medium.SSD]
+        if located.have is not None:
+            parts = [p for p in (_without(p, located.have) for p in parts) if p.pages]
         if not parts:
             return np.zeros(0, dtype=np.int64)
         plan = RestorePlan(parts, self.profile.slot_bytes, {Medium.SSD: self.ssd_access})
@@ -117,9 +127,19 @@ class FlatStorage:
         return split_to_slots(np.concatenate(lengths), self.profile.slot_bytes)
 
     def release(self, request: int, located: Located, used: slice) -> list[Transfer]:
-        if located.handle is not None:
-            self.catalog.release(located.handle)
+        lease = located.handle
+        if lease is not None:
+            if used.stop > used.start:
+                self.counters.add("replica_hit_pages", self._replica_pages(lease, used))
+            self.catalog.release(lease)
         return []
+
+    def _replica_pages(self, lease: Any, used: slice) -> int:
+        replicas = [s for s, v in lease.segments.items() if v.scope_id != self._home_scope(s)]
+        return int(np.isin(lease.segment_ids[used], replicas).sum()) if replicas else 0
+
+    def _home_scope(self, segment_id: int) -> int:
+        return self.catalog.segments[segment_id].scope_id
 
     # ---- writes --------------------------------------------------------------------------
     def store(self, request: int, digests: np.ndarray, now: float) -> list[Transfer]:
@@ -138,10 +158,16 @@ class FlatStorage:
             return []
         layout = plan.segment.layout
         self.counters.add("puts_planned")
-        if plan.segment.medium is Medium.SSD:
-            lengths = np.full(layout.layers, layout.layer_stride, dtype=np.int64)
-            return [Transfer("ssd-write", lengths, plan, plan.segment.digests)]
-        return [Transfer("d2h", np.array([layout.nbytes]), plan, medium=Medium.DRAM)]
+        if self.oracle is None:
+            self._score_against_oracle(request, plan, now)
+        if plan.segment.medium is Medium.DRAM:
+            return [Transfer("d2h", np.array([layout.nbytes]), plan, medium=Medium.DRAM)]
+        lengths = np.full(layout.layers, layout.layer_stride, dtype=np.int64)
+        transfers = [Transfer("ssd-write", lengths, plan, plan.segment.digests)]
+        if plan.replica is not None:  # the bytes land in DRAM on their way to the drive
+            self.counters.add("pages_replicated", len(plan.new_positions))
+            transfers.insert(0, Transfer("d2h", np.array([layout.nbytes]), medium=Medium.DRAM))
+        return transfers
 
     def complete(self, transfer: Transfer) -> None:
         plan = transfer.token
@@ -161,6 +187,7 @@ class FlatStorage:
         first = self.pages.offsets[request]
         next_use = self.pages.next_use[first : first + len(digests)]
         reused = np.flatnonzero(next_use >= 0)
+        assert self.oracle is not None  # only the oracle system asks
         if not reused.size:
             self.counters.add("oracle_skipped_puts")
             return digests[:0]
@@ -179,9 +206,27 @@ class FlatStorage:
         )
         return digests[:keep]
 
-    def _check_never_moved(self, segments: list[Any]) -> None:
-        for segment in segments:
-            known = self.media_at_publish.get(segment.segment_id)
+    def _score_against_oracle(self, request: int, plan: Any, now: float) -> None:
+        """Count the put's pages that sit where the oracle would not put them: homed on DRAM
+        but not read again within the oracle's horizon, or only on SSD (no replica) though
+        read again within it. Pages never read again are counted apart (the oracle does not
+        store them at all)."""
+        first = self.pages.offsets[request]
+        next_use = self.pages.next_use[first + plan.new_positions]
+        reused = next_use >= 0
+        soon = np.zeros(len(next_use), dtype=bool)
+        soon[reused] = self.arrivals[next_use[reused]] - now <= self.spec.oracle_horizon_s
+        in_dram = plan.segment.medium is Medium.DRAM
+        dram_copy = in_dram or plan.replica is not None
+        self.counters.add("pages_scored", len(next_use))
+        self.counters.add("pages_never_reused", int((~reused).sum()))
+        self.counters.add("pages_dram_not_soon", int((~soon).sum()) if in_dram else 0)
+        self.counters.add("pages_ssd_only_soon", 0 if dram_copy else int(soon.sum()))
+
+    def _check_never_moved(self, segment_ids: list[int]) -> None:
+        for segment_id in segment_ids:
+            segment = self.catalog.segments[segment_id]  # the home copy, not a replica
+            known = self.media_at_publish.get(segment_id)
             if known is not None and known != (segment.medium, segment.offset):
                 self.counters.add("migrations")
 
@@ -209,3 +254,13 @@ def split_to_slots(lengths: np.ndarray, slot_bytes: int) -> np.ndarray:
     last = np.cumsum(pieces) - 1
     out[last] = lengths - (pieces - 1) * slot_bytes
     return out
+
+
+def _without(part: LeasePart, have: np.ndarray) -> LeasePart:
+    """``part`` less the pages whose request positions ``have`` marks."""
+    keep = ~have[part.dst_positions]
+    if keep.all():
+        return part
+    return dataclasses.replace(
+        part, src_pages=part.src_pages[keep], dst_positions=part.dst_positions[keep]
+    )

@@ -16,6 +16,12 @@ Definitions (one run):
   ``ssd_read_gb_s``: read bytes / run span.
 - ``prefetch_latency_s``: arrival -> SSD data in, over requests that read SSD (queueing for
   a window or staging included); ``prefetch_io_s``: read start -> data in.
+- ``misplaced_rate`` (FlatCake only): written pages on a medium the oracle would not pick
+  (homed on DRAM yet not read within the oracle's horizon, or only on SSD though read
+  within it) / written pages; ``never_reused_rate``: written pages never read again;
+  ``replica_hit_rate``: hits served by DRAM read replicas / reusable pages.
+- ``class_<c>_hit_rate`` / ``class_<c>_ttft_mean_s``: per session class, when the trace's
+  session names carry one (the synthetic mixed trace: agentic, chat, switch).
 """
 
 from __future__ import annotations
@@ -98,11 +104,43 @@ def summarize(replay: Any, wall_s: float) -> dict[str, Any]:
         "prefetch_io_s": _stat(records.prefetch_io, "mean"),
         "revoked_requests": counters["revoked_requests"],
         "revoked_pages": counters["revoked_pages"],
+        **_placement_scores(replay.storage.counters.values, reusable),
+        **_by_class(records, pages),
         "wall_s": wall_s,
         "storage": replay.storage.report(),
         "scheduler": _scheduler_stats(replay.scheduler),
         "counters": dict(counters),
     }
+
+
+def _placement_scores(counters: dict[str, int], reusable: float) -> dict[str, float]:
+    """FlatCake's placement against the oracle's choice (``FlatStorage``): the share of
+    written pages on a medium the oracle would not pick, and of pages never read again."""
+    scored = counters.get("pages_scored", 0)
+    misplaced = counters.get("pages_dram_not_soon", 0) + counters.get("pages_ssd_only_soon", 0)
+    return {
+        "misplaced_rate": _ratio(misplaced, scored),
+        "never_reused_rate": _ratio(counters.get("pages_never_reused", 0), scored),
+        "replica_hit_rate": _ratio(counters.get("replica_hit_pages", 0), reusable),
+    }
+
+
+def _by_class(records: RequestRecords, pages: Any) -> dict[str, float]:
+    """Hit rate and mean TTFT per session class, for traces whose session names say their
+    class (``agentic-3``, ``chat-12``, ``switch-1``: the synthetic mixed trace)."""
+    names = pages.session_names
+    classes = sorted({n.split("-")[0] for n in names if "-" in n})
+    if len(classes) < 2:
+        return {}
+    of_session = np.array([n.split("-")[0] for n in names] + [""])  # -1 (no session) -> ""
+    of_request = of_session[pages.sessions]
+    hits = records.hbm + records.dram + records.ssd
+    out: dict[str, float] = {}
+    for name in classes:
+        chosen = of_request == name
+        out[f"class_{name}_hit_rate"] = _ratio(hits[chosen].sum(), pages.reusable[chosen].sum())
+        out[f"class_{name}_ttft_mean_s"] = _stat(records.ttft[chosen], "mean")
+    return out
 
 
 def _scheduler_stats(scheduler: Any) -> dict[str, float]:

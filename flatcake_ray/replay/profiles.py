@@ -233,7 +233,7 @@ def get_profile(
     if capacity_scale != 1.0:
         if not capacity_scale > 0:
             raise ConfigError(f"capacity_scale must be > 0, got {capacity_scale}")
-        scaled = {
+        scaled: dict[str, Any] = {
             key: max(ALIGN, int(getattr(profile, key) * capacity_scale) // ALIGN * ALIGN)
             for key in ("dram_bytes", "ssd_bytes")
         }

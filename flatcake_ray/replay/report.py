@@ -24,6 +24,16 @@ COLUMNS = (
 )
 
 
+CLASS_COLUMNS = tuple(
+    (f"{name} {title}", f"class_{name}_{key}", scale, digits)
+    for name in ("agentic", "chat", "switch")
+    for title, key, scale, digits in (
+        ("hit %", "hit_rate", 100.0, 1),
+        ("TTFT s", "ttft_mean_s", 1.0, 2),
+    )
+)
+
+
 def _cell(entry: dict[str, float], scale: float, digits: int, spread: bool) -> str:
     mean = entry["mean"] * scale
     text = f"{mean:,.{digits}f}"
@@ -32,18 +42,30 @@ def _cell(entry: dict[str, float], scale: float, digits: int, spread: bool) -> s
     return text
 
 
-def markdown_table(result: dict[str, Any]) -> str:
+def markdown_table(result: dict[str, Any], columns: tuple = COLUMNS) -> str:
     """One row per (system, x): means over seeds, ± the sample std where seeds differ."""
     x_name = result["x_name"]
-    header = ["system", x_name, "seeds", *(title for title, *_ in COLUMNS)]
+    columns = tuple(c for c in columns if all(c[1] in row for row in result["summary"]))
+    header = ["system", x_name, "seeds", *(title for title, *_ in columns)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     rows = sorted(result["summary"], key=lambda s: (_sort_key(s["x"]), s["system"]))
     spread = any(row["seeds"] > 1 for row in rows)
     for row in rows:
         cells = [row["system"], _x_text(row["x"]), str(row["seeds"])]
-        cells += [_cell(row[key], scale, digits, spread) for _, key, scale, digits in COLUMNS]
+        cells += [_cell(row[key], scale, digits, spread) for _, key, scale, digits in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def merge_results(
+    result: dict[str, Any], other: dict[str, Any], systems: tuple[str, ...]
+) -> dict[str, Any]:
+    """``result`` plus the runs of ``systems`` from ``other`` at the same x values (one
+    table of variants measured beside runs made for another table)."""
+    xs = {row["x"] for row in result["summary"]}
+    chosen = [r for r in other["summary"] if r["system"] in systems and r["x"] in xs]
+    runs = [r for r in other["runs"] if r["system"] in systems and r["x"] in xs]
+    return {**result, "summary": result["summary"] + chosen, "runs": result["runs"] + runs}
 
 
 def _sort_key(x: Any) -> float:

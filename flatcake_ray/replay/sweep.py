@@ -52,7 +52,8 @@ def run_one(
 
 def _placement(profile: Profile, tau: int | None, l_agent: int | None) -> PlacementConfig:
     base = PlacementConfig(page_tokens=profile.page_tokens)
-    changes = {k: v for k, v in (("tau_tokens", tau), ("l_agent_tokens", l_agent)) if v}
+    pairs = (("tau_tokens", tau), ("l_agent_tokens", l_agent))
+    changes: dict[str, Any] = {k: v for k, v in pairs if v}
     return dataclasses.replace(base, **changes)
 
 
@@ -180,7 +181,7 @@ def run_placement_sweep(
     resolved = get_profile(profile, profile_overrides, capacity_scale)
     pages = build_pages(as_trace(trace, limit), resolved.page_tokens)
     base = PlacementConfig(page_tokens=resolved.page_tokens)
-    cases = [(v, pages, dataclasses.replace(base, **{parameter: int(v)}), qps) for v in values]
+    cases = [(v, pages, _with(base, parameter, int(v)), qps) for v in values]
     config = _config(trace, systems, arrival_mode, capacity_scale, base, pages)
     return _sweep(parameter, cases, systems, resolved, seeds, arrival_mode, progress, config)
 
@@ -237,3 +238,8 @@ def _config(
         "capacity_scale": capacity_scale,
         "placement": dataclasses.asdict(placement),
     }
+
+
+def _with(base: PlacementConfig, parameter: str, value: int) -> PlacementConfig:
+    changes: dict[str, Any] = {parameter: value}
+    return dataclasses.replace(base, **changes)

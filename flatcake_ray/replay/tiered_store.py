@@ -1,10 +1,12 @@
-"""Tiered storage in the model (recompute, dram-only, tiered, tiered-gds, tiered-tuned).
+"""Tiered storage in the model (recompute, dram-only, tiered, tiered-gds, tiered-tuned,
+tiered-aware).
 
 One class, switched by :class:`SystemSpec`: a DRAM :class:`PageLru` written through on every
 prefill (SGLang HiCache's write-through L2), optionally backed by a :class:`FifoBucketSsd`
 that receives DRAM's evictions (a page already on SSD keeps its copy and is not rewritten).
 SSD reads go through the live :func:`coalesce`: page objects (host-staged path), or one
-descriptor per (page, layer) submitted layer by layer (GDS path).
+descriptor per (page, layer) submitted layer by layer (GDS path). ``tiered-aware`` swaps the
+DRAM LRU for eviction and admission by predicted reuse (``aware.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from flatcake_ray.config import ALIGN, StoreConfig
 from flatcake_ray.core.coalesce import coalesce
 from flatcake_ray.core.gva import SSD_FLOOR, Medium
+from flatcake_ray.replay.aware import PredictedLru, ReusePredictor
 from flatcake_ray.replay.pages import TracePages
 from flatcake_ray.replay.profiles import Profile
 from flatcake_ray.replay.systems import Located, StorageCounters, SystemSpec, Transfer
@@ -25,13 +28,21 @@ _DEFAULTS = StoreConfig(root="replay-model", layers=1, page_bytes=1)  # gap / ma
 
 
 class TieredStorage:
+    saves_during_prefill = False
+    keeps_restored = False
+
     def __init__(self, profile: Profile, spec: SystemSpec, pages: TracePages) -> None:
         self.profile = profile
         self.spec = spec
         self.pages = pages
         self.object_bytes = -(-profile.page_all_layers_bytes // ALIGN) * ALIGN
         dram_pages = profile.dram_rank_bytes // self.object_bytes if spec.dram else 0
-        self.dram = PageLru(dram_pages)
+        self.predictor = ReusePredictor(len(pages.session_names))
+        self.dram = (
+            PredictedLru(dram_pages, self.predictor)
+            if spec.dram_order == "predicted"
+            else PageLru(dram_pages)
+        )
         self.ssd = (
             FifoBucketSsd(profile.ssd_rank_bytes, spec.fifo_buckets, self.object_bytes)
             if spec.ssd
@@ -109,9 +120,24 @@ class TieredStorage:
 
     # ---- writes --------------------------------------------------------------------------
     def store(self, request: int, digests: np.ndarray, now: float) -> list[Transfer]:
+        session = int(self.pages.sessions[request])
+        first_turn = np.isnan(self.predictor.last[session]) if session >= 0 else True
+        self.predictor.observe(session, now)
         if not self.dram.capacity or not len(digests):
             return []
+        if isinstance(self.dram, PredictedLru):
+            self.dram.now = now
+            if first_turn and not self.dram.admits_first_turn(len(digests)):
+                return self._bypass_dram(digests, session)
         return self._into_dram(digests, request, written=True)
+
+    def _bypass_dram(self, digests: np.ndarray, session: int) -> list[Transfer]:
+        """Admission refused: the pages go straight to the SSD tier (if there is one)."""
+        self.counters.add("pages_not_admitted", len(digests))
+        if self.ssd is None:
+            return []
+        offsets, written = self.ssd.append(digests, np.full(len(digests), session))
+        return [self._write(offsets, written)] if len(offsets) else []
 
     def _into_dram(self, digests: np.ndarray, request: int, written: bool) -> list[Transfer]:
         found, _ = self.dram.slots(digests)
@@ -124,13 +150,14 @@ class TieredStorage:
             )
         self.counters.add("dram_evictions", len(evicted))
         if self.ssd is not None and len(evicted):
-            offsets, written = self.ssd.append(evicted, owners)
+            offsets, demoted = self.ssd.append(evicted, owners)
             if len(offsets):
                 self.counters.add("pages_demoted", len(offsets))
-                transfers.append(self._write(offsets, written))
+                transfers.append(self._write(offsets, demoted))
         return transfers
 
     def _write(self, pool_offsets: np.ndarray, digests: np.ndarray) -> Transfer:
+        assert self.ssd is not None  # only a system with an SSD tier writes to it
         lengths = np.full(len(pool_offsets), self.object_bytes, dtype=np.int64)
         # Objects appended together are contiguous in their bucket: one command per run.
         buckets = pool_offsets // max(self.ssd.bucket_bytes, 1)
