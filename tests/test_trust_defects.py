@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.tenants import Tenant, secret_hash
@@ -26,6 +25,7 @@ from flatcake_ray.errors import (
     StoreWriteError,
 )
 from flatcake_ray.node.store import FlatCakeStore
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 SSD = PutHints(turn=1)
 
