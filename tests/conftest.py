@@ -10,6 +10,10 @@ import tempfile
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Services the tests start (their nodes inherit it) home SSD pages on SSD and read them there:
+# the SSD paths are what these tests check. DRAM read replicas (the default policy) are tested
+# on their own, in process (test_replicas.py, test_replay_live.py).
+os.environ.setdefault("FLATCAKE_DRAM_POLICY", "table2")
 
 import numpy as np
 import pytest
@@ -71,3 +75,15 @@ def make_store(tmp_path):
 def random_kv(pages: int, seed: int = 0, layers: int = LAYERS, page_bytes: int = PAGE_BYTES):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, size=(layers, pages, page_bytes), dtype=np.uint8)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_ray_left_attached():
+    """A module whose own teardown failed must not leave this process attached to its cluster:
+    every later module would then fail to start its own (``ray.init`` twice)."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

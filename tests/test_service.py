@@ -130,9 +130,6 @@ def remove_leftover_arenas(root) -> None:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("service"))
-    # The nodes inherit it: SSD-homed pages are read from SSD (the SSD paths are under test),
-    # no DRAM read replicas in front of them.
-    os.environ["FLATCAKE_DRAM_POLICY"] = "table2"
     system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     head = {"num_cpus": 1, "include_dashboard": False, "_system_config": system}
     cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -159,7 +156,6 @@ def deployment(tmp_path_factory):
     cluster.shutdown()
     shutil.rmtree(root, ignore_errors=True)
     remove_leftover_arenas(root)
-    os.environ.pop("FLATCAKE_DRAM_POLICY", None)
 
 
 def other(deployment, node_id: int):

@@ -50,8 +50,6 @@ def ray_client(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("contract-service")
     os.environ["FLATCAKE_FAILPOINTS_REMOTE"] = "1"  # the nodes inherit it: tests arm faults
-    # SSD-homed pages are read from SSD, as in small_config: no DRAM read replicas.
-    os.environ["FLATCAKE_DRAM_POLICY"] = "table2"
     head = {"num_cpus": 1, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(2):
@@ -82,7 +80,6 @@ def ray_client(tmp_path_factory):
     ray.shutdown()
     cluster.shutdown()
     os.environ.pop("FLATCAKE_FAILPOINTS_REMOTE", None)
-    os.environ.pop("FLATCAKE_DRAM_POLICY", None)
     shutil.rmtree(root, ignore_errors=True)
     slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
     for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):

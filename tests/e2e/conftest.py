@@ -11,9 +11,6 @@ import os
 
 # vLLM and Ray read these at import or start.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# These suites prove the SSD paths (asynchronous loads, SSD bytes read): SSD-homed pages are
-# read from SSD, with no DRAM read replica in front of them (docs/placement.md).
-os.environ.setdefault("FLATCAKE_DRAM_POLICY", "table2")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function

@@ -15,9 +15,6 @@ import pytest
 
 # vLLM reads these at import: CPU platform, no usage reporting.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# These suites prove the SSD paths (asynchronous loads, SSD bytes read): SSD-homed pages are
-# read from SSD, with no DRAM read replica in front of them (docs/placement.md).
-os.environ.setdefault("FLATCAKE_DRAM_POLICY", "table2")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 # The harness is a one-process engine (scheduler and worker side by side); without this,
