@@ -94,8 +94,9 @@ $(PEERS_STAMP): pyproject.toml constraints.txt requirements-peers.txt
 	$(PEERS)/bin/pip install -q -c constraints.txt --no-deps lmcache==0.5.6
 	touch $(PEERS_STAMP)
 
+# table2: the SSD rows read SSD homes (a DRAM read replica would turn them into DRAM reads).
 bench-peers: $(PEERS_STAMP)
-	$(PEERS)/bin/python -m benchmarks.peers --write-md BENCHMARKS.md
+	FLATCAKE_DRAM_POLICY=table2 $(PEERS)/bin/python -m benchmarks.peers --write-md BENCHMARKS.md
 
 clean:
 	rm -rf $(VENV) $(ENGINES) $(E2E) $(PEERS) build dist *.egg-info
