@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -78,12 +79,14 @@ def random_kv(pages: int, seed: int = 0, layers: int = LAYERS, page_bytes: int =
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_ray_left_attached():
-    """A module whose own teardown failed must not leave this process attached to its cluster:
-    every later module would then fail to start its own (``ray.init`` twice)."""
+def _no_ray_left_attached(request):
+    """A unit module whose own teardown failed must not leave this process attached to its
+    cluster: every later module would then fail to start its own (``ray.init`` twice). Not
+    for the engine suites below this folder, whose session fixtures share one Ray."""
     yield
     import sys
 
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    unit_module = Path(request.module.__file__).parent == Path(__file__).parent
+    if unit_module and ray is not None and ray.is_initialized():
         ray.shutdown()
