@@ -272,6 +272,7 @@ def stop(namespace: str, secret: str | None = None, timeout_s: float = 30.0) -> 
     stopped = 0
     coordinator = _actor(COORDINATOR_NAME, namespace)
     if coordinator is not None:
+        _answers(coordinator, time.monotonic() + timeout_s)  # Ray may be restarting it
         _unwrapped(coordinator.info.remote(secret), timeout_s)  # the secret is the service's
     handles = [h for h in (_actor(n, namespace) for n in _named(namespace)) if h is not None]
     refs = [h.shutdown.remote(secret) for h in handles]
