@@ -134,19 +134,15 @@ def run_service_restores(root: str) -> dict[str, Any]:
     """The Ray service on a local two-node Ray cluster it starts itself (127.0.0.1): one
     session per medium written on node A, restored on A and on B, with each path's limit
     measured beside it (the cross-node restore benchmark at demo size)."""
-    from flatcake_ray.cli.bench import run_bench
+    from flatcake_ray.cli.bench import add_bench_arguments, run_bench
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # stay on loopback
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    args = argparse.Namespace(
-        nodes=2,
-        pages=512,
-        layers=LAYERS,
-        page_bytes=str(PAGE_BYTES),
-        repeats=2,
-        address=None,
-        root=os.path.join(root, "service"),
-    )
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)  # every option the benchmark reads, at its default
+    demo_size = ["--pages", "512", "--layers", str(LAYERS), "--page-bytes", str(PAGE_BYTES)]
+    where = ["--root", os.path.join(root, "service")]
+    args = parser.parse_args([*demo_size, "--repeats", "2", *where])
     return run_bench(args)
 
 
