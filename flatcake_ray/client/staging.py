@@ -12,7 +12,6 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +34,6 @@ class SharedSegment:
             os.close(self.fd)
             raise
         self.view = np.frombuffer(self._map, dtype=np.uint8)
-        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
-        self.token = uuid.uuid4().hex  # fd numbers are reused; this names this segment
         self.allocator = ExtentAllocator(0, self.nbytes)
 
     def close(self) -> None:

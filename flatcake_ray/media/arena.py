@@ -137,14 +137,3 @@ class DramArena:
         finally:
             os.close(fd)
         return mapping, np.frombuffer(mapping, dtype=np.uint8)
-
-
-def map_shared_readonly(path: str, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map another process's shared memory read-only and shared (a client's put staging,
-    which it keeps writing after this mapping is made)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
-    return mapping, np.frombuffer(mapping, dtype=np.uint8)
