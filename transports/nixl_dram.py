@@ -5,7 +5,7 @@ Owner (StorageNode): ``NixlArenaExporter(name, arena)`` registers the arena once
 Reader: ``NixlDramTransport(local_agent, peer_info)`` reads a :class:`ReadBatch` of arena
 ranges with one NIXL transfer, one descriptor per range. On RDMA-capable UCX transports the
 owner's CPU takes no part; over TCP UCX emulates READ with the owner's progress thread.
-``nixl_file.NixlFileReader`` (POSIX backend) reads file ranges through the same agent code.
+Puts go the other way through the same agent code: ``nixl_write.NixlDramWriter`` (WRITE).
 
 UCX reads ``UCX_TLS``/``UCX_NET_DEVICES`` when an agent is created (tests pin
 ``UCX_NET_DEVICES=lo``); an empty ``UCX_TLS`` makes UCX refuse to start. Importing nixl
