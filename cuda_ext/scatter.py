@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from flatcake_ray.core.runs import run_bounds
@@ -329,15 +330,18 @@ def _copy_layer_host(staging: torch.Tensor, ids: torch.Tensor, target: _Target) 
 
     ``index_copy_`` walks elements and measured 40-825 MB/s here against GB/s for memcpy; a
     restore's pages usually go to runs of consecutive slots, so copy runs as slices. The
-    result is bit-identical to the reference (tests compare them).
+    slices are copied by numpy, not ``Tensor.copy_``: on the same bytes torch's copy ran at
+    0.4-0.6 of ``np.copyto`` here (4.6 vs 7.7 GB/s, 224 MB). The result is bit-identical to
+    the reference (tests compare them).
     """
     bits = BIT_VIEWS[target.view.element_size()]
     slots = target.view.view(bits)
     pages = staging.reshape(-1).view(torch.uint8).view(bits).view(ids.numel(), *slots.shape[1:])
+    slot_array, page_array = slots.numpy(), pages.numpy()  # views of the same memory
     slot_numbers = ids.numpy()
     for start, end in run_bounds(slot_numbers):
         first = int(slot_numbers[start])
-        slots[first : first + end - start].copy_(pages[start:end])
+        np.copyto(slot_array[first : first + end - start], page_array[start:end])
 
 
 def _copy_offsets_torch(staging: torch.Tensor, offsets: torch.Tensor, target: _Target) -> None:

@@ -37,3 +37,15 @@ def test_distinct_namespace_key_pairs_get_distinct_digests(first, second):
 def test_text_that_is_not_unicode_is_a_typed_error(namespace, key):
     with pytest.raises(InvalidKeyError):
         digest_keys(namespace, [key])
+
+
+@given(st.lists(st.text(min_size=1), min_size=1, max_size=20), st.integers(0, 19))
+def test_a_keys_digest_does_not_depend_on_the_other_keys_of_its_request(keys, at):
+    # All-str requests take a faster path than mixed ones: both must give the same digests.
+    mixed = [*keys[: at % len(keys)], b"bytes-key", *keys[at % len(keys) :]]
+    text_only = digest_keys("tenant", keys)
+    with_bytes = digest_keys("tenant", mixed)
+    cut = at % len(keys)
+    assert (text_only[:cut] == with_bytes[:cut]).all()
+    assert (text_only[cut:] == with_bytes[cut + 1 :]).all()
+    assert (digest_keys("tenant", tuple(keys)) == text_only).all()

