@@ -5,6 +5,10 @@
   local-SSD transport's code) into a region of a NIXL-registered bounce buffer, and the
   reader fetches the region with one NIXL READ, then frees it. Regions expire after a TTL,
   so a reader that died does not hold the buffer.
+- :meth:`ShipBuffer.stream`: the same for a whole restore in one call (a Ray streaming
+  generator): the node reads window after window into free regions and yields each region
+  as soon as it is filled, so its SSD reads run ahead of the reader's fetches, bounded by
+  the buffer (a full buffer waits for the reader's ``unship``, until a deadline).
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from flatcake_ray.core.runs import align_up
-from flatcake_ray.errors import ReadRangeError, ShipBufferFullError
+from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferTimeoutError
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.transports.base import ReadBatch
@@ -100,7 +105,13 @@ class ShipBuffer:
         self.reader = LocalSsdTransport(pool)
         self.exporter: Any = None  # a NixlArenaExporter of ``buffer`` once exported
         self._lock = threading.Lock()
-        self.counters = {"ships": 0, "shipped_bytes": 0, "ship_io_commands": 0}
+        self._freed = threading.Condition(self._lock)  # a region went back: a stream may go on
+        self._running: set[tuple[str, int]] = set()  # (owner, stream id) of live streams
+        self._stopped: set[tuple[str, int]] = set()  # live streams their readers gave up
+        self.counters = {
+            **{"ships": 0, "shipped_bytes": 0, "ship_io_commands": 0},
+            **{"ship_streams": 0, "ship_stream_waits": 0},
+        }
 
     def export(self, agent: Any) -> Any:
         """Register the buffer on the node's exporter agent; returns its NixlPeerInfo."""
@@ -110,27 +121,94 @@ class ShipBuffer:
         return self.exporter.peer_info()
 
     def ship(self, src_offsets: np.ndarray, lengths: np.ndarray, owner: str = "") -> ShipReply:
-        lengths = np.asarray(lengths, dtype=np.int64)
-        total = int(lengths.sum())
-        if total > self.buffer.nbytes:
-            raise ReadRangeError(f"{total} bytes asked, the ship buffer holds {self.buffer.nbytes}")
+        total = self._fits(lengths)
         with self._lock:
             region_id, start = self.regions.allocate(total, owner)
-            try:
-                stats = self.reader.read(
-                    ReadBatch.packed(src_offsets, lengths, start), self.buffer.array
-                )
-            except BaseException:
-                self.regions.free(region_id, owner)
-                raise
-            self.counters["ships"] += 1
-            self.counters["shipped_bytes"] += total
-            self.counters["ship_io_commands"] += stats.commands
+            return self._fill(region_id, start, src_offsets, lengths, owner)
+
+    def _fits(self, lengths: np.ndarray) -> int:
+        total = int(np.asarray(lengths, dtype=np.int64).sum())
+        if total > self.buffer.nbytes:
+            raise ReadRangeError(f"{total} bytes asked, the ship buffer holds {self.buffer.nbytes}")
+        return total
+
+    def _fill(
+        self, region_id: int, start: int, src_offsets: np.ndarray, lengths: np.ndarray, owner: str
+    ) -> ShipReply:
+        """Read the ranges into the region (caller holds the lock); frees it on failure."""
+        try:
+            stats = self.reader.read(
+                ReadBatch.packed(src_offsets, lengths, start), self.buffer.array
+            )
+        except BaseException:
+            self.regions.free(region_id, owner)
+            raise
+        total = int(np.asarray(lengths).sum())
+        self.counters["ships"] += 1
+        self.counters["shipped_bytes"] += total
+        self.counters["ship_io_commands"] += stats.commands
         return ShipReply(region_id, start, total, stats.commands)
+
+    def stream(
+        self,
+        windows: list[tuple[np.ndarray, np.ndarray]],
+        owner: str,
+        stream_id: int,
+        deadline_s: float,
+        check: Callable[[np.ndarray, np.ndarray], None],
+    ) -> Iterator[ShipReply]:
+        """Each window's ranges read into a region, yielded as it is filled; ``check`` (the
+        lease check) runs right before each read. A window waits for a free region at most
+        ``deadline_s`` (TransferTimeoutError); :meth:`stop` ends the stream early."""
+        key = (owner, stream_id)
+        with self._lock:
+            if key in self._running:
+                raise ReadRangeError(f"stream {stream_id} is already running")
+            self._running.add(key)
+            self.counters["ship_streams"] += 1
+        try:
+            for src_offsets, lengths in windows:
+                total = self._fits(lengths)
+                with self._lock:
+                    found = self._wait_for_region(total, owner, key, time.monotonic() + deadline_s)
+                    if found is None:
+                        return  # the reader stopped the stream
+                    check(src_offsets, lengths)
+                    reply = self._fill(*found, src_offsets, lengths, owner)
+                yield reply
+        finally:
+            with self._lock:
+                self._running.discard(key)
+                self._stopped.discard(key)
+
+    def _wait_for_region(
+        self, nbytes: int, owner: str, key: tuple[str, int], deadline: float
+    ) -> tuple[int, int] | None:
+        """A region for a stream (caller holds the lock), or None once the stream is stopped."""
+        while key not in self._stopped:
+            try:
+                return self.regions.allocate(nbytes, owner)
+            except ShipBufferFullError as exc:
+                self.counters["ship_stream_waits"] += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"the ship buffer stayed full: {exc}") from exc
+                self._freed.wait(min(left, 0.05))  # TTL expiry frees without a notify
+        return None
+
+    def stop(self, owner: str, stream_id: int) -> None:
+        """The reader of ``stream_id`` gave up: the stream yields nothing more (the regions
+        it already yielded are the reader's to unship)."""
+        with self._lock:
+            if (owner, stream_id) in self._running:
+                self._stopped.add((owner, stream_id))
+                self._freed.notify_all()
 
     def unship(self, region_id: object, owner: str = "") -> bool:
         with self._lock:
-            return self.regions.free(region_id, owner)
+            freed = self.regions.free(region_id, owner)
+            self._freed.notify_all()
+            return freed
 
     def read_ssd(self, src_offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """The object-store fallback: ranges packed into a fresh array (no NIXL)."""

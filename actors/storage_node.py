@@ -19,7 +19,8 @@ and its ship buffer over NIXL (``actors/node_exports.py``), and answers:
   put path, ``PutHandle``) whose bytes the client writes into memory this node hands out: the
   arena in place for DRAM, landing slots for SSD (``actors/node_puts.py``).
 - ``ship``/``unship`` and ``read_ranges`` (the labelled object-store fallback): bytes of
-  ranges the caller's tenant holds a lease on, at most ``ship_bytes`` per call.
+  ranges the caller's tenant holds a lease on, at most ``ship_bytes`` per call;
+  ``ship_stream``/``ship_stop``: a whole restore's shipped windows in one streaming call.
 
 A plain class: ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
 """
@@ -31,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from flatcake_ray import failpoints
 from flatcake_ray.actors.auth import Gate, default_tenant
 from flatcake_ray.actors.homes import HomeDirectory, check_first
 from flatcake_ray.actors.landing import LandingArea
+from flatcake_ray.actors.leased_bytes import LeasedBytes
 from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.membership import Membership
 from flatcake_ray.actors.node_exports import NodeExports
@@ -53,18 +56,15 @@ from flatcake_ray.actors.protocol import (
 )
 from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
 from flatcake_ray.actors.supervision import DramHeld, Supervision
-from flatcake_ray.actors.wire import check_ranges, check_request, scope_ids
+from flatcake_ray.actors.wire import check_request, scope_ids
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
-from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
-from flatcake_ray.errors import ReadRangeError, ServiceError, ShapeError
+from flatcake_ray.errors import ServiceError, ShapeError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.store import FlatCakeStore
-from flatcake_ray.transports.base import ReadBatch
-from flatcake_ray.transports.local_dram import LocalDramTransport
 
 log = logging.getLogger(__name__)
 _COUNTERS = (
@@ -111,6 +111,13 @@ class StorageNode:
         self.puts = NodePuts(self.store, landing, self.counters)
         self.exports = NodeExports(self.node_id, self.store.arena, self.ship_buffer, landing)
         self.puts.arena_peer = self.exports.arena_peer
+        self.leased_bytes = LeasedBytes(
+            config,
+            self.ship_buffer,
+            lambda tenant, medium: self.leases.ranges(tenant, medium, self.store.lease_runs),
+            lambda: self.store.arena.view,
+            self.counters,
+        )
         self._stop = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, daemon=True)
         self._reporter.start()
@@ -347,41 +354,30 @@ class StorageNode:
         self.puts.abort(self._tenant(secret).name, put_id)
 
     # ---- bytes of leased ranges: shipped SSD reads and the object-store fallback ------------
-    def _leased(self, tenant: str, medium: Medium, offsets: Any, lengths: Any) -> ReadBatch:
-        """The packed reads of ranges ``tenant`` holds leases on (at most ``ship_bytes``)."""
-        src, sizes = check_ranges(offsets, lengths, self.config.ship_bytes)
-        allowed = self.leases.ranges(tenant, medium, self.store.lease_runs)
-        for start, length in zip(src.tolist(), sizes.tolist(), strict=True):
-            if not allowed.covers(start, length):
-                self.counters["ranges_refused"] += 1
-                raise ReadRangeError(
-                    f"{medium.name} range {start}+{length} is in no lease this tenant holds"
-                )
-        return ReadBatch.packed(src, sizes)
-
     def ship(self, secret: object, src_offsets: Any, lengths: Any) -> ShipReply:
-        tenant = self._tenant(secret).name
-        batch = self._leased(tenant, Medium.SSD, src_offsets, lengths)
-        return self.ship_buffer.ship(batch.src_offsets, batch.lengths, tenant)
+        return self.leased_bytes.ship(self._tenant(secret).name, src_offsets, lengths)
 
     def unship(self, secret: object, region_id: object) -> bool:
         return self.ship_buffer.unship(region_id, self._tenant(secret).name)
+
+    def ship_stream(
+        self, secret: object, stream_id: object, src_offsets: Any, lengths: Any, counts: Any
+    ) -> Iterator[ShipReply]:
+        """A Ray streaming generator: a whole restore's windows (``counts[i]`` ranges each),
+        each yielded as soon as it is read into a region (see ``ShipBuffer.stream``)."""
+        tenant = self._tenant(secret).name
+        yield from self.leased_bytes.stream(tenant, stream_id, src_offsets, lengths, counts)
+
+    def ship_stop(self, secret: object, stream_id: object) -> None:
+        if isinstance(stream_id, int) and not isinstance(stream_id, bool):
+            self.ship_buffer.stop(self._tenant(secret).name, stream_id)
 
     def read_ranges(
         self, secret: object, medium: Any, src_offsets: Any, lengths: Any
     ) -> np.ndarray:
         """LAST RESORT (object-store fallback): the ranges' bytes, packed, as the reply."""
         tenant = self._tenant(secret).name
-        known = (int(Medium.DRAM), int(Medium.SSD))  # an int first: an array has no truth
-        if not isinstance(medium, int) or isinstance(medium, bool) or medium not in known:
-            raise ReadRangeError(f"no medium {medium!r}")
-        batch = self._leased(tenant, Medium(medium), src_offsets, lengths)
-        self.counters["fallback_reads"] += 1
-        if Medium(medium) is Medium.SSD:
-            return self.ship_buffer.read_ssd(batch.src_offsets, batch.lengths)
-        out = np.empty(batch.total_bytes, dtype=np.uint8)
-        LocalDramTransport(self.store.arena.view).read(batch, out)
-        return out
+        return self.leased_bytes.read_ranges(tenant, medium, src_offsets, lengths)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self, service_secret: object) -> None:

@@ -17,6 +17,7 @@ from flatcake_ray.errors import InvalidKeyError, ReadRangeError, ShapeError
 
 MAX_KEYS = 1 << 20  # pages one call may name
 MAX_RANGES = 1 << 20  # ranges one read call may name
+MAX_WINDOW_BYTES = 1 << 48  # a stream's total is bounded by its leases, not by a reply
 
 
 def check_request(keys: Any, namespace: Any, hints: Any = None) -> None:
@@ -52,6 +53,25 @@ def check_ranges(offsets: Any, lengths: Any, max_bytes: int) -> tuple[np.ndarray
     if total > max_bytes:
         raise ReadRangeError(f"{total} bytes asked in one call; at most {max_bytes}")
     return src, sizes
+
+
+def check_windows(
+    offsets: Any, lengths: Any, counts: Any, max_window: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A stream's windows: ``counts[i]`` consecutive ranges each, every window at most
+    ``max_window`` bytes (a region of the ship buffer), every range checked as a read's."""
+    src, sizes = check_ranges(offsets, lengths, MAX_WINDOW_BYTES)
+    per_window = _int_array(counts, "counts")
+    if not len(per_window) or (per_window <= 0).any() or int(per_window.sum()) != len(src):
+        raise ReadRangeError(
+            f"window counts {per_window.tolist()[:8]} do not cover {len(src)} ranges"
+        )
+    cuts = np.cumsum(per_window)[:-1]
+    windows = list(zip(np.split(src, cuts), np.split(sizes, cuts), strict=True))
+    biggest = max(int(w[1].sum()) for w in windows)
+    if biggest > max_window:
+        raise ReadRangeError(f"a window of {biggest} bytes; at most {max_window}")
+    return windows
 
 
 def scope_ids(value: Any) -> set[int]:

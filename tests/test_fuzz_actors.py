@@ -103,6 +103,8 @@ NODE_TENANT_CALLS = {
     "abort_put": 1,
     "ship": 2,
     "unship": 1,
+    "ship_stream": 4,
+    "ship_stop": 1,
     "read_ranges": 3,
 }
 NODE_SERVICE_CALLS = {
@@ -211,7 +213,13 @@ def outcome(handle, method: str, *args) -> BaseException | None:
     except TypeError:
         return None  # refused by Ray's signature check in this process: never sent
     try:
+        if isinstance(ref, ray.ObjectRefGenerator):  # a streaming call: its first answer
+            ready, _ = ray.wait([ref], timeout=CALL_TIMEOUT_S)
+            assert ready, f"{method} streamed nothing in {CALL_TIMEOUT_S}s"
+            ref = next(ref)
         ray.get(ref, timeout=CALL_TIMEOUT_S)
+    except StopIteration:
+        return None  # an empty stream
     except Exception as exc:
         return exc
     return None

@@ -9,6 +9,8 @@ segment of known bytes. Each transport is built the way a client builds it
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +218,78 @@ def test_a_closed_transport_refuses_reads(case):
     transport.close()  # idempotent
     with pytest.raises(TransportClosedError):
         transport.read(ReadBatch([offset], [8], [0]), np.zeros(8, dtype=np.uint8))
+
+
+def streaming(case):
+    """The case's transport if it reads ahead; the others must refuse to open a stream."""
+    _, transport, _, _ = case
+    if not transport.reads_ahead:
+        with pytest.raises(NotImplementedError):
+            transport.open_stream([], threading.Lock())
+        pytest.skip(f"{transport.name} does not read ahead")
+    return transport
+
+
+def test_a_stream_reads_the_announced_batches_in_order_with_one_call_to_open(case):
+    transport = streaming(case)
+    _, _, offset, image = case
+    batches = [ranges(offset, image, seed) for seed in (3, 4, 5)]
+    stream = transport.open_stream([batch for batch, _ in batches], threading.Lock())
+    windows = sum(len(transport.windows(batch.nonempty())) for batch, _ in batches)
+    try:
+        with pytest.raises(ReadRangeError):  # not the next batch announced
+            stream.read_next(batches[1][0], np.zeros_like(batches[1][1]))
+        for batch, expected in batches:
+            dst = np.zeros_like(expected)
+            stats = stream.read_next(batch, dst)
+            assert np.array_equal(dst, expected) and stats.bytes == batch.total_bytes
+        with pytest.raises(ReadRangeError):  # nothing more was announced
+            stream.read_next(batches[0][0], np.zeros_like(batches[0][1]))
+    finally:
+        stream.close()
+    # One call opens it and a fire-and-forget unship frees each window: no round trip a window.
+    assert stream.actor_calls == 1 + windows
+
+
+def ship_regions_held(source) -> int:
+    return ray.get(source["handle"].stats.remote())["ship_regions_held"]
+
+
+def test_a_stream_stopped_early_gives_the_owner_its_buffer_back(case, source):
+    """More windows than the owner's buffer holds: it reads ahead until full, waits for the
+    reader, and a reader that stops after one batch frees everything it was shipped."""
+    transport = streaming(case)
+    _, _, offset, image = case
+    whole = ReadBatch.packed([offset], [image.size])
+    window = transport.windows(whole)[0].total_bytes
+    repeats = 3 * source["config"].ship_bytes // window + 1  # three buffers' worth
+    stream = transport.open_stream([whole] * repeats, threading.Lock())
+    try:
+        dst = np.zeros(image.size, dtype=np.uint8)
+        stream.read_next(whole, dst)
+        assert np.array_equal(dst, image)
+    finally:
+        stream.close()
+    deadline = time.monotonic() + 10
+    while ship_regions_held(source) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the unships are fire-and-forget
+    assert ship_regions_held(source) == 0
+    with transport.open_stream([whole], threading.Lock()) as again:  # the buffer is usable
+        again.read_next(whole, dst)
+
+
+def test_a_stream_of_ranges_the_reader_holds_no_lease_on_is_refused(case, source):
+    transport = streaming(case)
+    _, _, offset, image = case
+    unleased = ReadBatch([offset + image.size + (64 << 10)], [4096], [0])
+    stream = transport.open_stream([unleased], threading.Lock())
+    dst = np.full(4096, 7, dtype=np.uint8)
+    try:
+        with pytest.raises(ReadRangeError):
+            stream.read_next(unleased, dst)
+    finally:
+        stream.close()
+    assert (dst == 7).all()
 
 
 def test_every_remote_path_is_either_probed_usable_or_says_why():

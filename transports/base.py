@@ -33,6 +33,13 @@ never probe with ``getattr``):
   the object-store fallback); 0 for one-sided paths.
 - ``mapped_view()``: a host view of the whole source when this process can address it in
   place (the local arena); the restore pipeline then reads pages there, with no copy.
+- ``reads_ahead``: True when the path gains from knowing a restore's reads before it is
+  asked for them (a shipped remote SSD read: the owner reads the next window from its SSD
+  while this one crosses the wire). Only then may a caller use ``open_stream(batches, lock)``:
+  it returns a :class:`ReadStream` that starts on every batch at once; the caller then reads
+  them with ``stream.read_next(batch, dst)``, in the order given, from one thread at a time,
+  and closes the stream (also when it stops early). ``lock`` is the one the caller holds
+  around this transport's ``read``: the stream takes it around its own transfers.
 
 Rules every implementation keeps:
 
@@ -194,6 +201,12 @@ class Transport(abc.ABC):
     def mapped_view(self) -> np.ndarray | None:
         return None
 
+    reads_ahead: ClassVar[bool] = False
+
+    def open_stream(self, batches: list[ReadBatch], lock: threading.Lock) -> ReadStream:
+        """Start every batch now (only for a transport that ``reads_ahead``)."""
+        raise NotImplementedError(f"{self.name} does not read ahead")
+
     @classmethod
     @abc.abstractmethod
     def probe(cls) -> str | None:
@@ -208,6 +221,26 @@ class Transport(abc.ABC):
         """Release every resource; idempotent. Later reads raise TransportClosedError."""
 
     def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ReadStream(abc.ABC):
+    """Batches announced to a transport that reads ahead, taken in the order announced."""
+
+    actor_calls: int = 0  # control calls to the owner so far, as a transport's
+
+    @abc.abstractmethod
+    def read_next(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
+        """The next announced batch (``reads`` must be it) into ``dst``, as ``read`` would."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop reading ahead and free what the owner holds for it; idempotent."""
+
+    def __enter__(self) -> ReadStream:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

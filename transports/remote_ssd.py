@@ -11,15 +11,18 @@ shipped by the owner over NIXL.
   most a quarter of that buffer), this node fetches the region with one NIXL READ, and frees
   it with a fire-and-forget ``unship``. The next window's ship is requested before this one
   is fetched, so the owner's SSD read overlaps the transfer. ``actor_calls`` counts the calls.
+  It ``reads_ahead``: a restore announces all its windows at once in one streaming call
+  (``transports/shipped_stream.py``), and the owner reads ahead of the fetches.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -36,6 +39,7 @@ from flatcake_ray.transports.base import (
     REMOTE_SSD_NVMEOF,
     REMOTE_SSD_SHIPPED,
     ReadBatch,
+    ReadStream,
     TransferStats,
     Transport,
 )
@@ -90,6 +94,7 @@ class ShippedSsdTransport(Transport):
     """The owner reads its SSD and ships over NIXL; source offsets are pool offsets."""
 
     name = REMOTE_SSD_SHIPPED
+    reads_ahead: ClassVar[bool] = True
 
     def __init__(
         self, node: Any, ship_reader: Any, ship_bytes: int, pool_bytes: int, timeout_s: float
@@ -100,7 +105,7 @@ class ShippedSsdTransport(Transport):
         # a second reader doing the same.
         self._window = align_down(max(ALIGN, ship_bytes // 4))
         self._pool_bytes = pool_bytes
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self.actor_calls = 0
 
     @property
@@ -114,13 +119,27 @@ class ShippedSsdTransport(Transport):
 
         return NixlDramTransport.probe()
 
+    def open_stream(self, batches: list[ReadBatch], lock: threading.Lock) -> ReadStream:
+        from flatcake_ray.transports.shipped_stream import ShipStream
+
+        if self._reader is None:
+            raise TransportClosedError("remote-ssd-shipped transport is closed")
+        for batch in batches:
+            batch.check_source(self._pool_bytes, "the owner's SSD pool")
+        return ShipStream(self, batches, lock)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """A call to the owner (counted): its ObjectRef, or a stream's generator of them."""
+        self.actor_calls += 1
+        return getattr(self._node, method).remote(*args)
+
     def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
         if self._reader is None:
             raise TransportClosedError("remote-ssd-shipped transport is closed")
         reads.check_destination(dst)
         reads.check_source(self._pool_bytes, "the owner's SSD pool")
         start = time.perf_counter()
-        windows = self._windows(reads.nonempty())
+        windows = self.windows(reads.nonempty())
         commands = 0
         pending = self._ship(windows[0]) if windows else None
         try:
@@ -130,15 +149,15 @@ class ShippedSsdTransport(Transport):
                 # The owner reads the next window from its SSD while this one crosses NIXL.
                 pending = self._ship(windows[i + 1]) if i + 1 < len(windows) else None
                 try:
-                    commands += reply.io_commands + self._fetch(window, dst, reply.offset).commands
+                    commands += reply.io_commands + self.fetch(window, dst, reply.offset).commands
                 finally:
-                    self._unship(reply.region_id)
+                    self.unship(reply.region_id)
         finally:
             if pending is not None:
                 self._abandon(pending)
         return TransferStats(reads.total_bytes, commands, time.perf_counter() - start, self.name)
 
-    def _windows(self, reads: ReadBatch) -> list[ReadBatch]:
+    def windows(self, reads: ReadBatch) -> list[ReadBatch]:
         """Consecutive groups of at most one window of bytes; longer ranges are cut first
         (source and destination advance together), so even one long extent pipelines."""
         reads = _cut(reads, self._window)
@@ -155,7 +174,7 @@ class ShippedSsdTransport(Transport):
     def _ship(self, window: ReadBatch) -> tuple[Any, ReadBatch, float]:
         self.actor_calls += 1
         ref = self._node.ship.remote(window.src_offsets, window.lengths)
-        return ref, window, time.monotonic() + self._timeout_s
+        return ref, window, time.monotonic() + self.timeout_s
 
     def _wait(self, pending: tuple[Any, ReadBatch, float]) -> Any:
         """The owner's ShipReply; a full ship buffer (other readers) is waited out."""
@@ -174,11 +193,11 @@ class ShippedSsdTransport(Transport):
                 time.sleep(0.005)
                 ref = self._ship(window)[0]
             except GetTimeoutError as exc:
-                raise TransferTimeoutError(f"the owner did not ship in {self._timeout_s}s") from exc
+                raise TransferTimeoutError(f"the owner did not ship in {self.timeout_s}s") from exc
             except RayActorError as exc:
                 raise PeerDisconnectedError(f"the owner of the SSD pages is gone: {exc}") from exc
 
-    def _unship(self, region_id: int) -> None:
+    def unship(self, region_id: int) -> None:
         self.actor_calls += 1
         self._node.unship.remote(region_id)  # fire and forget: frees the region
 
@@ -188,11 +207,11 @@ class ShippedSsdTransport(Transport):
         from ray.exceptions import RayError
 
         try:
-            self._unship(self._wait(pending).region_id)
+            self.unship(self._wait(pending).region_id)
         except (RayError, TransferError) as exc:
             log.warning("could not free a shipped region after a failed read: %s", exc)
 
-    def _fetch(self, window: ReadBatch, dst: np.ndarray, region: int) -> TransferStats:
+    def fetch(self, window: ReadBatch, dst: np.ndarray, region: int) -> TransferStats:
         # The region holds the window's ranges packed in order; each lands at its dst offset,
         # and ranges that continue each other in both places become one NIXL descriptor.
         packed = np.cumsum(window.lengths) - window.lengths

@@ -14,9 +14,10 @@ a node that is gone is marked down. ``release`` hands checksum failures back to 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,20 +55,29 @@ from flatcake_ray.restore.source import (
     Slot,
     Source,
 )
-from flatcake_ray.transports.base import LOCAL_DRAM, LOCAL_SSD, LOCAL_SSD_GDS, ReadBatch
+from flatcake_ray.transports.base import (
+    LOCAL_DRAM,
+    LOCAL_SSD,
+    LOCAL_SSD_GDS,
+    ReadBatch,
+    ReadStream,
+)
 from flatcake_ray.transports.routing import route
 
 LEASE_MARGIN_S = 1.0
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class HeldLease:
-    """The client's side of a lease: where it is held, and the report it feeds."""
+    """The client's side of a lease: where it is held, the report it feeds, and the streams
+    its announced fills read ahead on (closed at release)."""
 
     link: NodeLink | None
     reply: LeaseReply | None
     report: RestoreReport
     started: float
+    streams: dict[Medium, ReadStream] = field(default_factory=dict)
 
 
 def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> bytes:
@@ -86,6 +96,12 @@ def digests_of(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> np.n
     if len(keys) == 0:
         raise ShapeError("a call needs at least one key")
     return request_digests(keys, namespace)
+
+
+def _batch(reads: Sequence[SlotRead]) -> ReadBatch:
+    return ReadBatch(
+        [r.src for r in reads], [r.length for r in reads], [r.slot_offset for r in reads]
+    )
 
 
 def _read_errors() -> tuple[type[BaseException], ...]:
@@ -154,18 +170,33 @@ class TransportSource(Source):
         assert view is not None  # routed local-dram: this process maps that arena
         return MappedView(view, LOCAL_DRAM)
 
+    def announce(self, leased: Leased, fills: Sequence[tuple[Medium, Sequence[SlotRead]]]) -> None:
+        held: HeldLease = leased.token
+        link: NodeLink = leased.token.link  # set: a leased prefix has hits
+        for medium in {m for m, _ in fills}:
+            path = self.path(leased, medium)
+            try:
+                transport, lock = link.transport(path, medium, self._agents)
+                if transport.reads_ahead:
+                    batches = [_batch(reads) for m, reads in fills if m is medium]
+                    held.streams[medium] = transport.open_stream(batches, lock)
+            except _read_errors() as exc:  # the fills read one by one, and fail there if so
+                logger.info("no read-ahead on %s: %s", path, exc)
+
     def fill(
         self, leased: Leased, medium: Medium, reads: Sequence[SlotRead], slot: Slot
     ) -> FillStats:
-        link: NodeLink = leased.token.link
+        held: HeldLease = leased.token
+        link: NodeLink = leased.token.link  # set: a leased prefix has hits
         path = self.path(leased, medium)
         if path == LOCAL_SSD and self._gds and slot.device is not None:
             path = LOCAL_SSD_GDS
-        batch = ReadBatch(
-            [r.src for r in reads], [r.length for r in reads], [r.slot_offset for r in reads]
-        )
+        batch = _batch(reads)
+        stream = held.streams.get(medium)
         try:
             failpoint("source.fill", medium=medium, path=path)
+            if stream is not None:
+                return self._fill_streamed(held, medium, path, stream, batch, slot)
             transport, lock = link.transport(path, medium, self._agents)
             with lock:
                 calls = transport.actor_calls
@@ -178,9 +209,28 @@ class TransportSource(Source):
             raise TransferError(f"{path}: {exc}") from exc
         return FillStats(path, stats.bytes, stats.commands, stats.seconds, calls, on_device)
 
+    @staticmethod
+    def _fill_streamed(
+        held: HeldLease, medium: Medium, path: str, stream: ReadStream, batch: ReadBatch, slot: Slot
+    ) -> FillStats:
+        calls = stream.actor_calls
+        assert slot.host is not None  # a path that reads ahead fills host slots
+        try:
+            stats = stream.read_next(batch, slot.host)
+        except BaseException:
+            # A broken stream is dropped: the fills after this one read one by one.
+            held.streams.pop(medium, None)
+            stream.close()
+            raise
+        return FillStats(
+            path, stats.bytes, stats.commands, stats.seconds, stream.actor_calls - calls
+        )
+
     def release(self, leased: Leased, outcome: ReadOutcome) -> int:
         held: HeldLease = leased.token
         pages = outcome.pages
+        while held.streams:  # before the lease goes: a stopped stream frees its regions
+            held.streams.popitem()[1].close()
         if held.link is not None and held.reply is not None:
             good = self.locator.release_held(held.link, held.reply, outcome.bad_scopes, held.report)
             late = time.monotonic() - held.started > self._lease_ttl_s - LEASE_MARGIN_S

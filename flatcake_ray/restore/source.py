@@ -13,13 +13,18 @@ Who calls what, in which order (the pipeline is the only caller):
    (mapped in place, or filled into staging slots; verify; alignment; coalescing gap).
 3. ``view(leased, medium)`` for a mapped medium: the host bytes its offsets index, and the
    name of that path (for the outcome's per-path tallies).
-4. ``fill(leased, medium, reads, slot)`` for a filled medium, from a window's reader thread,
+4. ``announce(leased, fills)`` once, from the window's reader thread before its first fill:
+   every ``(medium, reads)`` the restore will fill, in the order it will. A source whose
+   path reads ahead (a transport that ``reads_ahead``: the owner of shipped remote SSD
+   pages reads the next window while this one crosses) starts them now; any other source
+   ignores it. A failure here is the source's to absorb (fills then read one by one).
+5. ``fill(leased, medium, reads, slot)`` for a filled medium, from a window's reader thread,
    one chunk at a time, any number of times: read each :class:`SlotRead` into the slot's host
    bytes, or, for a path that reads straight into GPU memory (GDS), into its device twin
    (then say so: ``FillStats.on_device``).
    Raises :class:`~flatcake_ray.errors.TransferError` when the bytes cannot be had (the
    pages of that chunk become misses); any other exception fails the restore.
-5. ``release(leased, outcome)`` exactly once, when the restore ends (also after a failure):
+6. ``release(leased, outcome)`` exactly once, when the restore ends (also after a failure):
    unpin, account, hand over checksum failures; returns the verified prefix length the
    restore may report (a source may withdraw pages, e.g. when its lease lapsed mid-read).
 
@@ -138,6 +143,10 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def view(self, leased: Leased, medium: Medium) -> MappedView: ...
+
+    def announce(self, leased: Leased, fills: Sequence[tuple[Medium, Sequence[SlotRead]]]) -> None:
+        """Step 4: nothing to start for a source whose paths do not read ahead."""
+        return None
 
     @abc.abstractmethod
     def fill(

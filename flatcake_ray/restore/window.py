@@ -140,21 +140,24 @@ class Lane:
         self._handoff.put(None)
 
     def _stage(self, job: Job) -> None:
-        for first, end in job.plan.groups:
-            for chunk in job.plan.chunks(first, end):
-                if job.error is not None:
-                    return  # the scatter side failed: stop reading, finish with its error
-                if chunk.mapped and job.dest.device.type == "cpu":
-                    self._emit(job, chunk, None, None)  # read in place: no slot needed
-                    continue
-                slot = self._free.get()  # blocks while every slot is in use: the bound
-                self._gauge.take(slot.nbytes)
-                try:
-                    stats = self._fill(job, chunk, slot)
-                except BaseException:
-                    self._give(slot)
-                    raise
-                self._emit(job, chunk, slot, stats)
+        chunks = [chunk for first, end in job.plan.groups for chunk in job.plan.chunks(first, end)]
+        filled = [(chunk.medium, chunk.reads) for chunk in chunks if not chunk.mapped]
+        if filled:
+            job.source.announce(job.leased, filled)
+        for chunk in chunks:
+            if job.error is not None:
+                return  # the scatter side failed: stop reading, finish with its error
+            if chunk.mapped and job.dest.device.type == "cpu":
+                self._emit(job, chunk, None, None)  # read in place: no slot needed
+                continue
+            slot = self._free.get()  # blocks while every slot is in use: the bound
+            self._gauge.take(slot.nbytes)
+            try:
+                stats = self._fill(job, chunk, slot)
+            except BaseException:
+                self._give(slot)
+                raise
+            self._emit(job, chunk, slot, stats)
 
     @staticmethod
     def _fill(job: Job, chunk: LayerChunk, slot: Slot) -> FillStats | None:
