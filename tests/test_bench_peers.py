@@ -97,6 +97,15 @@ def test_markdown_puts_systems_side_by_side_with_ratios() -> None:
     assert "—" in row  # columns that did not run
 
 
+def test_a_limit_sampled_beside_a_row_is_the_one_it_is_held_against() -> None:
+    results = _results()
+    results["flatcake"]["restore"]["local DRAM"]["limits"] = {"memcpy": 20.0}
+    row = next(line for line in markdown(results).splitlines() if line.startswith("| local DRAM"))
+    assert "5.00 (0.25)" in row  # FlatCake against the memcpy sampled beside it
+    assert "2.50 (0.25)" in row  # Mooncake against the run's memcpy (10)
+    assert "memcpy beside FlatCake 20.00" in row and "memcpy 10.00" in row
+
+
 def test_write_section_replaces_only_between_its_markers(tmp_path) -> None:
     doc = tmp_path / "BENCHMARKS.md"
     doc.write_text(f"# Head\n\n{START}\nold table\n{END}\n\n## Next\nkept\n")

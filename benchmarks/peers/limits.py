@@ -1,5 +1,10 @@
 """Physical limits measured in the same run, on the same bytes, beside every path.
 
+The whole set is measured once at the start of a run; the in-process ones (memcpy, O_DIRECT
+read and write) are measured again right beside each FlatCake row (``local_limits``), and
+that row is set against the sample taken beside it: under a load that swings by 2-4x within
+minutes, a limit sampled minutes away says little about the row.
+
 - memcpy of the session's bytes (local DRAM puts and restores);
 - sequential O_DIRECT write and read of the session's bytes on the disk the stores use
   (SSD puts and restores);
@@ -191,24 +196,39 @@ def tcp_loopback_gbps(workload: Workload) -> float:
 
 
 # ---- all of them ----------------------------------------------------------------------------
+LOCAL_LIMITS = ("memcpy", "odirect_write", "odirect_read")
+
+
+def local_limits(workload: Workload, scratch: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named in-process limits (``LOCAL_LIMITS``), GB/s, best of ``workload.rounds``:
+    cheap enough (well under a second each here) to sample right beside the measurement
+    they bound, as the harness does for every FlatCake row."""
+    out: dict[str, float] = {}
+    if "memcpy" in names:
+        out["memcpy"] = memcpy_gbps(workload.nbytes, workload.rounds)
+    if {"odirect_write", "odirect_read"} & set(names):
+        os.makedirs(scratch, exist_ok=True)
+        path = os.path.join(scratch, "odirect-limit.bin")
+        data = workload.kv(7).reshape(-1)
+        data = data[: data.nbytes // 4096 * 4096]  # O_DIRECT moves whole 4 KiB blocks
+        try:
+            write = odirect_write_gbps(path, data, workload.rounds)  # also lays the file out
+            if "odirect_write" in names:
+                out["odirect_write"] = write
+            if "odirect_read" in names:
+                out["odirect_read"] = odirect_read_gbps(
+                    [path], data.nbytes, data.nbytes, workload.rounds
+                )
+        finally:
+            os.unlink(path)
+    return {name: round(value, 3) for name, value in out.items()}
+
+
 def measure_limits(workload: Workload, scratch: str) -> dict[str, float]:
     """Every limit, GB/s (1e9 bytes/s): the best of ``workload.rounds`` (a limit is what the
     machine can do at best; the systems' figures are medians)."""
-    os.makedirs(scratch, exist_ok=True)
-    path = os.path.join(scratch, "odirect-limit.bin")
-    data = workload.kv(7).reshape(-1)
-    data = data[: data.nbytes // 4096 * 4096]  # O_DIRECT moves whole 4 KiB blocks
-    try:
-        write = odirect_write_gbps(path, data, workload.rounds)
-        read = odirect_read_gbps([path], data.nbytes, data.nbytes, workload.rounds)
-    finally:
-        os.unlink(path)
-    limits = {
-        "memcpy": memcpy_gbps(workload.nbytes, workload.rounds),
-        "odirect_write": write,
-        "odirect_read": read,
-        "tcp_loopback": tcp_loopback_gbps(workload),
-    }
+    limits = local_limits(workload, scratch, LOCAL_LIMITS)
+    limits["tcp_loopback"] = tcp_loopback_gbps(workload)
     for mode, tls in UCX_MODES.items():
         limits[f"nixl_{mode}"] = nixl_read_gbps(workload, tls)
     return {name: round(value, 3) for name, value in limits.items()}

@@ -17,8 +17,13 @@ TITLES = {
 WIRE = {"flatcake": "nixl_default", "flatcake_tcp": "nixl_tcp", "mooncake": "tcp_loopback"}
 
 
-def limit_of(op: str, path: str, column: str, limits: dict[str, float]) -> tuple[str, float]:
-    """The physical limit (name, GB/s) a cell is measured against."""
+def limit_of(
+    op: str, path: str, column: str, limits: dict[str, float], near: dict[str, float] | None = None
+) -> tuple[str, float]:
+    """The physical limit (name, GB/s) a cell is measured against: a limit sampled beside
+    the cell (``near``, the best of the samples before and after it) where there is one,
+    else the run's."""
+    limits = {**limits, **(near or {})}
     medium = "odirect_read" if op == "restore" else "odirect_write"
     if path == "local DRAM":
         return "memcpy", limits["memcpy"]
@@ -31,8 +36,12 @@ def limit_of(op: str, path: str, column: str, limits: dict[str, float]) -> tuple
     return both, limits[both]
 
 
+def row_of(results: dict[str, Any], column: str, op: str, path: str) -> dict[str, Any] | None:
+    return results.get(column, {}).get(op, {}).get(path)
+
+
 def cell(results: dict[str, Any], column: str, op: str, path: str) -> float | None:
-    row = results.get(column, {}).get(op, {}).get(path)
+    row = row_of(results, column, op, path)
     return None if row is None else row["gbps"]
 
 
@@ -52,11 +61,12 @@ def throughput_table(results: dict[str, Any], op: str) -> list[str]:
     for path in PATHS:
         cells, used = [], {}
         for column in COLUMNS:
-            name, limit = limit_of(op, path, column, limits)
-            value = cell(results, column, op, path)
-            if value is not None:
-                used[name] = limit
-            cells.append(_fmt(value, limit))
+            row = row_of(results, column, op, path)
+            name, limit = limit_of(op, path, column, limits, (row or {}).get("limits"))
+            if row is not None:
+                beside = name in (row.get("limits") or {})
+                used[f"{name} beside FlatCake" if beside else name] = limit
+            cells.append(_fmt(None if row is None else row["gbps"], limit))
         fc, mc = cell(results, "flatcake", op, path), cell(results, "mooncake", op, path)
         ratio = _ratio(fc, mc)
         fc_tcp = cell(results, "flatcake_tcp", op, path)

@@ -210,8 +210,20 @@ class FlatCakeBench:
                 rows[(medium, side)] = put
         return rows
 
+    def beside(self, op: str, medium: str) -> dict[str, float]:
+        """The in-process limit of a (op, medium) row, sampled now, right beside it."""
+        from benchmarks.peers.limits import local_limits
+
+        name = "memcpy" if medium == "DRAM" else f"odirect_{'read' if op == 'restore' else 'write'}"
+        return local_limits(self.workload, os.path.join(self.root, "limits"), (name,))
+
     def timed_puts(self, local_writers: bool) -> dict[str, Any]:
-        runs = [self.put_round(str(r + 1), local_writers) for r in range(self.workload.rounds)]
+        runs, near = [], {}
+        for r in range(self.workload.rounds):
+            for medium in ("DRAM", "SSD"):  # sampled between the rounds they bound
+                for name, value in self.beside("put", medium).items():
+                    near.setdefault(name, []).append(value)
+            runs.append(self.put_round(str(r + 1), local_writers))
         out: dict[str, Any] = {}
         for key in runs[0]:
             samples = [run[key] for run in runs]
@@ -220,6 +232,7 @@ class FlatCakeBench:
                 "gbps": gbps(samples[0]["bytes"], median([s["seconds"] for s in samples])),
                 "medium": sorted({str(s["medium"]) for s in samples}),
                 "asked": f"{key[1]} {key[0]}",
+                "limits": {name: max(values) for name, values in near.items()},
             }
         return out
 
@@ -234,11 +247,14 @@ class FlatCakeBench:
             for side, node in sides.items():
                 if side == "local" and not local_readers:
                     continue
+                before = self.beside("restore", medium)
                 got = ray.get(self.first(node).restore.remote(put["session"], self.workload.pages))
+                after = self.beside("restore", medium)
                 out[f"{side} {medium}"] = {
                     "gbps": gbps(got["bytes"], got["seconds"]),
                     "served_by": got["paths"],
                     "medium": str(put["medium"]),
+                    "limits": {name: max(before[name], after[name]) for name in before},
                 }
         return out
 
