@@ -173,7 +173,11 @@ class ShipBuffer:
                     found = self._wait_for_region(total, owner, key, time.monotonic() + deadline_s)
                     if found is None:
                         return  # the reader stopped the stream
-                    check(src_offsets, lengths)
+                    try:
+                        check(src_offsets, lengths)
+                    except BaseException:
+                        self.regions.free(found[0], owner)
+                        raise
                     reply = self._fill(*found, src_offsets, lengths, owner)
                 yield reply
         finally:
