@@ -13,7 +13,7 @@ storage nodes then take both cores, and loopback NIXL drops from ~4 GB/s to ~0.2
 
 from __future__ import annotations
 
-from flatcake_ray.transports.nixl_dram import PUMP_INTERVAL_S, NixlAgent
+from flatcake_ray.transports.nixl_agent import PUMP_INTERVAL_S, NixlAgent
 
 __all__ = ["PUMP_INTERVAL_S", "exporter_agent", "reader_agent"]
 

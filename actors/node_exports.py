@@ -30,11 +30,8 @@ class NodeExports:
         self, tag: str, arena: DramArena, ship_buffer: ShipBuffer, landing: LandingArea
     ) -> str | None:
         from flatcake_ray.actors.nixl_roles import exporter_agent
-        from flatcake_ray.transports.nixl_dram import (
-            NixlArenaExporter,
-            NixlDramTransport,
-            unique_agent_name,
-        )
+        from flatcake_ray.transports.nixl_agent import unique_agent_name
+        from flatcake_ray.transports.nixl_dram import NixlArenaExporter, NixlDramTransport
 
         reason = NixlDramTransport.probe()
         if reason is not None:

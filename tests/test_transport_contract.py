@@ -304,7 +304,7 @@ def test_service_agents_run_without_a_spinning_progress_thread():
     if NixlDramTransport.probe() is not None:
         pytest.skip(f"nixl: {NixlDramTransport.probe()}")
     from flatcake_ray.actors.nixl_roles import exporter_agent, reader_agent
-    from flatcake_ray.transports.nixl_dram import unique_agent_name
+    from flatcake_ray.transports.nixl_agent import unique_agent_name
 
     agents = [reader_agent(unique_agent_name("r")), exporter_agent(unique_agent_name("e"))]
     try:

@@ -26,12 +26,8 @@ from flatcake_ray.errors import (
     TransportClosedError,
 )
 from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch, RegistrationCache
-from flatcake_ray.transports.nixl_dram import (
-    NixlAgent,
-    NixlDramTransport,
-    NixlPeerInfo,
-    unique_agent_name,
-)
+from flatcake_ray.transports.nixl_agent import NixlAgent, unique_agent_name
+from flatcake_ray.transports.nixl_dram import NixlDramTransport, NixlPeerInfo
 
 ARENA_BYTES = 256 << 20
 LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}

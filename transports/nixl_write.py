@@ -16,12 +16,8 @@ from flatcake_ray.transports.base import (
     TransferStats,
     check_destination_buffer,
 )
-from flatcake_ray.transports.nixl_dram import (
-    DEFAULT_TIMEOUT_S,
-    NixlAgent,
-    NixlPeerInfo,
-    descriptors,
-)
+from flatcake_ray.transports.nixl_agent import DEFAULT_TIMEOUT_S, NixlAgent
+from flatcake_ray.transports.nixl_dram import NixlPeerInfo, descriptors
 
 
 class NixlDramWriter:

@@ -157,7 +157,7 @@ class FlatCakeClient:
         with self._lock:
             if role not in self._agents:
                 from flatcake_ray.actors.nixl_roles import reader_agent
-                from flatcake_ray.transports.nixl_dram import unique_agent_name
+                from flatcake_ray.transports.nixl_agent import unique_agent_name
 
                 self._agents[role] = reader_agent(unique_agent_name(f"fc-client-{role}"))
             return self._agents[role]

@@ -69,7 +69,7 @@ class PutTargets:
 
     def _writer(self, peer: Any) -> Any:
         from flatcake_ray.actors.nixl_roles import reader_agent
-        from flatcake_ray.transports.nixl_dram import unique_agent_name
+        from flatcake_ray.transports.nixl_agent import unique_agent_name
         from flatcake_ray.transports.nixl_write import NixlDramWriter
 
         with self._lock:
