@@ -8,6 +8,7 @@ readers on any node (they are frozen and picklable, and carry no keys and no byt
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,10 @@ class LeasePart:
     @property
     def pages(self) -> int:
         return len(self.src_pages)
+
+    def at_positions(self, positions: np.ndarray) -> LeasePart:
+        """The same pages, delivered to other request positions (a re-read into scratch)."""
+        return dataclasses.replace(self, dst_positions=positions)
 
 
 def lease_parts(lease: Lease) -> tuple[LeasePart, ...]:

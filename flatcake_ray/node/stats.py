@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from flatcake_ray.node.store import FlatCakeStore
 
 
+STORE_COUNTERS = (
+    *("puts", "gets", "ssd_read_commands", "ssd_bytes_read", "dram_bytes_read"),
+    *("bytes_delivered", "ssd_bytes_written", "dram_bytes_written", "ssd_write_commands"),
+    *("layers_landed", "hit_pages", "miss_pages", "checksum_failures", "write_failures"),
+)
 _GEOMETRY = ("layers", "page_bytes")
 _REPLICA_COUNTERS = (  # DRAM read replicas (core/replicas.py)
     "replicas_written",

@@ -24,7 +24,6 @@ shared media. A storage node registers the service's tenants with :meth:`set_ten
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 import time
@@ -39,11 +38,10 @@ import torch
 
 from flatcake_ray.config import StoreConfig
 from flatcake_ray.core.api import Probe, PutResult
-from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope, Segment
+from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope
 from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import (
-    DIGEST_DTYPE,
     KeyLike,
     PageKey,
     as_digests,
@@ -51,12 +49,12 @@ from flatcake_ray.core.keys import (
     digest_keys,
     split_namespace,
 )
-from flatcake_ray.core.parts import LeasePart, lease_parts
+from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.put_checks import check_hints
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
-from flatcake_ray.errors import InvalidKeyError, ShapeError, StoreClosedError, StoreInUseError
+from flatcake_ray.errors import InvalidKeyError, ShapeError, StoreClosedError
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
@@ -64,8 +62,9 @@ from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.puts import PutTable
+from flatcake_ray.node.recovery import lock_root, manifest_header, recover
 from flatcake_ray.node.source import NodeSource
-from flatcake_ray.node.stats import store_stats
+from flatcake_ray.node.stats import STORE_COUNTERS, store_stats
 from flatcake_ray.node.tenancy import Tenancy
 from flatcake_ray.node.writer import SegmentWriter
 from flatcake_ray.restore.dest import PagedPool, as_destination
@@ -75,30 +74,13 @@ from flatcake_ray.restore.source import Leased, ReadOutcome
 __all__ = ["FlatCakeStore", "PutHandle", "PutHints", "PutResult"]
 
 Keys = Sequence[KeyLike | PageKey]
-LOCK_NAME = ".flatcake.lock"
-_COUNTERS = (
-    "puts",
-    "gets",
-    "ssd_read_commands",
-    "ssd_bytes_read",
-    "dram_bytes_read",
-    "bytes_delivered",
-    "ssd_bytes_written",
-    "dram_bytes_written",
-    "ssd_write_commands",
-    "layers_landed",
-    "hit_pages",
-    "miss_pages",
-    "checksum_failures",
-    "write_failures",
-)
 
 
 class FlatCakeStore:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.tenancy = Tenancy(config, on_free=self._log_free)
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.counters = dict.fromkeys(STORE_COUNTERS, 0)
         self.metrics = Metrics(node_id=config.node_id, page_tokens=config.placement.page_tokens)
         self._lock = threading.RLock()
         self._closed = False
@@ -106,7 +88,7 @@ class FlatCakeStore:
         self._sources: dict[str, NodeSource] = {}
         self.puts = PutTable(config.put_ttl_s)
         with ExitStack() as undo:  # a failed open leaves no fd, arena or lock behind
-            self._lock_fd = _lock_root(Path(config.root))
+            self._lock_fd = lock_root(Path(config.root))
             undo.callback(os.close, self._lock_fd)
             root_slug = Path(config.root).resolve().as_posix().strip("/").replace("/", "-")
             self.arena = DramArena(
@@ -116,10 +98,12 @@ class FlatCakeStore:
             self.pool = SsdPool(config.ssd_folders, config.ssd_files_per_dir, config.ssd_file_bytes)
             undo.callback(self.pool.close)
             self.manifest = Manifest(
-                str(Path(config.ssd_folders[0]) / "manifest.fcm"), self._header(), config.fsync
+                str(Path(config.ssd_folders[0]) / "manifest.fcm"),
+                manifest_header(config, self.pool),
+                config.fsync,
             )
             undo.callback(self.manifest.close)
-            self._recover()
+            recover(self.manifest, self.tenancy, self.catalog)
             undo.pop_all()
         self.writer = SegmentWriter(
             self._lock,
@@ -161,52 +145,9 @@ class FlatCakeStore:
         return self.config.page_bytes
 
     # ---- lifecycle -----------------------------------------------------------------------
-    def _header(self) -> dict[str, Any]:
-        config = self.config
-        return {
-            "layers": config.layers,
-            "page_bytes": config.page_bytes,
-            "file_bytes": config.ssd_file_bytes,
-            "files": len(self.pool.paths),
-        }
-
-    def _recover(self) -> None:
-        highest = 0
-        for scope in self.manifest.recovered.values():
-            catalog = self._recovered_catalog(scope.segments)
-            segments = [self._segment_from_record(catalog, r) for r in scope.segments]
-            catalog.adopt_scope(scope.scope_id, scope.session_id, scope.runs, segments)
-            highest = max([highest, scope.scope_id, *(s.segment_id for s in segments)])
-        self.tenancy.ids.skip_below(highest + 1)
-
-    def _recovered_catalog(self, records: list[dict[str, Any]]) -> Catalog:
-        """The catalog of the tenant whose segments these are (made with their geometry; the
-        node sets its quotas when it learns the tenant). A quarantined scope has none: it
-        only holds space, in the default tenant's book."""
-        if not records:
-            return self.catalog
-        first = records[0]
-        return self.tenancy.ensure(first["tenant"], first["layers"], first["page_bytes"])
-
     def _log_free(self, scope: Scope) -> None:
         if scope.medium is Medium.SSD:
             self.manifest.append({"t": "free", "scope": scope.scope_id})
-
-    @staticmethod
-    def _segment_from_record(catalog: Catalog, record: dict[str, Any]) -> Segment:
-        layout = catalog.layout_for(record["pages"])
-        digests = np.frombuffer(record["digests"], dtype=DIGEST_DTYPE).copy()
-        checksums = np.frombuffer(record["checksums"], dtype=np.uint64).copy()
-        checksums = checksums.reshape(layout.layers, layout.blocks)
-        return Segment(
-            record["segment"],
-            record["scope"],
-            Medium.SSD,
-            record["offset"],
-            layout,
-            digests,
-            checksums,
-        )
 
     def close(self) -> None:
         with self._lock:
@@ -417,7 +358,7 @@ class FlatCakeStore:
         renumbered, at = [], 0
         for part in parts:
             positions = np.arange(at, at + part.pages, dtype=np.int64)
-            renumbered.append(_with_positions(part, positions))
+            renumbered.append(part.at_positions(positions))
             at += part.pages
         config = self.tenancy.catalog(lease.tenant).config
         scratch = np.empty((config.layers, pages, config.page_bytes), dtype=np.uint8)
@@ -470,32 +411,3 @@ class FlatCakeStore:
             scopes = [scope for catalog in self.tenancy for scope in catalog.scopes.values()]
             self.metrics.node_state(stats, scopes)
         return {**stats, "metrics": self.metrics.snapshot()}
-
-
-def _with_positions(part: LeasePart, positions: np.ndarray) -> LeasePart:
-    return LeasePart(
-        part.scope_id,
-        part.medium,
-        part.offset,
-        part.layout,
-        part.checksums,
-        part.src_pages,
-        positions,
-    )
-
-
-def _lock_root(root: Path) -> int:
-    """Hold ``root``'s lock file for as long as the store is open (flock: released when the
-    process dies, so a crash never leaves a root locked)."""
-    root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        os.close(fd)
-        raise StoreInUseError(
-            f"store root {root} is in use by another store (this process or another); an "
-            "engine whose scheduler and workers run in separate processes reaches one store "
-            "with store: ray"
-        ) from exc
-    return fd
