@@ -369,8 +369,9 @@ class StorageNode:
         yield from self.leased_bytes.stream(tenant, stream_id, src_offsets, lengths, counts)
 
     def ship_stop(self, secret: object, stream_id: object) -> None:
+        tenant = self._tenant(secret).name
         if isinstance(stream_id, int) and not isinstance(stream_id, bool):
-            self.ship_buffer.stop(self._tenant(secret).name, stream_id)
+            self.ship_buffer.stop(tenant, stream_id)
 
     def read_ranges(
         self, secret: object, medium: Any, src_offsets: Any, lengths: Any
