@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -166,6 +167,11 @@ def test_synchronous_load_waits_for_each_layer_in_the_pipeline(
     # One wait per layer, in order, each inside that layer's wait_for_layer_load.
     assert [seen[i][1] for i in waits] == list(range(len(LAYER_NAMES)))
     assert all(seen[i - 1] == ("attention", seen[i][1]) for i in waits)
+    # The engine runs on once every layer is in place; the restore ends (lease released,
+    # window freed) on the window's own thread just after, so give it a moment.
+    deadline = time.monotonic() + 10
+    while pipeline.scheduler.stats().prefetches_completed < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert pipeline.scheduler.stats().prefetches_completed == 1  # an SSD restore
     assert worker_side.counters["loaded_pages"] == 4 and worker_side.counters["failed_pages"] == 0
     assert_restored_exactly(engine, tokens)
