@@ -95,7 +95,11 @@ class Replay:
         self.staging = StagingPool(staging, queue=not spec.revoke) if spec.host_staging else None
         budget = profile.prefetch_windows if spec.bounded_prefetch else UNBOUNDED
         self.scheduler = Scheduler(
-            SchedulerConfig(max_inflight_prefetches=budget, policy=spec.scheduler)
+            SchedulerConfig(
+                max_inflight_prefetches=budget,
+                policy=spec.scheduler,
+                hold_shared_prefixes=spec.hold_shared_prefixes,
+            )
         )
         self.records = RequestRecords(len(pages))
         self.written = KeyMap()  # pages ever written to SSD: write amplification
@@ -296,6 +300,28 @@ class Replay:
             self.storage.release(flight.request, fresh, slice(0, 0))
         return False
 
+    def _look_again(self, flight: Flight, now: float) -> None:
+        """Its prefetch was held until the prefill of an earlier request sharing its SSD
+        pages ended (core/prefix_holds.py). Look HBM and storage up again: what that prefill
+        brought into HBM needs no read; the scheduler gets what is still to read."""
+        digests = self.pages.digests_for(flight.request)
+        hbm = self.hbm.prefix(digests)
+        if hbm <= flight.hbm_prefix:
+            return  # nothing more in HBM: it prefetches what it located
+        _, slots = self.hbm.slots(digests[:hbm])
+        self.hbm.pin(slots, +1)
+        self.hbm.touch(slots)
+        self.hbm.pin(flight.hbm_slots, -1)
+        flight.hbm_slots = slots
+        fresh = self.storage.locate(flight.request, digests, hbm)
+        if flight.restored.size:
+            fresh.have = np.isin(hbm + np.arange(fresh.pages), flight.restored)
+        self._drop_restore(flight, now)
+        flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
+        unread = fresh.unread()
+        kv_bytes = int(np.count_nonzero(unread)) * self.page_bytes
+        self.scheduler.update(flight.request, now, fresh.gvas[unread], kv_bytes)
+
     def _drop_restore(self, flight: Flight, now: float) -> None:
         self.storage.release(flight.request, flight.located, slice(0, 0))
         if flight.staged_bytes:
@@ -318,6 +344,11 @@ class Replay:
         digests = self.pages.digests_for(request)
         self.hbm.insert(digests)
         self.hbm.pin(flight.hbm_slots, -1)
+        self.scheduler.finished(request, now)
+        if released := self.scheduler.take_released():
+            for scheduled in released:
+                self._look_again(self._flights[scheduled.request_id], now)
+            self._start_prefetches(now)
         transfers = self.storage.release(request, flight.located, flight.used)
         if not self.storage.saves_during_prefill:
             transfers += self.storage.store(request, digests, now)
