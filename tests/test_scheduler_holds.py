@@ -201,6 +201,6 @@ class FcfsHoldMachine(HoldMachine):
 
 
 TestHoldMachine = HoldMachine.TestCase
-TestHoldMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestHoldMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestFcfsHoldMachine = FcfsHoldMachine.TestCase
-TestFcfsHoldMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestFcfsHoldMachine.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)

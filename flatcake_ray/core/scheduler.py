@@ -19,8 +19,8 @@ submission) is the caller's clock in seconds and never goes backwards, else ``Cl
    caller stops that I/O first and does not report it done; its budget is freed at once.
 
 With ``hold_shared_prefixes`` (``prefix_holds.py`` states the rule) a request whose SSD pages
-an earlier, unfinished request will bring into HBM is HELD: its prefetch does not start
-until that one's prefill has ended. Two more calls then belong to the contract:
+an earlier, unfinished request will bring into HBM is HELD until that one's prefill ends
+(``submit``'s ``pages`` name the pages; else their GVAs do). Two more calls then apply:
 
 6. ``finished(request_id, now)`` once a dispatched request's prefill has ended (or it was
    dropped): it brings nothing more into HBM. A dispatched id stays known until then; if
@@ -62,7 +62,7 @@ dict operation per SSD page at submit and at finish. The queues are in
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -143,19 +143,23 @@ class Scheduler:
         arrival: float,
         gvas: np.ndarray | Sequence[int],
         kv_bytes: int,
+        pages: np.ndarray | Sequence[Hashable] | None = None,
+        computes: np.ndarray | Sequence[Hashable] = (),
     ) -> ScheduledRequest:
-        """Classify a new request by its slowest medium and queue it."""
+        """Classify a new request by its slowest medium and queue it. For the holds:
+        ``pages`` name the pages of ``gvas`` (one each; None: the GVAs name them) and
+        ``computes`` the pages its prefill computes (in HBM after it too)."""
         arrival = self._checked_time(arrival)
         if request_id in self._live:
             raise DuplicateRequestError(f"request {request_id!r} is already queued")
-        request = _checked_request(request_id, arrival, gvas, kv_bytes)
+        request = _checked_request(request_id, arrival, gvas, kv_bytes, pages)
         self._clock = arrival
         self._running.discard(request_id)  # submitted again before it ran: it did not run
         live = LiveRequest(request, Phase.WAITING, self._next_seq)
         self._next_seq += 1
         self._live[request_id] = live
         self._ready.enlist_new(live)
-        self._queue(live, gvas)
+        self._queue(live, gvas, pages, computes)
         return live.request
 
     def update(
@@ -164,18 +168,20 @@ class Scheduler:
         now: float,
         gvas: np.ndarray | Sequence[int],
         kv_bytes: int,
+        pages: np.ndarray | Sequence[Hashable] | None = None,
     ) -> ScheduledRequest:
         """A waiting request was looked up again (after a hold): what it must still read. It
-        keeps its arrival and place; with no SSD GVA left it is ready at once."""
+        keeps its arrival and place (and the pages it holds); with no SSD GVA left it is ready
+        at once."""
         now = self._checked_time(now)
         live = self._get(request_id)
         if live.phase is not Phase.WAITING:
             raise RequestStateError(f"request {request_id!r} is {live.phase.value}, not waiting")
-        request = _checked_request(request_id, live.request.arrival, gvas, kv_bytes)
+        request = _checked_request(request_id, live.request.arrival, gvas, kv_bytes, pages)
         self._clock = now
         self._waiting.remove(request_id)
         live.request = request
-        self._queue(live, gvas)
+        self._queue(live, gvas, pages, ())
         return request
 
     def start_prefetches(self, now: float) -> list[ScheduledRequest]:
@@ -290,13 +296,22 @@ class Scheduler:
             released=self._release_count,
         )
 
-    def _queue(self, live: LiveRequest, gvas: np.ndarray | Sequence[int]) -> None:
+    def _queue(
+        self,
+        live: LiveRequest,
+        gvas: np.ndarray | Sequence[int],
+        pages: np.ndarray | Sequence[Hashable] | None,
+        computes: np.ndarray | Sequence[Hashable],
+    ) -> None:
         """Place a submitted or updated request: ready, held, or waiting for a prefetch."""
+        held = False
+        if self._holds is not None:
+            brings, reads = _hold_pages(gvas, pages)
+            brings += np.asarray(computes).tolist()
+            held = self._holds.register(live.request.request_id, brings, reads)
         if live.request.medium is Medium.DRAM:
             self._make_ready(live)
-        elif self._holds is not None and self._holds.register(
-            live.request.request_id, _ssd_gvas(gvas)
-        ):
+        elif held:
             live.phase = Phase.HELD
             self._hold_count += 1
         else:
@@ -358,13 +373,19 @@ class Scheduler:
 
 
 def _checked_request(
-    request_id: RequestId, arrival: float, gvas: np.ndarray | Sequence[int], kv_bytes: int
+    request_id: RequestId,
+    arrival: float,
+    gvas: np.ndarray | Sequence[int],
+    kv_bytes: int,
+    pages: np.ndarray | Sequence[Hashable] | None,
 ) -> ScheduledRequest:
     medium = _classify(gvas)
     if not is_int(kv_bytes) or kv_bytes < 0:
         raise InvalidRequestError(f"kv_bytes must be an integer >= 0, not {kv_bytes!r}")
     if medium is Medium.DRAM and kv_bytes:
         raise InvalidRequestError(f"request {request_id!r} has no SSD hit but kv_bytes > 0")
+    if pages is not None and len(pages) != len(gvas):
+        raise InvalidRequestError(f"{len(pages)} page names for {len(gvas)} GVAs")
     return ScheduledRequest(request_id, arrival, int(kv_bytes), medium)
 
 
@@ -375,6 +396,10 @@ def _classify(gvas: np.ndarray | Sequence[int]) -> Medium:
         raise InvalidRequestError(f"GVAs must be unsigned 64-bit integers: {exc}") from exc
 
 
-def _ssd_gvas(gvas: np.ndarray | Sequence[int]) -> list[int]:
+def _hold_pages(
+    gvas: np.ndarray | Sequence[int], pages: np.ndarray | Sequence[Hashable] | None
+) -> tuple[list[Hashable], list[Hashable]]:
+    """(every page the request brings into HBM, the pages it reads from SSD), by name."""
     values = np.asarray(gvas, dtype=np.uint64)
-    return values[values >= SSD_FLOOR].tolist()
+    names = values if pages is None else np.asarray(pages)
+    return names.tolist(), names[values >= SSD_FLOOR].tolist()

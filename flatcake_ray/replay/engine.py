@@ -158,7 +158,11 @@ class Replay:
         located = self.storage.locate(request, digests, prefix)
         flight = Flight(request, now, prefix, slots, located, located.pages)
         self._flights[request] = flight
-        self.scheduler.submit(request, now, located.gvas, located.ssd_pages * self.page_bytes)
+        names = digests["lo"][prefix:]  # a page's name on any medium (GVAs name one medium's)
+        kv_bytes = located.ssd_pages * self.page_bytes
+        self.scheduler.submit(
+            request, now, located.gvas, kv_bytes, names[: located.pages], names[located.pages :]
+        )
         self._start_prefetches(now)
         self._dispatch(now)
 
@@ -285,7 +289,9 @@ class Replay:
             flight.resubmitted = True
             self.counters["resubmitted"] += 1
             kv_bytes = fresh.ssd_pages_to_read * self.page_bytes
-            self.scheduler.submit(flight.request, now, fresh.gvas, kv_bytes)
+            names = digests["lo"][hbm:]
+            located, computed = names[: fresh.pages], names[fresh.pages :]
+            self.scheduler.submit(flight.request, now, fresh.gvas, kv_bytes, located, computed)
             self._start_prefetches(now)
             return True
         if grew and fresh.have is not None and not fresh.ssd_pages_to_read and not revoked:
@@ -320,7 +326,8 @@ class Replay:
         flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
         unread = fresh.unread()
         kv_bytes = int(np.count_nonzero(unread)) * self.page_bytes
-        self.scheduler.update(flight.request, now, fresh.gvas[unread], kv_bytes)
+        names = digests["lo"][hbm : hbm + fresh.pages][unread]
+        self.scheduler.update(flight.request, now, fresh.gvas[unread], kv_bytes, names)
 
     def _drop_restore(self, flight: Flight, now: float) -> None:
         self.storage.release(flight.request, flight.located, slice(0, 0))
