@@ -204,3 +204,27 @@ TestHoldMachine = HoldMachine.TestCase
 TestHoldMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestFcfsHoldMachine = FcfsHoldMachine.TestCase
 TestFcfsHoldMachine.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+
+
+def test_a_finished_holders_pages_pass_to_the_oldest_request_still_bringing_them():
+    """b finds page 0 in DRAM (it reads nothing) while a, older, holds it; when a finishes,
+    b holds page 0, so c, which must read it from SSD, waits for b's prefill."""
+    sched = make()
+    dram_page0 = np.array([4096], dtype=np.uint64)
+    sched.submit("a", 0.0, gvas(0), PAGE, pages=["p0"])
+    sched.submit("b", 0.0, dram_page0, 0, pages=["p0"])
+    sched.start_prefetches(0.0)
+    sched.prefetch_done("a", 1.0)
+    assert ids(sched.pop_ready(1.0, None)) == ["a", "b"]
+    sched.finished("a", 2.0)
+    sched.submit("c", 2.0, gvas(0), PAGE, pages=["p0"])
+    assert sched.phase("c") is Phase.HELD
+    sched.finished("b", 3.0)
+    assert ids(sched.take_released()) == ["c"]
+
+
+def test_pages_a_prefill_computes_hold_too():
+    sched = make()
+    sched.submit("turn1", 0.0, gvas(), 0, pages=[], computes=["p5"])  # computes page 5
+    sched.submit("turn2", 0.5, gvas(5), PAGE, pages=["p5"])  # stored meanwhile, on SSD
+    assert sched.phase("turn2") is Phase.HELD
