@@ -66,7 +66,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from flatcake_ray.core.gva import SSD_FLOOR, Medium, slowest_medium
+from flatcake_ray.core.gva import SSD_FLOOR, Medium
 from flatcake_ray.core.prefix_holds import PrefixHolds
 from flatcake_ray.core.scheduler_queues import (
     FcfsLine,
@@ -83,6 +83,7 @@ from flatcake_ray.core.scheduler_types import (
     ScheduledRequest,
     SchedulerConfig,
     SchedulerStats,
+    checked_request,
     is_int,
     is_real,
     response_ratio,
@@ -152,7 +153,7 @@ class Scheduler:
         arrival = self._checked_time(arrival)
         if request_id in self._live:
             raise DuplicateRequestError(f"request {request_id!r} is already queued")
-        request = _checked_request(request_id, arrival, gvas, kv_bytes, pages)
+        request = checked_request(request_id, arrival, gvas, kv_bytes, pages)
         self._clock = arrival
         self._running.discard(request_id)  # submitted again before it ran: it did not run
         live = LiveRequest(request, Phase.WAITING, self._next_seq)
@@ -177,7 +178,7 @@ class Scheduler:
         live = self._get(request_id)
         if live.phase is not Phase.WAITING:
             raise RequestStateError(f"request {request_id!r} is {live.phase.value}, not waiting")
-        request = _checked_request(request_id, live.request.arrival, gvas, kv_bytes, pages)
+        request = checked_request(request_id, live.request.arrival, gvas, kv_bytes, pages)
         self._clock = now
         self._waiting.remove(request_id)
         live.request = request
@@ -370,30 +371,6 @@ class Scheduler:
     def _end_prefetch(self, live: LiveRequest) -> None:
         self._inflight_count -= 1
         self._inflight_bytes -= live.request.kv_bytes
-
-
-def _checked_request(
-    request_id: RequestId,
-    arrival: float,
-    gvas: np.ndarray | Sequence[int],
-    kv_bytes: int,
-    pages: np.ndarray | Sequence[Hashable] | None,
-) -> ScheduledRequest:
-    medium = _classify(gvas)
-    if not is_int(kv_bytes) or kv_bytes < 0:
-        raise InvalidRequestError(f"kv_bytes must be an integer >= 0, not {kv_bytes!r}")
-    if medium is Medium.DRAM and kv_bytes:
-        raise InvalidRequestError(f"request {request_id!r} has no SSD hit but kv_bytes > 0")
-    if pages is not None and len(pages) != len(gvas):
-        raise InvalidRequestError(f"{len(pages)} page names for {len(gvas)} GVAs")
-    return ScheduledRequest(request_id, arrival, int(kv_bytes), medium)
-
-
-def _classify(gvas: np.ndarray | Sequence[int]) -> Medium:
-    try:
-        return slowest_medium(gvas if isinstance(gvas, np.ndarray) else list(gvas))
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"GVAs must be unsigned 64-bit integers: {exc}") from exc
 
 
 def _hold_pages(

@@ -1,16 +1,18 @@
-"""What FC-MAS's callers see: its configuration, request record, phases and statistics
+"""What FC-MAS's callers see: its configuration, request record (checked), phases and statistics
 (``scheduler.py`` holds the scheduler and its contract)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from numbers import Integral, Real
 
-from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import ConfigError
+import numpy as np
+
+from flatcake_ray.core.gva import Medium, slowest_medium
+from flatcake_ray.errors import ConfigError, InvalidRequestError
 
 RequestId = Hashable
 POLICIES = ("fc-mas", "fcfs")
@@ -92,3 +94,28 @@ def is_int(value: object) -> bool:
 
 def is_real(value: object) -> bool:
     return type(value) is float or (isinstance(value, Real) and not isinstance(value, bool))
+
+
+def checked_request(
+    request_id: RequestId,
+    arrival: float,
+    gvas: np.ndarray | Sequence[int],
+    kv_bytes: int,
+    pages: np.ndarray | Sequence[Hashable] | None,
+) -> ScheduledRequest:
+    """The record of a request, its fields checked (``InvalidRequestError`` else)."""
+    medium = _classify(gvas)
+    if not is_int(kv_bytes) or kv_bytes < 0:
+        raise InvalidRequestError(f"kv_bytes must be an integer >= 0, not {kv_bytes!r}")
+    if medium is Medium.DRAM and kv_bytes:
+        raise InvalidRequestError(f"request {request_id!r} has no SSD hit but kv_bytes > 0")
+    if pages is not None and len(pages) != len(gvas):
+        raise InvalidRequestError(f"{len(pages)} page names for {len(gvas)} GVAs")
+    return ScheduledRequest(request_id, arrival, int(kv_bytes), medium)
+
+
+def _classify(gvas: np.ndarray | Sequence[int]) -> Medium:
+    try:
+        return slowest_medium(gvas if isinstance(gvas, np.ndarray) else list(gvas))
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"GVAs must be unsigned 64-bit integers: {exc}") from exc
