@@ -6,6 +6,9 @@ A request's life on the virtual clock:
    FlatCake); it is submitted to the live FC-MAS scheduler with its GVAs and SSD bytes.
 2. *restore*: when the scheduler starts its prefetch, the SSD part is read on the modelled
    workers (tiered systems first take host staging for it, or are revoked or queued).
+   FlatCake's scheduler first holds a prefetch of pages an older unfinished request will
+   bring into HBM (``core/prefix_holds.py``); when that one's prefill ends the held request
+   looks HBM and storage up again and reads only what is still on SSD.
 3. *prefill*: when the GPU is free and the scheduler hands it over, HBM is looked at again
    (a sibling's prefill may have brought the prefix meanwhile); DRAM pages (and host-staged
    SSD pages) cross the H2D link layer by layer, overlapped with compute; compute is the

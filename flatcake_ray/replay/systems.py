@@ -39,7 +39,8 @@ oracle          flatcake whose placement knows each page's next use (from the tr
 Dispatch. The tiered systems dispatch whichever requests have their data, oldest first, and
 start every restore at arrival (SGLang's wait-for-prefetch behaviour): the shared scheduler
 with an unbounded prefetch budget. FlatCake bounds restores by its GPU windows and orders
-them by HRRN; flatcake-fcfs dispatches strictly in arrival order.
+them by HRRN, holding a prefetch of pages an older unfinished request will bring into HBM
+until that request's prefill ends; flatcake-fcfs dispatches strictly in arrival order.
 """
 
 from __future__ import annotations
