@@ -37,7 +37,13 @@ import numpy as np
 from flatcake_ray.core.coalesce import CoalescedReads, coalesce
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import StreamingCheck
-from flatcake_ray.core.parts import LeasePart, first_positions
+from flatcake_ray.core.parts import (
+    LeasePart,
+    block_ranges,
+    filled_bytes,
+    first_positions,
+    page_ranges,
+)
 from flatcake_ray.core.runs import align_down, run_bounds
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
@@ -139,7 +145,7 @@ class RestorePlan:
     def _groups(self) -> list[tuple[int, int]]:
         """[first, end) layers moved together: as many as fit one slot (at least one)."""
         per_layer = sum(
-            _filled_bytes(part, self.access[part.medium].verify)
+            filled_bytes(part, self.access[part.medium].verify)
             for part in self.parts
             if not self.access[part.medium].mapped
         )
@@ -201,7 +207,7 @@ class RestorePlan:
         key = (id(part), verify)  # the plan holds its parts, so their ids stay theirs
         spans = self._span_cache.get(key)
         if spans is None:
-            spans = _block_ranges(part) if verify else _page_ranges(part)
+            spans = block_ranges(part) if verify else page_ranges(part)
             self._span_cache[key] = spans
         return spans
 
@@ -334,33 +340,6 @@ class RestorePlan:
                     chunk.scopes.add(member.part.scope_id)
                 cut = _piece(chunk, member, end, base, cut)
             start = align_down(cut, align) if cut is not None else end
-
-
-def _filled_bytes(part: LeasePart, verify: bool) -> int:
-    """Bytes of one layer of ``part`` a filled medium reads (whole blocks when verifying)."""
-    layout = part.layout
-    if not verify:
-        return part.pages * layout.page_bytes
-    blocks = np.unique(part.src_pages // layout.check_pages)
-    return min(layout.layer_bytes, len(blocks) * layout.check_pages * layout.page_bytes)
-
-
-def _block_ranges(part: LeasePart) -> list[tuple[int, int]]:
-    """[first, end) pages of the runs of whole checksum blocks holding the wanted pages."""
-    layout = part.layout
-    blocks = np.unique(part.src_pages // layout.check_pages)
-    return [
-        (
-            int(blocks[a]) * layout.check_pages,
-            min(layout.pages, (int(blocks[b - 1]) + 1) * layout.check_pages),
-        )
-        for a, b in run_bounds(blocks)
-    ]
-
-
-def _page_ranges(part: LeasePart) -> list[tuple[int, int]]:
-    src = part.src_pages
-    return [(int(src[a]), int(src[b - 1]) + 1) for a, b in run_bounds(src)]
 
 
 def _piece(chunk: LayerChunk, member: _Range, end: int, base: int, cut: int | None) -> int | None:
