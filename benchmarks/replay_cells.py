@@ -2,8 +2,9 @@
 
 For a machine where a whole section does not fit the time there is: every (cell, system,
 load, seed) is one task, its run saved to ``--out/<cell>/<system>-<load>-<seed>.json`` at
-once, and ``--table`` prints the goal table of what is saved, each new run beside the sweep's
-saved runs (``--saved``) of the baselines (``BASELINES``) on the same cell, load and seed.
+once, and ``--table`` prints the goal table of what is saved, completed (where ``--saved``
+holds a sweep's runs) by the sweep's runs of the baselines (``BASELINES``) not rerun here on
+the same cell, load and seed.
 
 Run: ``.venv/bin/python benchmarks/replay_cells.py --runs agentic-tight:1.0,agentic-roomy:1.0
 --systems flatcake --seeds 0 [--jobs 2]``, then ``... --table``.
@@ -55,7 +56,8 @@ def table(out: Path, saved: Path) -> str:
     rows = []
     for cell_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         fresh = [json.loads(p.read_text()) for p in sorted(cell_dir.glob("*.json"))]
-        old = json.loads((saved / cell_dir.name / "result.json").read_text())["runs"]
+        saved_file = saved / cell_dir.name / "result.json"
+        old = json.loads(saved_file.read_text())["runs"] if saved_file.exists() else []
         rerun = {run["system"] for run in fresh}
         keys = {(run["x"], run["seed"]) for run in fresh}
         others = [

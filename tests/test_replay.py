@@ -386,3 +386,31 @@ def test_configuration_errors_are_typed():
         tiny_profile(layers=0)
     with pytest.raises(ConfigError):
         context_length_trace(100, sessions=2, new_tokens=512)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_turn_queued_behind_its_predecessor_reads_nothing_the_predecessor_brings(hold):
+    """Turn 3 arrives while turn 2 of its session still prefetches the session's prefix from
+    SSD. With the scheduler's shared-prefix hold it waits for turn 2's prefill and finds the
+    prefix in HBM: nothing is read twice. Without it both read the prefix, and turn 3 finds
+    in HBM what it read (read, never delivered)."""
+    first = list(range(8))
+    trace = Trace.from_requests(
+        [
+            request(0.0, "a", 1, first),
+            request(1.0, "b", 1, list(range(500, 520))),  # pushes a's pages out of HBM
+            request(5.0, "a", 2, [*first, 50, 51]),
+            request(5.001, "a", 3, [*first, 50, 51, 52]),
+        ]
+    )
+    agentic = PlacementConfig(page_tokens=PAGE_TOKENS, l_agent_tokens=64)  # all on SSD
+    spec = dataclasses.replace(SYSTEMS["flatcake-table2"], hold_shared_prefixes=hold)
+    engine, summary = replay(trace, spec, placement=agentic)
+    counters = summary["counters"]
+    assert counters["ssd_bytes_delivered"] > 0
+    if hold:
+        assert counters["ssd_read_bytes_hbm_covered"] == 0
+        assert engine.scheduler.stats().holds == 1
+        assert engine.records.hbm[3] >= len(first)  # the prefix came from turn 2's prefill
+    else:
+        assert counters["ssd_read_bytes_hbm_covered"] > 0

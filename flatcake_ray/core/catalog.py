@@ -12,6 +12,11 @@ then makes the keys visible, or :meth:`Catalog.abort` gives the space back. A re
 replica) and releases it; reclamation frees only unreferenced scopes, oldest first, whole.
 DRAM reclamation drops replica scopes (no write-back: the SSD copy stays) before any home
 scope.
+
+The catalog's parts, one mixin each over the same state: ``allocation.py`` (a session's
+scope, room in its run, quotas), ``reclamation.py`` (how full, who goes first, freeing and
+quarantine), ``replicas.py`` (DRAM read replicas); lookups, the put's plan, publish, abort
+and recovery are here.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from flatcake_ray.config import StoreConfig
+from flatcake_ray.core.allocation import AllocationMixin
 from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
@@ -39,7 +45,6 @@ from flatcake_ray.core.put_checks import (
     put_refusal,
 )
 from flatcake_ray.core.records import Ids, Lease, PutHints, PutPlan, Scope, Segment, Session
-from flatcake_ray.core.replicas import ReplicaMixin
 from flatcake_ray.core.tenants import DEFAULT_TENANT
 from flatcake_ray.errors import QuotaExceededError
 
@@ -65,7 +70,7 @@ def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
     }
 
 
-class Catalog(ReplicaMixin):
+class Catalog(AllocationMixin):
     """One tenant's pages on a store's media. ``space`` and ``ids`` are shared by the catalogs
     of one store (one per tenant); ``quota`` bounds the bytes this tenant's scopes reserve per
     medium. A catalog reclaims only its own scopes: a tenant over its quota, or a medium
@@ -269,86 +274,6 @@ class Catalog(ReplicaMixin):
             session.context_pages = self.sessions[inherited].context_pages
         return session, refcount, parent_segment
 
-    def _dram_headroom(self, nbytes: int) -> bool:
-        return self._fraction(Medium.DRAM, nbytes) <= self.config.low_watermark
-
-    def _allocate(
-        self, session: Session, medium: Medium, nbytes: int, reserve_ahead: bool
-    ) -> tuple[Scope | None, int]:
-        """Room for ``nbytes`` in ``session``'s scope on ``medium``, reclaiming unreferenced
-        scopes if needed; (None, 0), with nothing evicted, when even that would not make it.
-        Space held ahead keeps a session's turns together in one run; a first turn is mostly
-        never continued (69% of Mooncake sessions), so it takes only what it needs: held-ahead
-        space of first turns was 43% of the SSD the Mooncake replay had reserved, and SSD
-        reclamation then dropped sessions that were coming back."""
-        space = self.space[medium]
-        if nbytes > space.region_bytes or not space.allocators:
-            return None, 0  # a run never crosses a region (one arena, one pool file)
-        scope = self._scope_for(session, medium)
-        scope.refs += 1  # keep reclamation away from the scope we are growing
-        before = scope.runs.used_bytes
-        try:
-            offset = None
-            if self._obtainable(medium, scope, nbytes) and self._fits_quota(medium, nbytes):
-                if self._fraction(medium, nbytes) > self.config.high_watermark:
-                    self.reclaim(medium, target=self.config.low_watermark)
-                offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
-                while offset is None and self._reclaim_oldest(medium):
-                    offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
-        finally:
-            scope.refs -= 1
-            self.used[medium] += scope.runs.used_bytes - before
-        if offset is None:
-            self._drop_if_unused(scope)
-            return None, 0
-        return scope, offset
-
-    def _fraction(self, medium: Medium, extra: int = 0) -> float:
-        """How full ``medium`` is for this tenant: of its quota if it has one, else of the
-        medium (``extra`` bytes counted as if placed)."""
-        quota = self.quota[medium]
-        if quota is not None:
-            return (self.used[medium] + extra) / quota if quota else 1.0
-        space = self.space[medium]
-        return space.used_fraction + extra / space.capacity if space.capacity else 1.0
-
-    def _within_quota(self, medium: Medium, nbytes: int) -> bool:
-        quota = self.quota[medium]
-        return quota is None or self.used[medium] + nbytes <= quota
-
-    def _fits_quota(self, medium: Medium, nbytes: int) -> bool:
-        """Whether ``nbytes`` more stay within this tenant's quota, once its own unreferenced
-        scopes are reclaimed if need be (reclaiming them as needed)."""
-        quota = self.quota[medium]
-        if quota is None:
-            return True
-        if nbytes > quota:
-            return False
-        while self.used[medium] + nbytes > quota:
-            if self._reclaim_oldest(medium) is None:
-                return False
-        return True
-
-    def _obtainable(self, medium: Medium, scope: Scope, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit now, or would once every unreferenced scope were freed."""
-        space = self.space[medium]
-        last = scope.runs.runs[-1] if scope.runs.runs else None
-        if space.largest_free >= nbytes or (last is not None and last.room >= nbytes):
-            return True
-        ages = [*self._age[medium], *(self._replica_age if medium is Medium.DRAM else ())]
-        freeable = [self.scopes[s].runs for s in ages if self.scopes[s].refs == 0]
-        return space.largest_obtainable(freeable, scope.runs) >= nbytes
-
-    def _scope_for(self, session: Session, medium: Medium) -> Scope:
-        scope_id = session.scopes.get(medium)
-        if scope_id is not None and scope_id in self.scopes:
-            return self.scopes[scope_id]
-        scope = Scope(next(self._ids), session.session_id, medium)
-        self.scopes[scope.scope_id] = scope
-        session.scopes[medium] = scope.scope_id
-        self._age[medium][scope.scope_id] = None
-        return scope
-
     # ---- publish and abort ---------------------------------------------------------------
     def publish(self, plan: PutPlan) -> np.ndarray:
         """Make a written segment's keys visible; returns the mask of pages published."""
@@ -379,104 +304,6 @@ class Catalog(ReplicaMixin):
         if plan.replica is not None:
             self._give_back(plan.replica)
         self._give_back(plan.segment)
-
-    def _give_back(self, segment: Segment) -> None:
-        scope = self.scopes[segment.scope_id]
-        scope.refs -= 1
-        before = scope.runs.used_bytes
-        last = scope.runs.runs[-1] if scope.runs.runs else None
-        if last is not None and last.start + last.used == segment.offset + segment.layout.nbytes:
-            last.used -= segment.layout.nbytes
-        if not scope.is_replica:  # replicas are not the tenant's use (they are dropped first)
-            self.used[scope.medium] += scope.runs.used_bytes - before
-        self._drop_if_unused(scope)
-
-    def _drop_if_unused(self, scope: Scope) -> None:
-        """A scope that never got a segment and that no put is writing gives its runs back."""
-        if not scope.segments and scope.refs == 0:
-            if not scope.is_replica:
-                self.used[scope.medium] -= scope.runs.used_bytes
-            self.space[scope.medium].release(scope.runs)
-            self._drop_scope(scope)
-
-    # ---- reclamation ---------------------------------------------------------------------
-    def _ages(self, scope: Scope) -> OrderedDict[int, None]:
-        return self._replica_age if scope.is_replica else self._age[scope.medium]
-
-    def _touch(self, scope: Scope, ref_delta: int) -> None:
-        scope.refs += ref_delta
-        self._ages(scope).move_to_end(scope.scope_id)
-
-    def reclaim(self, medium: Medium, target: float) -> list[Scope]:
-        """Free this catalog's oldest unreferenced scopes until ``medium`` is at most
-        ``target`` full (of the quota, if there is one); on DRAM, replica scopes first."""
-        freed = []
-        while self._fraction(medium) > target:
-            scope = self._reclaim_oldest(medium)
-            if scope is None:
-                break
-            freed.append(scope)
-        return freed
-
-    def _reclaim_oldest(self, medium: Medium) -> Scope | None:
-        if medium is Medium.DRAM:
-            replica = self._drop_oldest_replica()
-            if replica is not None:
-                return replica
-        for scope_id in self._age[medium]:
-            scope = self.scopes[scope_id]
-            if scope.refs == 0:
-                self.free_scope(scope)
-                self.counters["reclaimed_scopes"] += 1
-                return scope
-        return None
-
-    def free_scope(self, scope: Scope) -> int:
-        """Drop a scope whole: its keys leave the index at once, its runs return to the pool,
-        and its replicas go with it."""
-        if scope.is_replica:
-            return self._free_replicas(scope)
-        for segment_id in scope.segments:
-            segment = self.segments.pop(segment_id)
-            self.index.delete(segment.digests)
-            self._free_replicas_of(segment)
-        self.used[scope.medium] -= scope.runs.used_bytes
-        freed = self.space[scope.medium].release(scope.runs)
-        self.counters["reclaimed_bytes"] += freed
-        self._drop_scope(scope)
-        if self.on_free is not None:
-            self.on_free(scope)
-        return freed
-
-    def _drop_scope(self, scope: Scope) -> None:
-        self.scopes.pop(scope.scope_id, None)
-        self._ages(scope).pop(scope.scope_id, None)
-        if scope.is_replica:
-            return
-        session = self.sessions.get(scope.session_id)
-        if session is not None and session.scopes.get(scope.medium) == scope.scope_id:
-            del session.scopes[scope.medium]
-
-    def quarantine(self, scope_id: int) -> None:
-        """A scope with a bad checksum: its keys go at once; its space is never reused. A bad
-        replica takes only itself: its segments are read from SSD again."""
-        scope = self.scopes.get(scope_id)
-        if scope is None:
-            return
-        if scope.is_replica:
-            for segment_id in scope.segments:
-                segment = self.segments.get(segment_id)
-                if segment is not None:
-                    segment.replica = None
-        else:
-            for segment_id in scope.segments:
-                segment = self.segments.pop(segment_id)
-                self.index.delete(segment.digests)
-                self._free_replicas_of(segment)
-        scope.segments.clear()
-        scope.runs.runs.clear()  # the runs stay allocated: suspect media is not handed out again
-        self._drop_scope(scope)
-        self.counters["quarantined_scopes"] += 1
 
     # ---- recovery ------------------------------------------------------------------------
     def adopt_scope(

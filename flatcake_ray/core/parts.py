@@ -17,6 +17,7 @@ import numpy as np
 from flatcake_ray.core.catalog import Lease
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.runs import run_bounds
 
 
 @dataclass(frozen=True, eq=False)  # eq would compare arrays elementwise
@@ -82,3 +83,30 @@ def first_positions(parts: Sequence[LeasePart]) -> dict[int, int]:
 def wanted_bytes(parts: Sequence[LeasePart], medium: Medium) -> int:
     """Bytes of every layer of the wanted pages on ``medium`` (FC-MAS's ``kv_bytes``)."""
     return sum(p.pages * p.layout.layers * p.layout.page_bytes for p in parts if p.medium is medium)
+
+
+def filled_bytes(part: LeasePart, verify: bool) -> int:
+    """Bytes of one layer of ``part`` a filled medium reads (whole blocks when verifying)."""
+    layout = part.layout
+    if not verify:
+        return part.pages * layout.page_bytes
+    blocks = np.unique(part.src_pages // layout.check_pages)
+    return min(layout.layer_bytes, len(blocks) * layout.check_pages * layout.page_bytes)
+
+
+def block_ranges(part: LeasePart) -> list[tuple[int, int]]:
+    """[first, end) pages of the runs of whole checksum blocks holding the wanted pages."""
+    layout = part.layout
+    blocks = np.unique(part.src_pages // layout.check_pages)
+    return [
+        (
+            int(blocks[a]) * layout.check_pages,
+            min(layout.pages, (int(blocks[b - 1]) + 1) * layout.check_pages),
+        )
+        for a, b in run_bounds(blocks)
+    ]
+
+
+def page_ranges(part: LeasePart) -> list[tuple[int, int]]:
+    src = part.src_pages
+    return [(int(src[a]), int(src[b - 1]) + 1) for a, b in run_bounds(src)]

@@ -37,7 +37,13 @@ import numpy as np
 from flatcake_ray.core.coalesce import CoalescedReads, coalesce
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import StreamingCheck
-from flatcake_ray.core.parts import LeasePart, first_positions
+from flatcake_ray.core.parts import (
+    LeasePart,
+    block_ranges,
+    filled_bytes,
+    first_positions,
+    page_ranges,
+)
 from flatcake_ray.core.runs import align_down, run_bounds
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
@@ -132,11 +138,14 @@ class RestorePlan:
         self.scope_first = first_positions(self.parts)
         self.layers = self.parts[0].layout.layers if self.parts else 0
         self.groups = self._groups()
+        # Each part's wanted page spans, the same for every layer group: found once.
+        self._span_cache: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        self._grids: dict[tuple[Medium, bool, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def _groups(self) -> list[tuple[int, int]]:
         """[first, end) layers moved together: as many as fit one slot (at least one)."""
         per_layer = sum(
-            _filled_bytes(part, self.access[part.medium].verify)
+            filled_bytes(part, self.access[part.medium].verify)
             for part in self.parts
             if not self.access[part.medium].mapped
         )
@@ -162,10 +171,45 @@ class RestorePlan:
         return chunks
 
     def reads(self, first: int, end: int, medium: Medium) -> CoalescedReads:
-        """The coalesced reads of layers ``[first, end)`` on a filled ``medium``."""
-        parts = [p for p in self.parts if p.medium is medium]
-        ranges = self._ranges(parts, first, end, medium, checks=False)
-        return self._coalesce(ranges, self.access[medium])
+        """The coalesced reads of layers ``[first, end)`` on a filled ``medium``: those
+        ``chunks`` issues, found without building its per-range delivery state."""
+        access = self.access[medium]
+        base, stride, length = self._read_grid(medium, access.verify, end - first)
+        return self._coalesce_bytes(base + first * stride, length, access)
+
+    def _read_grid(
+        self, medium: Medium, verify: bool, layers: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per wanted range of a group of ``layers`` layers starting at layer 0, in the order
+        ``_ranges`` lists them (part, layer, span): its byte offset on the medium, its part's
+        layer stride (a group starting at layer f adds f strides) and its length."""
+        key = (medium, verify, layers)
+        grid = self._grids.get(key)
+        if grid is None:
+            columns: tuple[list[np.ndarray], ...] = ([], [], [])
+            for part in self.parts:
+                if part.medium is not medium:
+                    continue
+                spans = np.array(self._spans(part, verify), dtype=np.int64).reshape(-1, 2)
+                page, stride = part.layout.page_bytes, part.layout.layer_stride
+                in_group = np.repeat(np.arange(layers, dtype=np.int64), len(spans))
+                lo = np.tile(spans[:, 0] * page, layers)
+                columns[0].append(part.offset + in_group * stride + lo)
+                columns[1].append(np.full(len(lo), stride, dtype=np.int64))
+                columns[2].append(np.tile((spans[:, 1] - spans[:, 0]) * page, layers))
+            empty = np.zeros(0, dtype=np.int64)
+            base, strides, lengths = (np.concatenate(c) if c else empty for c in columns)
+            grid = self._grids[key] = (base, strides, lengths)
+        return grid
+
+    def _spans(self, part: LeasePart, verify: bool) -> list[tuple[int, int]]:
+        """[first, end) pages of ``part`` to read: whole checksum blocks when verifying."""
+        key = (id(part), verify)  # the plan holds its parts, so their ids stay theirs
+        spans = self._span_cache.get(key)
+        if spans is None:
+            spans = block_ranges(part) if verify else page_ranges(part)
+            self._span_cache[key] = spans
+        return spans
 
     # ---- mapped media: page runs in place ----------------------------------------------
     def _mapped_chunks(
@@ -235,7 +279,7 @@ class RestorePlan:
         verify = self.access[medium].verify
         ranges: list[_Range] = []
         for part in parts:
-            spans = _block_ranges(part) if verify else _page_ranges(part)
+            spans = self._spans(part, verify)
             for layer in range(first_layer, end_layer):
                 for first, end in spans:
                     ranges.append(self._range(part, layer, first, end, verify and checks))
@@ -260,6 +304,11 @@ class RestorePlan:
     def _coalesce(self, ranges: list[_Range], access: MediumAccess) -> CoalescedReads:
         offsets = np.array([r.part.extent_offset(r.layer) + r.lo for r in ranges], dtype=np.int64)
         lengths = np.array([r.hi - r.lo for r in ranges], dtype=np.int64)
+        return self._coalesce_bytes(offsets, lengths, access)
+
+    def _coalesce_bytes(
+        self, offsets: np.ndarray, lengths: np.ndarray, access: MediumAccess
+    ) -> CoalescedReads:
         files, in_file = np.divmod(offsets, access.file_bytes)
         return coalesce(
             files,
@@ -291,33 +340,6 @@ class RestorePlan:
                     chunk.scopes.add(member.part.scope_id)
                 cut = _piece(chunk, member, end, base, cut)
             start = align_down(cut, align) if cut is not None else end
-
-
-def _filled_bytes(part: LeasePart, verify: bool) -> int:
-    """Bytes of one layer of ``part`` a filled medium reads (whole blocks when verifying)."""
-    layout = part.layout
-    if not verify:
-        return part.pages * layout.page_bytes
-    blocks = np.unique(part.src_pages // layout.check_pages)
-    return min(layout.layer_bytes, len(blocks) * layout.check_pages * layout.page_bytes)
-
-
-def _block_ranges(part: LeasePart) -> list[tuple[int, int]]:
-    """[first, end) pages of the runs of whole checksum blocks holding the wanted pages."""
-    layout = part.layout
-    blocks = np.unique(part.src_pages // layout.check_pages)
-    return [
-        (
-            int(blocks[a]) * layout.check_pages,
-            min(layout.pages, (int(blocks[b - 1]) + 1) * layout.check_pages),
-        )
-        for a, b in run_bounds(blocks)
-    ]
-
-
-def _page_ranges(part: LeasePart) -> list[tuple[int, int]]:
-    src = part.src_pages
-    return [(int(src[a]), int(src[b - 1]) + 1) for a, b in run_bounds(src)]
 
 
 def _piece(chunk: LayerChunk, member: _Range, end: int, base: int, cut: int | None) -> int | None:

@@ -6,6 +6,9 @@ A request's life on the virtual clock:
    FlatCake); it is submitted to the live FC-MAS scheduler with its GVAs and SSD bytes.
 2. *restore*: when the scheduler starts its prefetch, the SSD part is read on the modelled
    workers (tiered systems first take host staging for it, or are revoked or queued).
+   FlatCake's scheduler first holds a prefetch of pages an older unfinished request will
+   bring into HBM (``core/prefix_holds.py``); when that one's prefill ends the held request
+   looks HBM and storage up again and reads only what is still on SSD.
 3. *prefill*: when the GPU is free and the scheduler hands it over, HBM is looked at again
    (a sibling's prefill may have brought the prefix meanwhile); DRAM pages (and host-staged
    SSD pages) cross the H2D link layer by layer, overlapped with compute; compute is the
@@ -95,7 +98,11 @@ class Replay:
         self.staging = StagingPool(staging, queue=not spec.revoke) if spec.host_staging else None
         budget = profile.prefetch_windows if spec.bounded_prefetch else UNBOUNDED
         self.scheduler = Scheduler(
-            SchedulerConfig(max_inflight_prefetches=budget, policy=spec.scheduler)
+            SchedulerConfig(
+                max_inflight_prefetches=budget,
+                policy=spec.scheduler,
+                hold_shared_prefixes=spec.hold_shared_prefixes,
+            )
         )
         self.records = RequestRecords(len(pages))
         self.written = KeyMap()  # pages ever written to SSD: write amplification
@@ -154,7 +161,11 @@ class Replay:
         located = self.storage.locate(request, digests, prefix)
         flight = Flight(request, now, prefix, slots, located, located.pages)
         self._flights[request] = flight
-        self.scheduler.submit(request, now, located.gvas, located.ssd_pages * self.page_bytes)
+        names = digests["lo"][prefix:]  # a page's name on any medium (GVAs name one medium's)
+        kv_bytes = located.ssd_pages * self.page_bytes
+        self.scheduler.submit(
+            request, now, located.gvas, kv_bytes, names[: located.pages], names[located.pages :]
+        )
         self._start_prefetches(now)
         self._dispatch(now)
 
@@ -281,7 +292,9 @@ class Replay:
             flight.resubmitted = True
             self.counters["resubmitted"] += 1
             kv_bytes = fresh.ssd_pages_to_read * self.page_bytes
-            self.scheduler.submit(flight.request, now, fresh.gvas, kv_bytes)
+            names = digests["lo"][hbm:]
+            located, computed = names[: fresh.pages], names[fresh.pages :]
+            self.scheduler.submit(flight.request, now, fresh.gvas, kv_bytes, located, computed)
             self._start_prefetches(now)
             return True
         if grew and fresh.have is not None and not fresh.ssd_pages_to_read and not revoked:
@@ -295,6 +308,29 @@ class Replay:
         else:
             self.storage.release(flight.request, fresh, slice(0, 0))
         return False
+
+    def _look_again(self, flight: Flight, now: float) -> None:
+        """Its prefetch was held until the prefill of an earlier request sharing its SSD
+        pages ended (core/prefix_holds.py). Look HBM and storage up again: what that prefill
+        brought into HBM needs no read; the scheduler gets what is still to read."""
+        digests = self.pages.digests_for(flight.request)
+        hbm = self.hbm.prefix(digests)
+        if hbm <= flight.hbm_prefix:
+            return  # nothing more in HBM: it prefetches what it located
+        _, slots = self.hbm.slots(digests[:hbm])
+        self.hbm.pin(slots, +1)
+        self.hbm.touch(slots)
+        self.hbm.pin(flight.hbm_slots, -1)
+        flight.hbm_slots = slots
+        fresh = self.storage.locate(flight.request, digests, hbm)
+        if flight.restored.size:
+            fresh.have = np.isin(hbm + np.arange(fresh.pages), flight.restored)
+        self._drop_restore(flight, now)
+        flight.located, flight.hbm_prefix, flight.usable = fresh, hbm, fresh.pages
+        unread = fresh.unread()
+        kv_bytes = int(np.count_nonzero(unread)) * self.page_bytes
+        names = digests["lo"][hbm : hbm + fresh.pages][unread]
+        self.scheduler.update(flight.request, now, fresh.gvas[unread], kv_bytes, names)
 
     def _drop_restore(self, flight: Flight, now: float) -> None:
         self.storage.release(flight.request, flight.located, slice(0, 0))
@@ -318,6 +354,11 @@ class Replay:
         digests = self.pages.digests_for(request)
         self.hbm.insert(digests)
         self.hbm.pin(flight.hbm_slots, -1)
+        self.scheduler.finished(request, now)
+        if released := self.scheduler.take_released():
+            for scheduled in released:
+                self._look_again(self._flights[scheduled.request_id], now)
+            self._start_prefetches(now)
         transfers = self.storage.release(request, flight.located, flight.used)
         if not self.storage.saves_during_prefill:
             transfers += self.storage.store(request, digests, now)

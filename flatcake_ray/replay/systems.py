@@ -28,6 +28,7 @@ flatcake        the live :class:`~flatcake_ray.catalog.Catalog` (placement, exte
 flatcake-table2 flatcake with the paper's Table 2 only (no DRAM read replicas).
 flatcake-admit  flatcake admitting SSD-bound later turns to DRAM while it has headroom.
 flatcake-fcfs   flatcake with the scheduler's ``fcfs`` policy (paper's w/o FC-MAS ablation).
+flatcake-nohold flatcake without the scheduler's shared-prefix hold (its ablation).
 oracle          flatcake whose placement knows each page's next use (from the trace): pages
                 never used again are not stored; a put whose next use is within
                 ``oracle_horizon_s`` goes to DRAM while DRAM stays under its low watermark
@@ -38,7 +39,8 @@ oracle          flatcake whose placement knows each page's next use (from the tr
 Dispatch. The tiered systems dispatch whichever requests have their data, oldest first, and
 start every restore at arrival (SGLang's wait-for-prefetch behaviour): the shared scheduler
 with an unbounded prefetch budget. FlatCake bounds restores by its GPU windows and orders
-them by HRRN; flatcake-fcfs dispatches strictly in arrival order.
+them by HRRN, holding a prefetch of pages an older unfinished request will bring into HBM
+until that request's prefill ends; flatcake-fcfs dispatches strictly in arrival order.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class SystemSpec:
     fifo_buckets: int = 64
     dram_policy: str | None = None  # flat: overrides PlacementConfig.dram_policy
     dram_order: str = "lru"  # tiered: lru | predicted (eviction and admission, aware.py)
+    # The scheduler holds a prefetch of SSD pages an earlier unfinished request will bring
+    # into HBM (core/prefix_holds.py); FlatCake's scheduler does, the baselines do not.
+    hold_shared_prefixes: bool = False
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_KINDS:
@@ -107,15 +112,29 @@ SYSTEMS: dict[str, SystemSpec] = {
         promote=True,
         dram_order="predicted",
     ),
-    "flatcake": SystemSpec("flatcake", "flat", bounded_prefetch=True),
+    "flatcake": SystemSpec("flatcake", "flat", bounded_prefetch=True, hold_shared_prefixes=True),
     "flatcake-table2": SystemSpec(
-        "flatcake-table2", "flat", bounded_prefetch=True, dram_policy="table2"
+        "flatcake-table2",
+        "flat",
+        bounded_prefetch=True,
+        dram_policy="table2",
+        hold_shared_prefixes=True,
     ),
     "flatcake-admit": SystemSpec(
-        "flatcake-admit", "flat", bounded_prefetch=True, dram_policy="admit"
+        "flatcake-admit",
+        "flat",
+        bounded_prefetch=True,
+        dram_policy="admit",
+        hold_shared_prefixes=True,
     ),
-    "flatcake-fcfs": SystemSpec("flatcake-fcfs", "flat", scheduler="fcfs", bounded_prefetch=True),
-    "oracle": SystemSpec("oracle", "flat", bounded_prefetch=True, oracle=True),
+    "flatcake-fcfs": SystemSpec(
+        "flatcake-fcfs", "flat", scheduler="fcfs", bounded_prefetch=True, hold_shared_prefixes=True
+    ),
+    "oracle": SystemSpec(
+        "oracle", "flat", bounded_prefetch=True, oracle=True, hold_shared_prefixes=True
+    ),
+    # flatcake without the shared-prefix hold (the ablation of prefix_holds.py)
+    "flatcake-nohold": SystemSpec("flatcake-nohold", "flat", bounded_prefetch=True),
 }
 
 
