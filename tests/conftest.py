@@ -98,6 +98,16 @@ def _no_ray_left_attached(request):
 
 # ---- the Ray service, started for a test module -----------------------------------------------
 HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False}
+# The small service most modules start (each adds what it tests).
+SMALL_SERVICE = {
+    "layers": LAYERS,
+    "page_bytes": PAGE_BYTES,
+    "dram_bytes": 8 << 20,
+    "ssd_file_bytes": 8 << 20,
+    "ship_bytes": 1 << 20,
+}
+# Ray's system config that has it declare a removed node dead in ~1.5 s (its default: ~15 s).
+QUICK_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 
 
 @dataclass

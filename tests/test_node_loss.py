@@ -13,7 +13,6 @@ recovered from the manifest, byte for byte.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
@@ -23,42 +22,32 @@ pytestmark = pytest.mark.ray
 
 ray = pytest.importorskip("ray")
 
-from ray import cloudpickle  # noqa: E402
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from flatcake_ray.actors.protocol import COORDINATOR_NAME, NODE_NAME_PREFIX  # noqa: E402
 from flatcake_ray.client import deploy  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium  # noqa: E402
-from tests.conftest import LAYERS, PAGE_BYTES, random_kv, remove_leftover_arenas, wait_for  # noqa: E402
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Writer, by value
+from tests.conftest import (  # noqa: E402
+    LAYERS,
+    PAGE_BYTES,
+    QUICK_NODE_DEATH,
+    SMALL_SERVICE,
+    random_kv,
+    remove_leftover_arenas,
+    wait_for,
+)
+from tests.test_service import pinned_client  # noqa: E402  (its client on a node, by value)
 
 NAMESPACE = "fc-node-loss"
 DRAM = PutHints(turn=2, prior_reply_tokens=1)  # short chat -> DRAM
 SSD = PutHints(turn=1)  # one-shot -> SSD
-# Ray declares a removed node dead within ~1.5 s with these; its default is ~15 s.
-SYSTEM = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 LOST_WITHIN_S = 30.0
 RPC_TIMEOUT_S = 5.0
 
 
 def keys(name: str, pages: int) -> list[str]:
     return [f"{name}/{i}" for i in range(pages)]
-
-
-class Writer:
-    """A client on one Ray node (pinned): its puts go to that node's storage node."""
-
-    def __init__(self, namespace: str) -> None:
-        self.client = FlatCakeClient(namespace)
-        self.client.warm_up()
-
-    def put(self, name: str, pages: int, seed: int, hints: PutHints) -> tuple[int, str]:
-        kv = random_kv(pages, seed)
-        result = self.client.put(keys(name, pages), kv, session_id=name, hints=hints)
-        return self.client.nodes.local_node_id, result.medium.name
 
 
 def worker_on(host_root) -> dict:
@@ -80,12 +69,8 @@ def loss(ray_service, tmp_path_factory):
     host_root = tmp_path_factory.mktemp("host-b")
     service = ray_service(
         NAMESPACE,
-        system=SYSTEM,
-        layers=LAYERS,
-        page_bytes=PAGE_BYTES,
-        dram_bytes=8 << 20,
-        ssd_file_bytes=8 << 20,
-        ship_bytes=1 << 20,
+        system=QUICK_NODE_DEATH,
+        **SMALL_SERVICE,
         landing_bytes=4 << 20,
         report_interval_s=0.5,
         node_timeout_s=60.0,  # reports alone would call it down only after a minute
@@ -97,15 +82,13 @@ def loss(ray_service, tmp_path_factory):
     # stays on the head (a coordinator on the removed node would be restarted elsewhere and
     # rebuild without the lost node: docs/design-notes.md).
     host_b = join(service, host_root)
-    strategy = NodeAffinitySchedulingStrategy(host_b.node_id, soft=False)
-    writer = ray.remote(Writer).options(num_cpus=0, scheduling_strategy=strategy)
     driver = FlatCakeClient(NAMESPACE)  # on the head, beside the surviving storage node
     driver.warm_up()
     yield {
         "service": service,
         "host_root": host_root,
         "host_b": host_b,
-        "writer": writer.remote(NAMESPACE),
+        "writer": pinned_client(host_b).remote(NAMESPACE),  # its puts stay on host B
         "driver": driver,
         "state": {},
     }
@@ -142,9 +125,9 @@ def remove_and_wait_lost(loss, node, node_id: int) -> float:
 
 def test_a_removed_node_is_lost_with_its_dram_counted_and_shown(loss):
     writer, driver = loss["writer"], loss["driver"]
-    lost_id, medium = ray.get(writer.put.remote("bd", 3, 1, DRAM))
-    assert medium == Medium.DRAM.name
-    assert ray.get(writer.put.remote("bs", 5, 2, SSD)) == (lost_id, Medium.SSD.name)
+    lost_id = ray.get(writer.local_node_id.remote())
+    assert ray.get(writer.put.remote("bd", 3, 1, DRAM)).medium is Medium.DRAM
+    assert ray.get(writer.put.remote("bs", 5, 2, SSD)).medium is Medium.SSD
     for name, pages in (("bd", 3), ("bs", 5)):  # the driver caches where they are, and links
         report, _, _ = restore(driver, name, pages)
         assert (report.pages, report.node_id) == (pages, lost_id)
