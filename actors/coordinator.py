@@ -34,7 +34,8 @@ from typing import Any
 
 from flatcake_ray.actors.auth import Gate, default_tenant
 from flatcake_ray.actors.drain import read_drained, write_drained
-from flatcake_ray.actors.node_records import NodeRecord, RayNodeWatch, ramp
+from flatcake_ray.actors.lost import forget_lost, read_lost, record_of, remember_lost
+from flatcake_ray.actors.node_records import NodeRecord, RayNodeWatch, check_registration, ramp
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage
 from flatcake_ray.actors.tenant_admin import TenantAdmin
 from flatcake_ray.config import ServiceConfig
@@ -52,22 +53,6 @@ def _node_id(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UnknownNodeError(f"a NodeID is an int, not {type(value).__name__}")
     return value
-
-
-def _check_registration(
-    ray_node_id: object, actor_name: object, wanted_node_id: object, started_at: object
-) -> None:
-    """A registration's fields, typed: a malformed one would poison placement for everyone."""
-    if not isinstance(ray_node_id, str) or not isinstance(actor_name, str):
-        raise ServiceError("a registration names its Ray node and its actor as str")
-    if wanted_node_id is not None and (
-        isinstance(wanted_node_id, bool) or not isinstance(wanted_node_id, int)
-    ):
-        raise ServiceError(f"a wanted NodeID is an int or None, not {wanted_node_id!r}")
-    if isinstance(started_at, bool) or not isinstance(started_at, int | float):
-        raise ServiceError(f"a start time is a number, not {type(started_at).__name__}")
-    if started_at != started_at:  # NaN would make every ramp NaN
-        raise ServiceError("a start time is a number, not NaN")
 
 
 class CapacityCoordinator:
@@ -111,7 +96,7 @@ class CapacityCoordinator:
         """The NodeID of this storage node: its old one if free, else the lowest free one.
         Only the service's own nodes (holding its secret) register."""
         self.gate.service(service_secret)
-        _check_registration(ray_node_id, actor_name, wanted_node_id, started_at)
+        check_registration(ray_node_id, actor_name, wanted_node_id, started_at)
         if self.watch is not None:  # a fresh view: the newcomer is alive, a lost holder dead
             self.watch.dead(ray_node_id, fresh=True)
         now = time.time()
@@ -129,7 +114,7 @@ class CapacityCoordinator:
         if wanted is not None and NO_LOCAL_NODE < wanted <= MAX_NODE_ID:
             holder = self.nodes.get(wanted)
             if holder is None or not self._alive(holder, time.time()):
-                self.nodes.pop(wanted, None)
+                self._forget(wanted)
                 return wanted
         for node_id in range(NO_LOCAL_NODE + 1, MAX_NODE_ID + 1):
             # A drained NodeID stays reserved for the node that has it (it may come back).
@@ -150,11 +135,18 @@ class CapacityCoordinator:
         record.usage = usage
         record.last_seen = time.time()
         self.counters["reports"] += 1
+        for other in list(self.nodes.values()):  # note losses as they come, status or not
+            self._lost(other)
         return True
 
     def forget(self, service_secret: object, node_id: int) -> None:
         self.gate.service(service_secret)
-        self.nodes.pop(_node_id(node_id), None)
+        self._forget(_node_id(node_id))
+
+    def _forget(self, node_id: int) -> None:
+        record = self.nodes.pop(node_id, None)
+        if record is not None and record.lost_noted and self._in_gcs:
+            forget_lost(self.config.namespace, node_id)
 
     def _alive(self, record: NodeRecord, now: float) -> bool:
         """Reporting, on a Ray node Ray calls alive (a lost node's NodeID may be given to
@@ -162,7 +154,14 @@ class CapacityCoordinator:
         return now - record.last_seen < self.config.node_timeout_s and not self._lost(record)
 
     def _lost(self, record: NodeRecord) -> bool:
-        return self.watch is not None and self.watch.dead(record.ray_node_id)
+        if self.watch is None or not self.watch.dead(record.ray_node_id):
+            return False
+        if not record.lost_noted:  # first sight: kept in the GCS for a restarted coordinator
+            record.lost_noted = True
+            if self._in_gcs:
+                remember_lost(self.config.namespace, record)
+            log.warning("NodeID %d lost: Ray node %s is dead", record.node_id, record.ray_node_id)
+        return True
 
     # ---- draining --------------------------------------------------------------------------
     def drain(self, service_secret: object, node_id: int) -> dict[str, Any]:
@@ -362,6 +361,11 @@ class CapacityCoordinator:
         for name, ref in refs.items():
             if ref in ready:
                 self._adopt_view(name, ref)
+        for node_id, stored in read_lost(self.config.namespace).items():
+            if node_id in self.nodes:  # taken by a node that came back: no longer lost
+                forget_lost(self.config.namespace, node_id)
+            else:
+                self.nodes[node_id] = record_of(node_id, stored)
 
     def _adopt_view(self, name: str, ref: Any) -> None:
         import ray

@@ -20,6 +20,7 @@ from typing import Any
 
 from flatcake_ray.actors.protocol import NodeUsage
 from flatcake_ray.config import ServiceConfig
+from flatcake_ray.errors import ServiceError
 
 UP, SILENT, LOST = "up", "silent", "lost"
 WATCH_EVERY_S = 1.0  # Ray's node table is read at most this often
@@ -35,6 +36,7 @@ class NodeRecord:
     usage: NodeUsage | None = None
     placed: int = 0  # scopes placed here since this coordinator started
     credit: float = 0.0  # smooth weighted round-robin state
+    lost_noted: bool = False  # its loss is logged and kept in the GCS (actors/lost.py)
 
     def state(self, now: float, config: ServiceConfig, ray_dead: bool) -> str:
         if ray_dead:
@@ -70,6 +72,22 @@ class NodeRecord:
             "lost_dram_pages": usage.dram_pages if usage else 0,
             "lost_dram_bytes": usage.dram_used if usage else 0,
         }
+
+
+def check_registration(
+    ray_node_id: object, actor_name: object, wanted_node_id: object, started_at: object
+) -> None:
+    """A registration's fields, typed: a malformed one would poison placement for everyone."""
+    if not isinstance(ray_node_id, str) or not isinstance(actor_name, str):
+        raise ServiceError("a registration names its Ray node and its actor as str")
+    if wanted_node_id is not None and (
+        isinstance(wanted_node_id, bool) or not isinstance(wanted_node_id, int)
+    ):
+        raise ServiceError(f"a wanted NodeID is an int or None, not {wanted_node_id!r}")
+    if isinstance(started_at, bool) or not isinstance(started_at, int | float):
+        raise ServiceError(f"a start time is a number, not {type(started_at).__name__}")
+    if started_at != started_at:  # NaN would make every ramp NaN
+        raise ServiceError("a start time is a number, not NaN")
 
 
 def ramp(record: NodeRecord, now: float, config: ServiceConfig) -> float:

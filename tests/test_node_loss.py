@@ -4,7 +4,8 @@ Its actor is pinned to its Ray node (hard affinity), so Ray cannot restart it an
 the node is *lost*. The coordinator sees it in Ray's node table within seconds (the reports'
 ``node_timeout_s`` is set long here, so only that can make it lost), places nothing there,
 and counts the DRAM of its last report lost; ``status`` shows it; a client that read from it
-(cached location and link) gets misses, quickly, never bytes; ``stop`` does not hang on it.
+(cached location and link) gets misses, quickly, never bytes; a restarted coordinator still
+knows it (GCS); ``stop`` does not hang on it.
 A Ray node that comes back on the same host with the same root (``FLATCAKE_ROOT``, here a
 folder that outlives the removed node) gets a storage node from ``start``, as ``ray up``
 runs it on every joining node: it takes the lost node's NodeID and serves its SSD scopes,
@@ -146,6 +147,18 @@ def test_a_removed_node_is_lost_with_its_dram_counted_and_shown(loss):
     assert shown[lost_id]["state"] == "lost" and shown[lost_id]["alive"] is False
     assert [r["state"] for i, r in shown.items() if i != lost_id] == ["up"]
     assert f"lost: NodeID {lost_id} " in deploy.format_status(info)
+
+
+def test_a_restarted_coordinator_still_knows_the_lost_node(loss):
+    lost_id, handle = loss["state"]["lost_id"], coordinator()
+    began = ray.get(handle.info.remote(secret()), timeout=30)["started_at"]
+    ray.kill(handle, no_restart=False)  # a crash: Ray restarts it, and it rebuilds
+    wait_for(
+        "the coordinator restarted",
+        lambda: ray.get(handle.info.remote(secret()), timeout=10)["started_at"] > began,
+    )
+    row = row_of(lost_id)  # the lost node answers no rebuild: its record is in the GCS
+    assert (row["state"], row["lost_dram_scopes"], row["lost_dram_pages"]) == ("lost", 1, 3)
 
 
 def test_reads_of_a_lost_node_miss_quickly_and_nothing_is_placed_there(loss):
