@@ -132,6 +132,15 @@ def remove_leftover_arenas(root: Path | str) -> None:
         path.unlink(missing_ok=True)
 
 
+def remove_dead_landings(namespace: str) -> None:
+    """A killed storage node never unlinks its landing area either (named by namespace and
+    NodeID, not root): remove those of ``namespace`` whose process is gone."""
+    for path in Path("/dev/shm").glob(f"flatcake-{namespace}-landing-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def ray_service(tmp_path_factory):
     """Start the service on a Ray of its own: ``ray_service(namespace, **config)``.
@@ -225,6 +234,7 @@ def _stop_service(service: RayService, saved_env: dict[str, str | None]) -> None
                 os.environ[name] = value
         shutil.rmtree(service.root, ignore_errors=True)
         remove_leftover_arenas(service.root)
+        remove_dead_landings(service.namespace)
 
 
 T = TypeVar("T")
