@@ -15,6 +15,11 @@ An operator drains a node before removing it (``drain``): it gets no new scopes,
 placed there is placed anew, and its pages stay readable until it goes. The drained set is
 kept in Ray's GCS (``actors/drain.py``), so a restarted coordinator finds it again.
 
+A node whose Ray node died is *lost* (``actors/node_records.py``): Ray cannot restart its
+actor elsewhere (it is pinned to its node), so it takes no new scopes from the moment Ray
+declares its Ray node dead, its row says what DRAM it lost, and its NodeID is kept for a node
+that comes back on its host with its root (and its SSD scopes).
+
 State is soft: on (re)start the coordinator asks every storage node it finds by name for its
 NodeID, start time, usage and sessions, and carries on from that. Nodes keep their NodeIDs.
 This is a plain class; ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
@@ -25,11 +30,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from flatcake_ray.actors.auth import Gate, default_tenant
 from flatcake_ray.actors.drain import read_drained, write_drained
+from flatcake_ray.actors.lost import forget_lost, read_lost, record_of, remember_lost
+from flatcake_ray.actors.node_records import NodeRecord, RayNodeWatch, check_registration, ramp
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeUsage
 from flatcake_ray.actors.tenant_admin import TenantAdmin
 from flatcake_ray.config import ServiceConfig
@@ -42,63 +48,11 @@ MAX_SESSIONS = 1 << 20  # session -> node entries kept (oldest forgotten first)
 REBUILD_TIMEOUT_S = 5.0
 
 
-@dataclass
-class NodeRecord:
-    node_id: int
-    ray_node_id: str
-    actor_name: str
-    joined_at: float  # wall clock: the node's own start time, so a rebuild does not re-ramp it
-    last_seen: float
-    usage: NodeUsage | None = None
-    placed: int = 0  # scopes placed here since this coordinator started
-    credit: float = 0.0  # smooth weighted round-robin state
-
-    def row(self, now: float, config: ServiceConfig) -> dict[str, Any]:
-        usage = self.usage
-        return {
-            "node_id": self.node_id,
-            "ray_node_id": self.ray_node_id,
-            "actor_name": self.actor_name,
-            "alive": now - self.last_seen < config.node_timeout_s,
-            "ramp": ramp(self, now, config),
-            "placed": self.placed,
-            "dram_capacity": usage.dram_capacity if usage else 0,
-            "dram_used": usage.dram_used if usage else 0,
-            "ssd_capacity": usage.ssd_capacity if usage else 0,
-            "ssd_used": usage.ssd_used if usage else 0,
-            "scopes": usage.scopes if usage else 0,
-            "pages": usage.pages if usage else 0,
-        }
-
-
 def _node_id(value: object) -> int:
     """A NodeID a caller names: an int (a list would be an untyped TypeError as a dict key)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise UnknownNodeError(f"a NodeID is an int, not {type(value).__name__}")
     return value
-
-
-def _check_registration(
-    ray_node_id: object, actor_name: object, wanted_node_id: object, started_at: object
-) -> None:
-    """A registration's fields, typed: a malformed one would poison placement for everyone."""
-    if not isinstance(ray_node_id, str) or not isinstance(actor_name, str):
-        raise ServiceError("a registration names its Ray node and its actor as str")
-    if wanted_node_id is not None and (
-        isinstance(wanted_node_id, bool) or not isinstance(wanted_node_id, int)
-    ):
-        raise ServiceError(f"a wanted NodeID is an int or None, not {wanted_node_id!r}")
-    if isinstance(started_at, bool) or not isinstance(started_at, int | float):
-        raise ServiceError(f"a start time is a number, not {type(started_at).__name__}")
-    if started_at != started_at:  # NaN would make every ramp NaN
-        raise ServiceError("a start time is a number, not NaN")
-
-
-def ramp(record: NodeRecord, now: float, config: ServiceConfig) -> float:
-    if config.ramp_seconds == 0:
-        return 1.0
-    grown = (now - record.joined_at) / config.ramp_seconds
-    return min(1.0, config.ramp_floor + (1.0 - config.ramp_floor) * max(0.0, grown))
 
 
 class CapacityCoordinator:
@@ -122,6 +76,9 @@ class CapacityCoordinator:
         self.counters = {"registrations": 0, "placements": 0, "rebuilt_nodes": 0, "reports": 0}
         self.counters["placements_local"] = 0
         self._in_gcs = rebuild
+        # Ray's view of which Ray nodes are dead (a lost node: actors/node_records.py); a
+        # coordinator without Ray only knows whether reports arrive.
+        self.watch = RayNodeWatch() if rebuild else None
         self.drained: frozenset[int] = frozenset()
         if rebuild:
             self.drained = read_drained(config.namespace)
@@ -139,7 +96,9 @@ class CapacityCoordinator:
         """The NodeID of this storage node: its old one if free, else the lowest free one.
         Only the service's own nodes (holding its secret) register."""
         self.gate.service(service_secret)
-        _check_registration(ray_node_id, actor_name, wanted_node_id, started_at)
+        check_registration(ray_node_id, actor_name, wanted_node_id, started_at)
+        if self.watch is not None:  # a fresh view: the newcomer is alive, a lost holder dead
+            self.watch.dead(ray_node_id, fresh=True)
         now = time.time()
         for record in self.nodes.values():
             if record.ray_node_id == ray_node_id:  # a repeated registration: same answer
@@ -155,7 +114,7 @@ class CapacityCoordinator:
         if wanted is not None and NO_LOCAL_NODE < wanted <= MAX_NODE_ID:
             holder = self.nodes.get(wanted)
             if holder is None or not self._alive(holder, time.time()):
-                self.nodes.pop(wanted, None)
+                self._forget(wanted)
                 return wanted
         for node_id in range(NO_LOCAL_NODE + 1, MAX_NODE_ID + 1):
             # A drained NodeID stays reserved for the node that has it (it may come back).
@@ -176,14 +135,33 @@ class CapacityCoordinator:
         record.usage = usage
         record.last_seen = time.time()
         self.counters["reports"] += 1
+        for other in list(self.nodes.values()):  # note losses as they come, status or not
+            self._lost(other)
         return True
 
     def forget(self, service_secret: object, node_id: int) -> None:
         self.gate.service(service_secret)
-        self.nodes.pop(_node_id(node_id), None)
+        self._forget(_node_id(node_id))
+
+    def _forget(self, node_id: int) -> None:
+        record = self.nodes.pop(node_id, None)
+        if record is not None and record.lost_noted and self._in_gcs:
+            forget_lost(self.config.namespace, node_id)
 
     def _alive(self, record: NodeRecord, now: float) -> bool:
-        return now - record.last_seen < self.config.node_timeout_s
+        """Reporting, on a Ray node Ray calls alive (a lost node's NodeID may be given to
+        the node that comes back on its host with its root)."""
+        return now - record.last_seen < self.config.node_timeout_s and not self._lost(record)
+
+    def _lost(self, record: NodeRecord) -> bool:
+        if self.watch is None or not self.watch.dead(record.ray_node_id):
+            return False
+        if not record.lost_noted:  # first sight: kept in the GCS for a restarted coordinator
+            record.lost_noted = True
+            if self._in_gcs:
+                remember_lost(self.config.namespace, record)
+            log.warning("NodeID %d lost: Ray node %s is dead", record.node_id, record.ray_node_id)
+        return True
 
     # ---- draining --------------------------------------------------------------------------
     def drain(self, service_secret: object, node_id: int) -> dict[str, Any]:
@@ -283,7 +261,8 @@ class CapacityCoordinator:
         return [self.nodes_table_row(n) for n in sorted(self.nodes)]
 
     def nodes_table_row(self, node_id: int) -> dict[str, Any]:
-        row = self.nodes[node_id].row(time.time(), self.config)
+        record = self.nodes[node_id]
+        row = record.row(time.time(), self.config, self._lost(record))
         return {**row, "drained": node_id in self.drained}
 
     def info(self, service_secret: object) -> dict[str, Any]:
@@ -293,6 +272,7 @@ class CapacityCoordinator:
             "nodes": len(self.nodes),
             "sessions": len(self.sessions),
             "drained": sorted(self.drained),  # those gone too, until undrained
+            "lost": sorted(n for n, r in self.nodes.items() if self._lost(r)),
             **self.counters,
             **self.gate.counters,
         }
@@ -381,6 +361,11 @@ class CapacityCoordinator:
         for name, ref in refs.items():
             if ref in ready:
                 self._adopt_view(name, ref)
+        for node_id, stored in read_lost(self.config.namespace).items():
+            if node_id in self.nodes:  # taken by a node that came back: no longer lost
+                forget_lost(self.config.namespace, node_id)
+            else:
+                self.nodes[node_id] = record_of(node_id, stored)
 
     def _adopt_view(self, name: str, ref: Any) -> None:
         import ray

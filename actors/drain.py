@@ -43,20 +43,21 @@ def decode(raw: bytes | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _kv() -> Any:
+def kv_store() -> Any:
+    """Ray's internal KV store (the GCS's), initialized."""
     from ray.experimental import internal_kv
 
     if not internal_kv._internal_kv_initialized():
-        raise ServiceError("Ray is not initialized: the drained set lives in its GCS")
+        raise ServiceError("Ray is not initialized: the service keeps records in its GCS")
     return internal_kv
 
 
 def read_drained(namespace: str) -> frozenset[int]:
-    raw = _kv()._internal_kv_get(_key(namespace), namespace=KV_NAMESPACE)
+    raw = kv_store()._internal_kv_get(_key(namespace), namespace=KV_NAMESPACE)
     return decode(raw)
 
 
 def write_drained(namespace: str, node_ids: Iterable[int]) -> None:
-    _kv()._internal_kv_put(
+    kv_store()._internal_kv_put(
         _key(namespace), encode(node_ids), overwrite=True, namespace=KV_NAMESPACE
     )

@@ -61,6 +61,9 @@ class NodeUsage:
     ssd_used: int
     scopes: int
     pages: int
+    # The DRAM scopes and their pages: what the coordinator counts lost if the node is.
+    dram_scopes: int = 0
+    dram_pages: int = 0
 
     @property
     def free_bytes(self) -> int:
@@ -69,7 +72,9 @@ class NodeUsage:
         )
 
     @classmethod
-    def from_stats(cls, node_id: int, stats: Mapping[str, Any]) -> NodeUsage:
+    def from_stats(
+        cls, node_id: int, stats: Mapping[str, Any], dram_scopes: int = 0, dram_pages: int = 0
+    ) -> NodeUsage:
         return cls(
             node_id,
             int(stats["dram_capacity"]),
@@ -78,6 +83,8 @@ class NodeUsage:
             int(stats["ssd_reserved"]),
             int(stats["scopes"]),
             int(stats["pages_indexed"]),
+            dram_scopes,
+            dram_pages,
         )
 
 

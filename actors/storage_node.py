@@ -163,8 +163,12 @@ class StorageNode:
                 log.info("report to the coordinator failed: %s", exc)
 
     def report_now(self) -> bool:
-        self.supervision.note(DramHeld.of(self.store))
-        return self.membership.report(NodeUsage.from_stats(self.node_id, self.store.stats()))
+        held = DramHeld.of(self.store)
+        self.supervision.note(held)
+        stats = self.store.stats()
+        return self.membership.report(
+            NodeUsage.from_stats(self.node_id, stats, held.scopes, held.pages)
+        )
 
     # ---- views -----------------------------------------------------------------------------
     def describe(self, secret: object) -> NodeDescription:

@@ -6,7 +6,11 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -90,3 +94,165 @@ def _no_ray_left_attached(request):
     unit_module = Path(request.module.__file__).parent == Path(__file__).parent
     if unit_module and ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+# ---- the Ray service, started for a test module -----------------------------------------------
+HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False}
+# The small service most modules start (each adds what it tests).
+SMALL_SERVICE = {
+    "layers": LAYERS,
+    "page_bytes": PAGE_BYTES,
+    "dram_bytes": 8 << 20,
+    "ssd_file_bytes": 8 << 20,
+    "ship_bytes": 1 << 20,
+}
+# Ray's system config that has it declare a removed node dead in ~1.5 s (its default: ~15 s).
+QUICK_NODE_DEATH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+
+
+@dataclass
+class RayService:
+    """A service a test module started: its config, its Ray cluster (None: a local
+    ``ray.init``), the worker nodes added to it, and the folder its storage nodes' roots are in."""
+
+    config: Any
+    root: Path
+    cluster: Any = None
+    workers: list[Any] = field(default_factory=list)
+
+    @property
+    def namespace(self) -> str:
+        return str(self.config.namespace)
+
+
+def remove_leftover_arenas(root: Path | str) -> None:
+    """A killed storage node never unlinks its DRAM arena: remove the ones of this root."""
+    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
+    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
+        path.unlink(missing_ok=True)
+
+
+def remove_dead_landings(namespace: str) -> None:
+    """A killed storage node never unlinks its landing area either (named by namespace and
+    NodeID, not root): remove those of ``namespace`` whose process is gone."""
+    for path in Path("/dev/shm").glob(f"flatcake-{namespace}-landing-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def ray_service(tmp_path_factory):
+    """Start the service on a Ray of its own: ``ray_service(namespace, **config)``.
+
+    The Ray is a ``ray.cluster_utils.Cluster`` (a head, plus ``workers`` nodes made with
+    ``worker_args``; ``system``: Ray's system config for it), or, with ``local`` (more
+    ``ray.init`` arguments), a plain local Ray. ``env`` is set before Ray starts (its nodes
+    inherit it). Config fields not given are the ServiceConfig defaults, but for the root (a
+    folder per Ray node under the module's temporary folder), fsync off and two SSD files.
+    The module's end stops the service and Ray and removes the roots and DRAM arenas."""
+    started: list[tuple[RayService, dict[str, str | None]]] = []
+
+    def start(
+        namespace: str,
+        *,
+        workers: int = 0,
+        worker_args: dict[str, Any] | None = None,
+        system: dict[str, Any] | None = None,
+        local: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        resource: str | None = None,
+        **fields: Any,
+    ) -> RayService:
+        from flatcake_ray.client import deploy
+
+        root = tmp_path_factory.mktemp(namespace)
+        saved = {name: os.environ.get(name) for name in env or {}}
+        os.environ.update(env or {})
+        service = RayService(_service_config(namespace, root, fields), root)
+        started.append((service, saved))
+        if local is None:
+            _start_cluster(service, namespace, workers, worker_args or {}, system)
+        else:
+            _start_local(namespace, local)
+        deploy.start(service.config, resource=resource)
+        return service
+
+    yield start
+    for service, saved in reversed(started):
+        _stop_service(service, saved)
+
+
+def _service_config(namespace: str, root: Path, fields: dict[str, Any]) -> Any:
+    from flatcake_ray.config import ServiceConfig
+
+    base = {"root": os.path.join(str(root), "{node}"), "fsync": False, "ssd_files_per_dir": 2}
+    return ServiceConfig(namespace=namespace, **{**base, **fields})
+
+
+def _start_cluster(
+    service: RayService,
+    namespace: str,
+    workers: int,
+    worker_args: dict[str, Any],
+    system: dict[str, Any] | None,
+) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    head = {**HEAD_ARGS, "_system_config": system} if system else HEAD_ARGS
+    service.cluster = Cluster(initialize_head=True, head_node_args=head)
+    service.workers = [service.cluster.add_node(num_cpus=1, **worker_args) for _ in range(workers)]
+    if workers:
+        service.cluster.wait_for_nodes()
+    ray.init(address=service.cluster.address, namespace=namespace, log_to_driver=False)
+
+
+def _start_local(namespace: str, local: dict[str, Any]) -> None:
+    import ray
+
+    options = {"num_cpus": 1, "include_dashboard": False, **local}
+    ray.init(address="local", namespace=namespace, log_to_driver=False, **options)
+
+
+def _stop_service(service: RayService, saved_env: dict[str, str | None]) -> None:
+    import ray
+
+    from flatcake_ray.client import deploy
+
+    try:
+        if ray.is_initialized():
+            deploy.stop(service.namespace)
+    finally:
+        ray.shutdown()
+        if service.cluster is not None:
+            service.cluster.shutdown()
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(service.root, ignore_errors=True)
+        remove_leftover_arenas(service.root)
+        remove_dead_landings(service.namespace)
+
+
+T = TypeVar("T")
+WAIT_S = 120.0  # how long a loaded machine may take to restart an actor or lose a node
+
+
+def wait_for(what: str, check: Callable[[], T], timeout_s: float = WAIT_S) -> T:
+    """``check()``'s first true value, asked every 0.5 s (a Ray error counts as not yet: the
+    actor may be restarting); fails the test naming ``what`` after ``timeout_s``."""
+    from ray.exceptions import RayError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = check()
+        except RayError:
+            value = None
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.5)

@@ -13,9 +13,7 @@ One closed service (no open default tenant) for the module; hypothesis examples 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -28,12 +26,12 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.keys import DIGEST_DTYPE
 from flatcake_ray.core.tenants import Tenant, secret_hash
 from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantError
+from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 NAMESPACE = "fc-fuzz"
-LAYERS, PAGE_BYTES = 4, 8192
 DRAM = PutHints(turn=2, prior_reply_tokens=1)
 SSD = PutHints(turn=1)
 FUZZ = settings(
@@ -143,42 +141,26 @@ class Service(dict):
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
+def service(ray_service):
+    from flatcake_ray.actors.protocol import COORDINATOR_NAME
     from flatcake_ray.client import deploy, tenants
     from flatcake_ray.client.client import FlatCakeClient
-    from flatcake_ray.config import ClientConfig, ServiceConfig
+    from flatcake_ray.config import ClientConfig
 
-    root = tmp_path_factory.mktemp("fuzz-service")
-    os.environ["FLATCAKE_FAILPOINTS_REMOTE"] = "1"  # the node inherits it: tests arm faults
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(str(root), "{node}"),
-        layers=LAYERS,
-        page_bytes=PAGE_BYTES,
-        dram_bytes=8 << 20,
-        ssd_file_bytes=8 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
-        ship_bytes=1 << 20,
+    ray_service(
+        NAMESPACE,
+        env={"FLATCAKE_FAILPOINTS_REMOTE": "1"},  # the node inherits it: tests arm faults
+        **SMALL_SERVICE,
         lease_ttl_s=20.0,
         report_interval_s=0.5,
         ramp_seconds=0.0,
         open_default=False,  # a missing secret is refused, not the default tenant
     )
-    deploy.start(config)
     alpha = tenants.add_tenant(NAMESPACE, "alpha", layers=LAYERS, page_bytes=PAGE_BYTES)
     client = FlatCakeClient(NAMESPACE, config=ClientConfig(tenant_secret=alpha))
     known = {"dram": (keys("known-dram", 4), kv(4, 1)), "ssd": (keys("known-ssd", 4), kv(4, 2))}
     client.put(*known["dram"], hints=DRAM)
     client.put(*known["ssd"], hints=SSD)
-    from flatcake_ray.actors.protocol import COORDINATOR_NAME
-
     node = ray.get_actor(client.nodes.links[1].description.actor_name, NAMESPACE)
     coordinator = ray.get_actor(COORDINATOR_NAME, NAMESPACE)
     yield Service(
@@ -192,14 +174,6 @@ def service(tmp_path_factory):
         }
     )
     client.close()
-    deploy.stop(NAMESPACE)
-    ray.shutdown()
-    cluster.shutdown()
-    os.environ.pop("FLATCAKE_FAILPOINTS_REMOTE", None)
-    shutil.rmtree(root, ignore_errors=True)
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
 
 
 def keys(prefix: str, pages: int) -> list[str]:

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,9 +22,9 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 from flatcake_ray.cli import main  # noqa: E402
-from flatcake_ray.client import deploy, tenants  # noqa: E402
+from flatcake_ray.client import tenants  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
-from flatcake_ray.config import ClientConfig, ServiceConfig  # noqa: E402
+from flatcake_ray.config import ClientConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium  # noqa: E402
 from flatcake_ray.metrics.definitions import BY_NAME  # noqa: E402
@@ -59,35 +57,25 @@ def keys(name: str, pages: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    root = tmp_path_factory.mktemp("metrics-service")
+def service(ray_service):
     port = free_port()
     system = {"metrics_report_interval_ms": 1000, "agent_register_timeout_ms": 120_000}
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-        _metrics_export_port=port,
-        _system_config=system,
-    )
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=str(root / "{node}"),
+    ray_service(
+        NAMESPACE,
+        local={
+            "_node_ip_address": "127.0.0.1",
+            "_metrics_export_port": port,
+            "_system_config": system,
+        },
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=16 << 20,
         ssd_file_bytes=16 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
         ship_bytes=8 << 20,
         landing_bytes=4 << 20,
         rpc_timeout_s=30.0,
         report_interval_s=0.5,
     )
-    deploy.start(config)
     clients = {
         name: FlatCakeClient(NAMESPACE, config=ClientConfig(tenant_secret=secret))
         for name in ("a", "b")
@@ -96,12 +84,6 @@ def service(tmp_path_factory):
     yield clients, f"http://127.0.0.1:{port}/metrics"
     for client in clients.values():
         client.close()
-    deploy.stop(NAMESPACE)
-    ray.shutdown()
-    slug = root.resolve().as_posix().strip("/").replace("/", "-")
-    for arena in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        arena.unlink(missing_ok=True)
-    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

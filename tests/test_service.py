@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +23,6 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 from ray import cloudpickle  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 from flatcake_ray.actors.coordinator import CapacityCoordinator  # noqa: E402
@@ -46,6 +42,7 @@ from flatcake_ray.transports.base import (  # noqa: E402
     REMOTE_SSD_SHIPPED,
 )
 from flatcake_ray.transports.routing import route  # noqa: E402
+from tests.conftest import QUICK_NODE_DEATH  # noqa: E402
 
 SERVICE_SECRET = "s" * 32
 
@@ -95,16 +92,23 @@ class ClientOnNode:
         return report, exact, out[:, : report.pages].copy()
 
 
-def config_for(root: str) -> ServiceConfig:
-    return ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(root, "{node}"),
+def pinned_client(node) -> object:
+    strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+    return ray.remote(ClientOnNode).options(num_cpus=0, scheduling_strategy=strategy)
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_service):
+    started = ray_service(
+        NAMESPACE,
+        workers=2,
+        worker_args={"resources": {"fc": 1}},
+        system=QUICK_NODE_DEATH,
+        resource="fc",
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=16 << 20,
         ssd_file_bytes=16 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
         ship_bytes=8 << 20,
         landing_bytes=8 << 20,  # SSD puts over 32 pages land two slots at a time
         rpc_timeout_s=8.0,
@@ -113,49 +117,20 @@ def config_for(root: str) -> ServiceConfig:
         node_timeout_s=3.0,
         ramp_seconds=0.0,
     )
-
-
-def pinned_client(node) -> object:
-    strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    return ray.remote(ClientOnNode).options(num_cpus=0, scheduling_strategy=strategy)
-
-
-def remove_leftover_arenas(root) -> None:
-    """A killed storage node never unlinks its DRAM arena: remove the ones of this root."""
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
-
-
-@pytest.fixture(scope="module")
-def deployment(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("service"))
-    system = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-    head = {"num_cpus": 1, "include_dashboard": False, "_system_config": system}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    nodes = [cluster.add_node(num_cpus=1, resources={"fc": 1}) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    config = config_for(root)
-    service.start(config, resource="fc")
+    nodes = started.workers
     clients = [pinned_client(node).remote(NAMESPACE) for node in nodes]
     driver = FlatCakeClient(NAMESPACE)  # on the head, which has no storage node
     driver.warm_up()
     ids = ray.get([c.local_node_id.remote() for c in clients])
     yield {
         "driver": driver,
-        "cluster": cluster,
-        "config": config,
+        "cluster": started.cluster,
+        "config": started.config,
         "nodes": nodes,
         "by_node_id": dict(zip(ids, clients, strict=True)),
         "ray_node_of": dict(zip(ids, (n.node_id for n in nodes), strict=True)),
     }
     driver.close()
-    service.stop(NAMESPACE)
-    ray.shutdown()
-    cluster.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    remove_leftover_arenas(root)
 
 
 def other(deployment, node_id: int):

@@ -21,12 +21,10 @@ from __future__ import annotations
 import math
 import os
 import random
-import shutil
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,29 +71,19 @@ class Tally:
 
 
 @pytest.fixture(scope="module")
-def soak_service(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
+def soak_service(ray_service):
     from flatcake_ray.client import deploy, tenants
-    from flatcake_ray.config import ServiceConfig
 
-    root = tmp_path_factory.mktemp("soak")
-    # Small SSD runs (the nodes inherit it): every SSD session of the soak fits, none is
-    # reclaimed, so an SSD page missing at the end is a loss, not an eviction.
-    os.environ["FLATCAKE_SSD_MIN_RUN_BYTES"] = str(64 << 10)
-    head = {"num_cpus": 1, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(str(root), "{node}"),
+    config = ray_service(
+        NAMESPACE,
+        workers=1,
+        # Small SSD runs (the nodes inherit it): every SSD session of the soak fits, none is
+        # reclaimed, so an SSD page missing at the end is a loss, not an eviction.
+        env={"FLATCAKE_SSD_MIN_RUN_BYTES": str(64 << 10)},
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=8 << 20,
         ssd_file_bytes=(32 << 20) * max(1, math.ceil(SOAK_S / 60)),  # a longer soak, more
-        ssd_files_per_dir=2,
         fsync=False,  # a killed process loses nothing the kernel has; no machine crashes here
         lease_ttl_s=10.0,
         report_interval_s=0.5,
@@ -103,21 +91,12 @@ def soak_service(tmp_path_factory):
         rpc_timeout_s=5.0,
         ramp_seconds=0.0,
         open_default=False,
-    )
-    deploy.start(config)
+    ).config
     secrets = {
         name: tenants.add_tenant(NAMESPACE, name, layers=LAYERS, page_bytes=PAGE_BYTES)
         for name in ("alpha", "beta")
     }
-    yield {"config": config, "secrets": secrets, "ray_nodes": deploy.service_nodes()}
-    deploy.stop(NAMESPACE)
-    ray.shutdown()
-    cluster.shutdown()
-    os.environ.pop("FLATCAKE_SSD_MIN_RUN_BYTES", None)
-    shutil.rmtree(root, ignore_errors=True)
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
+    return {"config": config, "secrets": secrets, "ray_nodes": deploy.service_nodes()}
 
 
 def make_client(secret: str):

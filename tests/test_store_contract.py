@@ -11,11 +11,8 @@ with the context.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 import uuid
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,50 +37,29 @@ PUT_TTL_S = 6.0
 
 
 @pytest.fixture(scope="module")
-def ray_client(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    from flatcake_ray.client import deploy
+def ray_client(ray_service):
+    pytest.importorskip("ray")
     from flatcake_ray.client.client import FlatCakeClient
-    from flatcake_ray.config import ClientConfig, ServiceConfig
+    from flatcake_ray.config import ClientConfig
 
-    root = tmp_path_factory.mktemp("contract-service")
-    os.environ["FLATCAKE_FAILPOINTS_REMOTE"] = "1"  # the nodes inherit it: tests arm faults
-    head = {"num_cpus": 1, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(2):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(str(root), "{node}"),
+    ray_service(
+        NAMESPACE,
+        workers=2,
+        env={"FLATCAKE_FAILPOINTS_REMOTE": "1"},  # the nodes inherit it: tests arm faults
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=16 << 20,
         ssd_file_bytes=16 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
         ship_bytes=4 << 20,
         landing_bytes=1 << 20,  # SSD puts over 128 KiB land two slots at a time
         lease_ttl_s=PUT_TTL_S,
         report_interval_s=0.5,
         ramp_seconds=0.0,
     )
-    deploy.start(config)
     client = FlatCakeClient(NAMESPACE, config=ClientConfig())
     client.warm_up()
     yield client
     client.close()
-    deploy.stop(NAMESPACE)
-    ray.shutdown()
-    cluster.shutdown()
-    os.environ.pop("FLATCAKE_FAILPOINTS_REMOTE", None)
-    shutil.rmtree(root, ignore_errors=True)
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
 
 
 @pytest.fixture(params=["in-process", "ray-client"])

@@ -10,11 +10,6 @@ same way, comes back with its node table rebuilt and places new sessions again.
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -25,19 +20,13 @@ ray = pytest.importorskip("ray")
 from flatcake_ray.actors.protocol import COORDINATOR_NAME  # noqa: E402
 from flatcake_ray.client import deploy  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
-from flatcake_ray.config import ServiceConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium  # noqa: E402
+from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE, random_kv, wait_for  # noqa: E402
 
 NAMESPACE = "fc-supervision"
-LAYERS, PAGE_BYTES = 4, 8192
 DRAM = PutHints(turn=2, prior_reply_tokens=1)  # short chat -> DRAM
 SSD = PutHints(turn=1)  # one-shot -> SSD
-BACK_WITHIN_S = 120.0
-
-
-def kv_for(pages: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (LAYERS, pages, PAGE_BYTES), np.uint8)
 
 
 def keys(name: str, pages: int) -> list[str]:
@@ -45,38 +34,15 @@ def keys(name: str, pages: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    root = tmp_path_factory.mktemp("supervision")
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(str(root), "{node}"),
-        layers=LAYERS,
-        page_bytes=PAGE_BYTES,
-        dram_bytes=8 << 20,
-        ssd_file_bytes=8 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
-        ship_bytes=1 << 20,
+def service(ray_service):
+    return ray_service(
+        NAMESPACE,
+        **SMALL_SERVICE,
         landing_bytes=4 << 20,
         report_interval_s=0.5,
         ramp_seconds=0.0,
         rpc_timeout_s=30.0,
-    )
-    deploy.start(config)
-    yield config
-    deploy.stop(NAMESPACE)
-    ray.shutdown()
-    cluster.shutdown()
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
-    shutil.rmtree(root, ignore_errors=True)
+    ).config
 
 
 @pytest.fixture
@@ -91,19 +57,6 @@ def secret() -> str:
     return deploy.operator_secret(NAMESPACE)
 
 
-def wait_for(what, check, timeout_s: float = BACK_WITHIN_S):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = check()
-        except ray.exceptions.RayError:
-            value = None
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
-        time.sleep(0.5)
-
-
 def restore(client, names, pages: int):
     out = np.zeros((LAYERS, pages, PAGE_BYTES), dtype=np.uint8)
     return client.restore_report(names, out), out
@@ -111,7 +64,7 @@ def restore(client, names, pages: int):
 
 def test_a_killed_storage_node_comes_back_with_its_ssd_pages_and_no_old_bytes(clients):
     reader, writer = clients
-    old_dram, ssd = kv_for(3, 1), kv_for(5, 2)
+    old_dram, ssd = random_kv(3, 1), random_kv(5, 2)
     assert reader.put(keys("d", 3), old_dram, session_id="d", hints=DRAM).medium is Medium.DRAM
     assert reader.put(keys("s", 5), ssd, session_id="s", hints=SSD).medium is Medium.SSD
     before, out = restore(reader, keys("d", 3), 3)  # the reader maps the node's arena now
@@ -131,7 +84,7 @@ def test_a_killed_storage_node_comes_back_with_its_ssd_pages_and_no_old_bytes(cl
 
     # New bytes under the old keys, put by another client into the new arena; the reader
     # still holds its description (and arena mapping) of the dead process.
-    new_dram = kv_for(3, 3)
+    new_dram = random_kv(3, 3)
     assert writer.put(keys("d", 3), new_dram, session_id="d2", hints=DRAM).medium is Medium.DRAM
     seen = []
     for _ in range(2):
@@ -164,7 +117,7 @@ def test_a_killed_coordinator_comes_back_and_places_again(clients, service):
     assert [(r["node_id"], r["ray_node_id"]) for r in rebuilt] == [
         (r["node_id"], r["ray_node_id"]) for r in nodes
     ]
-    kv = kv_for(2, 4)
+    kv = random_kv(2, 4)
     placed = reader.put(keys("after", 2), kv, session_id="new-session", hints=SSD)
     assert placed.pages_written == 2
     report, out = restore(reader, keys("after", 2), 2)

@@ -8,10 +8,7 @@ directly, as any Ray job can.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,12 +21,12 @@ from flatcake_ray.errors import (
     ReadRangeError,
     TenantError,
 )
+from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 NAMESPACE = "fc-tenants"
-LAYERS, PAGE_BYTES = 4, 8192
 DRAM = PutHints(turn=2, prior_reply_tokens=1)
 SSD = PutHints(turn=1)
 
@@ -44,33 +41,18 @@ def keys(prefix: str, pages: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    from flatcake_ray.client import deploy, tenants
+def service(ray_service):
+    from flatcake_ray.client import tenants
     from flatcake_ray.client.client import FlatCakeClient
-    from flatcake_ray.config import ClientConfig, ServiceConfig
+    from flatcake_ray.config import ClientConfig
 
-    root = tmp_path_factory.mktemp("tenant-service")
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=os.path.join(str(root), "{node}"),
-        layers=LAYERS,
-        page_bytes=PAGE_BYTES,
-        dram_bytes=8 << 20,
-        ssd_file_bytes=8 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
-        ship_bytes=1 << 20,
+    config = ray_service(
+        NAMESPACE,
+        **SMALL_SERVICE,
         lease_ttl_s=20.0,
         report_interval_s=0.5,
         ramp_seconds=0.0,
-    )
-    deploy.start(config)
+    ).config
     secrets = {
         "alpha": tenants.add_tenant(
             NAMESPACE,
@@ -92,13 +74,6 @@ def service(tmp_path_factory):
     yield {"secrets": secrets, "clients": clients, "node": node, "config": config}
     for client in clients.values():
         client.close()
-    deploy.stop(NAMESPACE)
-    ray.shutdown()
-    cluster.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
 
 
 def raised(ref) -> BaseException:

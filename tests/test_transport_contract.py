@@ -8,10 +8,8 @@ segment of known bytes. Each transport is built the way a client builds it
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +19,9 @@ pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 
 from flatcake_ray.actors.protocol import node_actor_name  # noqa: E402
-from flatcake_ray.client import deploy as service  # noqa: E402
 from flatcake_ray.client.calls import BoundNode  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.nodes import NodeLink  # noqa: E402
-from flatcake_ray.config import ServiceConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import Medium  # noqa: E402
 from flatcake_ray.errors import ReadRangeError, ShapeError, TransportClosedError  # noqa: E402
@@ -52,36 +48,18 @@ CASES = [
 IDS = [f"{name}[{medium.name.lower()}]" for name, medium, _ in CASES]
 
 
-def remove_leftover_arenas(root) -> None:
-    """A killed storage node never unlinks its DRAM arena: remove the ones of this root."""
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(ray_service):
     """A storage node with a DRAM and an SSD segment of known bytes, and their images."""
-    root = tmp_path_factory.mktemp("contract")
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        log_to_driver=False,
-    )
-    config = ServiceConfig(
-        namespace=NAMESPACE,
-        root=str(root / "{node}"),
+    config = ray_service(
+        NAMESPACE,
+        local={},
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=4 << 20,
         ssd_file_bytes=4 << 20,
-        ssd_files_per_dir=2,
-        fsync=False,
         ship_bytes=1 << 20,
-    )
-    service.start(config)
+    ).config
     client = FlatCakeClient(NAMESPACE)
     handle = ray.get_actor(node_actor_name(client.ray_node_id), namespace=NAMESPACE)
     rng = np.random.default_rng(7)
@@ -114,10 +92,6 @@ def source(tmp_path_factory):
     for lease_id in leases:
         assert ray.get(handle.release.remote(None, lease_id)) is True
     client.close()
-    service.stop(NAMESPACE)
-    ray.shutdown()
-    shutil.rmtree(root, ignore_errors=True)
-    remove_leftover_arenas(root)
 
 
 def build(source, name: str, medium: Medium):

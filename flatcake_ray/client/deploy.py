@@ -204,14 +204,44 @@ def status(namespace: str, secret: str | None = None, timeout_s: float = 10.0) -
             info.setdefault("node_errors", []).append(str(exc))
             continue
         info["nodes"].append(_row(stats, placement.get(stats["node_id"], {})))
+    answered = {row["node_id"] for row in info["nodes"]}
+    # Nodes the coordinator knows that did not answer (lost with their Ray node, or silent):
+    # shown from its view, so an operator sees them down rather than not at all.
+    info["nodes"] += [_unanswered(row) for n, row in placement.items() if n not in answered]
     info["nodes"].sort(key=lambda row: row["node_id"])
     return info
+
+
+def _unanswered(placed: dict[str, Any]) -> dict[str, Any]:
+    """The row of a node that did not answer, from the coordinator's last report of it."""
+    state = placed["state"] if placed["state"] != "up" else "noreply"  # up, yet mute here
+    unknown = ("sessions", "hit_pages", "lookups", "puts")
+    row = {**{name: placed[name] for name in _FROM_COORDINATOR}, **dict.fromkeys(unknown, 0)}
+    return {**row, "state": state, "alive": False, "nixl": "-"}
+
+
+_FROM_COORDINATOR = (
+    "node_id",
+    "ray_node_id",
+    "dram_capacity",
+    "dram_used",
+    "ssd_capacity",
+    "ssd_used",
+    "scopes",
+    "pages",
+    "placed",
+    "drained",
+    "lost_dram_scopes",
+    "lost_dram_pages",
+    "lost_dram_bytes",
+)
 
 
 def _row(stats: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
     return {
         "node_id": stats["node_id"],
         "ray_node_id": stats["ray_node_id"],
+        "state": placed.get("state", "up"),
         "alive": placed.get("alive", True),
         "dram_capacity": stats["dram_capacity"],
         "dram_used": stats["dram_used"],
@@ -226,6 +256,10 @@ def _row(stats: dict[str, Any], placed: dict[str, Any]) -> dict[str, Any]:
         "placed": placed.get("placed", 0),
         "drained": placed.get("drained", False),
         "nixl": stats["nixl"],
+        # What this node's last death lost (a restart, or a lost node it took over from).
+        "lost_dram_scopes": stats["lost_dram_scopes"],
+        "lost_dram_pages": stats["lost_dram_pages"],
+        "lost_dram_bytes": stats["lost_dram_bytes"],
     }
 
 
@@ -236,18 +270,20 @@ def _gib(nbytes: int) -> str:
 def format_status(info: dict[str, Any]) -> str:
     """A plain-text table: one row per storage node."""
     head = (
-        f"{'node':>4} {'ray node':<12} {'dram GiB used/cap':>18} {'ssd GiB used/cap':>18} "
-        f"{'scopes':>6} {'pages':>8} {'lookups':>8} {'hits':>9} {'puts':>6}  nixl"
+        f"{'node':>4} {'state':<7} {'ray node':<12} {'dram GiB used/cap':>18} "
+        f"{'ssd GiB used/cap':>18} {'scopes':>6} {'pages':>8} {'lookups':>8} {'hits':>9} "
+        f"{'puts':>6}  nixl"
     )
     lines = [head]
     for r in info["nodes"]:
         lines.append(
-            f"{r['node_id']:>4} {r['ray_node_id'][:12]:<12} "
+            f"{r['node_id']:>4} {r['state']:<7} {r['ray_node_id'][:12]:<12} "
             f"{_gib(r['dram_used']) + '/' + _gib(r['dram_capacity']):>18} "
             f"{_gib(r['ssd_used']) + '/' + _gib(r['ssd_capacity']):>18} "
             f"{r['scopes']:>6} {r['pages']:>8} {r['lookups']:>8} {r['hit_pages']:>9} "
             f"{r['puts']:>6}  {r['nixl']}"
         )
+    lines += [_lost_line(r) for r in info["nodes"] if r["state"] == "lost"]
     coordinator = info.get("coordinator")
     if coordinator is None:
         lines.append(f"coordinator: not answering ({info.get('coordinator_error', 'absent')})")
@@ -260,6 +296,14 @@ def format_status(info: dict[str, Any]) -> str:
             drained = ", ".join(str(n) for n in coordinator["drained"])
             lines.append(f"drained (no new scopes; undo with `flatcake-ray undrain`): {drained}")
     return "\n".join(lines)
+
+
+def _lost_line(row: dict[str, Any]) -> str:
+    return (
+        f"lost: NodeID {row['node_id']} (its Ray node {row['ray_node_id'][:12]} is dead): "
+        f"{row['lost_dram_scopes']} DRAM scopes ({row['lost_dram_pages']} pages) gone; its SSD "
+        "scopes come back when a storage node starts on its host with its root"
+    )
 
 
 def stop(namespace: str, secret: str | None = None, timeout_s: float = 30.0) -> int:
