@@ -27,12 +27,19 @@ under the ``mp`` or Ray executors the connector refuses it and names ``store: ra
 connector releases its store on ``shutdown``: an in-process store closes with its last user
 (and at exit), a Ray client at once.
 
+Observability: the connector's loads, saves, bytes and failures reach vLLM's own metrics
+(``KVConnectorStats``, ``build_prom_metrics``: ``vllm:flatcake_*`` on ``/metrics``;
+``_vllm_stats``), and with vLLM's KV events enabled the blocks it saves (and later finds
+gone) are published as ``BlockStored``/``BlockRemoved`` events (``_vllm_events``).
+
 Scheduler-side logic lives in ``_vllm_scheduler``, worker-side in ``_vllm_worker``; this
 class only routes vLLM's calls to the side it runs on.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,16 +61,25 @@ from flatcake_ray.integrations._common import (
     release_store,
 )
 from flatcake_ray.integrations._vllm_compat import check_hash_seed, check_store_layout
+from flatcake_ray.integrations._vllm_events import Announced, FlatCakeKVEvents, announce
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
 from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
+from flatcake_ray.integrations._vllm_stats import (
+    FlatCakeConnectorStats,
+    FlatCakePromMetrics,
+    Interval,
+)
 from flatcake_ray.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockRemoved, KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 MODULE_PATH = __name__
@@ -134,14 +150,25 @@ class FlatCakeConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._interval = Interval()
+        events = vllm_config.kv_events_config
+        self.publishes_events = events is not None and bool(events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
+            self._announced = Announced()
+            self._arrived: list[FlatCakeKVEvents] = []
+            self._withdrawn: list[BlockRemoved] = []
+            self._event_blocks = {"announced_blocks": 0, "withdrawn_blocks": 0}
             self._scheduler = SchedulerSide(
                 store,
-                block_size=vllm_config.cache_config.block_size,
-                hash_block_size=kv_cache_config.hash_block_size
-                or vllm_config.cache_config.block_size,
+                block_size=block_size,
+                hash_block_size=kv_cache_config.hash_block_size or block_size,
                 shard_namespaces=tuple(shards),
                 load_policy=str(options.get("load_async", "auto")),
+                announcer=functools.partial(announce, block_size=block_size)
+                if self.publishes_events
+                else None,
+                on_missing=self._withdraw if self.publishes_events else None,
             )
         else:
             rank = _tp_rank(vllm_config)
@@ -153,6 +180,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 restore_settings=RestoreSettings.from_options(options),
             )
             self._expected = geometry
+            self._announcing = False  # this step planned saves the KV events describe
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -179,7 +207,11 @@ class FlatCakeConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, FlatCakeConnectorMetadata)
-        self.worker_side.start_step(connector_metadata.plan)
+        plan = connector_metadata.plan
+        self.worker_side.start_step(plan)
+        self._announcing = self.worker_side.is_writer and any(
+            save.announce is not None for save in plan.saves
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_side.start_loads()
@@ -202,6 +234,47 @@ class FlatCakeConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks()
+
+    def get_kv_connector_kv_cache_events(self) -> FlatCakeKVEvents | None:
+        """BlockStored for this step's committed saves. A writer that planned saves reports
+        even when none committed, so the scheduler keeps only blocks every shard saved."""
+        worker = self.worker_side
+        committed, worker.committed = worker.committed, []
+        if not (self._announcing or committed):
+            return None
+        self._announcing = False
+        events = FlatCakeKVEvents()
+        events.add_events([announcement.stored(medium) for announcement, medium in committed])
+        return events
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What moved since the last call (vLLM asks every step, on both sides)."""
+        if self._worker is not None:
+            return self._interval.take(_worker_totals(self._worker))
+        side = self.scheduler_side
+        return self._interval.take(
+            {
+                "lookups": side.counters["lookups"],
+                "hit_blocks": side.counters["hit_blocks"],
+                **self._event_blocks,
+            }
+        )
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> FlatCakeConnectorStats | None:
+        return FlatCakeConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> FlatCakePromMetrics:
+        return FlatCakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         store, self._store = self._store, None
@@ -242,3 +315,37 @@ class FlatCakeConnector(KVConnectorBase_V1):
         # Saves are synchronous within each step, so vLLM may free the blocks at once.
         self.scheduler_side.request_finished(request)
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        events = connector_output.kv_cache_events
+        if isinstance(events, FlatCakeKVEvents):
+            self._arrived.append(events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """This step's KV events: withdrawals first (found at scheduling, before the step's
+        saves, which may store the same blocks again), then what every shard saved."""
+        stored = [event for batch in self._arrived for event in batch.aggregate().get_all_events()]
+        self._arrived.clear()
+        withdrawn, self._withdrawn = self._withdrawn, []
+        self._event_blocks["announced_blocks"] += self._announced.note(stored)
+        return [*withdrawn, *stored]
+
+    def _withdraw(self, keys: Sequence[bytes]) -> None:
+        removed = self._announced.withdraw(keys)
+        self._event_blocks["withdrawn_blocks"] += sum(len(event.block_hashes) for event in removed)
+        self._withdrawn.extend(removed)
+
+
+def _worker_totals(worker: WorkerSide) -> dict[str, int]:
+    counters = worker.counters
+    geometry = worker.geometry
+    block_bytes = 0 if geometry is None else geometry.layers * geometry.page_bytes
+    return {
+        "loads": counters["pipelined_loads"],
+        "load_blocks": counters["loaded_pages"],
+        "load_bytes": counters["loaded_pages"] * block_bytes,
+        "load_failed_blocks": counters["failed_pages"],
+        "save_blocks": counters["saved_pages"],
+        "save_bytes": counters["saved_pages"] * block_bytes,
+        "save_failures": counters["failed_saves"],
+    }
