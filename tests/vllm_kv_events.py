@@ -3,11 +3,15 @@
 vLLM's ZMQ publisher binds an endpoint with a wildcard and connects to any other, so the
 subscriber binds its SUB socket (a free port on 127.0.0.1, no race for it) and vLLM connects
 to ``tcp://127.0.0.1:<port>``. Messages are vLLM's: (topic, sequence number, msgpack of a
-``KVEventBatch``), decoded with vLLM's own types. A PUB socket drops what it publishes before
-the connection is up (an engine's first step can beat it), so, as vLLM's own subscriber
-example does, batches missing from the sequence are fetched from the publisher's replay
-endpoint (a ROUTER it binds; the request is the first wanted sequence number, 8 bytes big
-endian; the answer one message per batch, then sequence number -1).
+``KVEventBatch``), decoded with vLLM's own types.
+
+A PUB socket drops what it publishes to a peer whose subscription it has not seen, and a SUB
+socket sends its subscription over a new connection only when its owner next calls into it:
+so once the engine is up, :meth:`wait_connected` waits for vLLM's connection and lets the SUB
+socket send it. Whatever is still missing from the sequence is fetched, as vLLM's own
+subscriber example does, from the publisher's replay endpoint (a ROUTER it binds; the request
+is the first wanted sequence number, 8 bytes big endian; the answer one message per batch,
+then sequence number -1).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class KVEventSubscriber:
         self.context = zmq.Context()
         self.live = self.context.socket(zmq.SUB)
         self.live.setsockopt_string(zmq.SUBSCRIBE, "")
+        self._monitor = self.live.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.endpoint = f"tcp://127.0.0.1:{self.live.bind_to_random_port('tcp://127.0.0.1')}"
         self.replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
         self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -50,6 +55,18 @@ class KVEventSubscriber:
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
         }
+
+    def wait_connected(self, timeout: float = 30.0) -> None:
+        """Wait until vLLM's publisher has connected, then hand it this socket's subscription."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        if not self._monitor.poll(int(timeout * 1000)):
+            raise AssertionError(f"vLLM's KV-event publisher never connected to {self.endpoint}")
+        recv_monitor_message(self._monitor)
+        self.live.getsockopt(self._zmq.EVENTS)  # the SUB socket takes the connection in
+        # and its subscription crosses to the publisher, which reads it at its next send;
+        # a batch that still beats it is fetched by replay
+        time.sleep(0.2)
 
     @property
     def events(self) -> list[Any]:
@@ -91,5 +108,7 @@ class KVEventSubscriber:
             asker.close(linger=0)
 
     def close(self) -> None:
+        self.live.disable_monitor()
+        self._monitor.close(linger=0)
         self.live.close(linger=0)
         self.context.term()

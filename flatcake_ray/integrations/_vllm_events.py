@@ -45,7 +45,15 @@ from vllm.v1.core.kv_cache_utils import (
 
 from flatcake_ray.core.gva import Medium
 
-__all__ = ["OWNERSHIP", "Announced", "Announcement", "FlatCakeKVEvents", "announce"]
+__all__ = [
+    "OWNERSHIP",
+    "Announced",
+    "Announcement",
+    "FlatCakeKVEvents",
+    "SchedulerEvents",
+    "announce",
+    "worker_events",
+]
 
 OWNERSHIP = "flatcake"
 GROUP = 0  # the connector takes exactly one KV cache group
@@ -198,3 +206,46 @@ class Announced:
             BlockRemoved(block_hashes=hashes, medium=medium, group_idx=GROUP, ownership=OWNERSHIP)
             for medium, hashes in gone.items()
         ]
+
+
+def worker_events(
+    committed: Sequence[tuple[Announcement, Medium | None]], planned: bool
+) -> FlatCakeKVEvents | None:
+    """A worker's events for one step: BlockStored for its committed saves. A writer that
+    planned saves reports even when none committed, so the merge keeps only blocks every
+    shard saved; a step without announced saves reports nothing."""
+    if not (planned or committed):
+        return None
+    events = FlatCakeKVEvents()
+    events.add_events([announcement.stored(medium) for announcement, medium in committed])
+    return events
+
+
+class SchedulerEvents:
+    """The scheduler side's part: the workers' merged events as they arrive, the withdrawals
+    lookups find, and what was announced (to withdraw it, and to count it)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.announced = Announced(capacity)
+        self.blocks = {"announced_blocks": 0, "withdrawn_blocks": 0}
+        self._arrived: list[FlatCakeKVEvents] = []
+        self._withdrawn: list[BlockRemoved] = []
+
+    def arrive(self, events: object) -> None:
+        """``KVConnectorOutput.kv_cache_events`` of a step (another connector's are not ours)."""
+        if isinstance(events, FlatCakeKVEvents):
+            self._arrived.append(events)
+
+    def withdraw(self, keys: Sequence[bytes]) -> None:
+        removed = self.announced.withdraw(keys)
+        self.blocks["withdrawn_blocks"] += sum(len(event.block_hashes) for event in removed)
+        self._withdrawn.extend(removed)
+
+    def take(self) -> list[KVCacheEvent]:
+        """This step's events: withdrawals first (found while scheduling, before the step's
+        saves, which may store the same blocks again), then what every shard saved."""
+        stored = [event for batch in self._arrived for event in batch.aggregate().get_all_events()]
+        self._arrived.clear()
+        withdrawn, self._withdrawn = self._withdrawn, []
+        self.blocks["announced_blocks"] += self.announced.note(stored)
+        return [*withdrawn, *stored]

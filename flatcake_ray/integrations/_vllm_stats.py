@@ -43,7 +43,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from flatcake_ray.errors import ConfigError
 
-__all__ = ["FIELDS", "FlatCakeConnectorStats", "FlatCakePromMetrics", "Interval", "metric_name"]
+__all__ = [
+    "FIELDS",
+    "FlatCakeConnectorStats",
+    "FlatCakePromMetrics",
+    "Interval",
+    "metric_name",
+    "scheduler_totals",
+    "worker_totals",
+]
 
 FIELDS: dict[str, str] = {
     "loads": "Loads of a stored prefix started by FlatCake's vLLM connector.",
@@ -96,6 +104,27 @@ class FlatCakeConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def worker_totals(counters: Mapping[str, int], block_bytes: int) -> dict[str, int]:
+    """The stats fields of a worker's running counters (``WorkerSide.counters``); a block is
+    ``block_bytes`` (every layer of one vLLM block)."""
+    return {
+        "loads": counters["pipelined_loads"],
+        "load_blocks": counters["loaded_pages"],
+        "load_bytes": counters["loaded_pages"] * block_bytes,
+        "load_failed_blocks": counters["failed_pages"],
+        "save_blocks": counters["saved_pages"],
+        "save_bytes": counters["saved_pages"] * block_bytes,
+        "save_failures": counters["failed_saves"],
+    }
+
+
+def scheduler_totals(
+    counters: Mapping[str, int], event_blocks: Mapping[str, int]
+) -> dict[str, int]:
+    """The stats fields of the scheduler side's counters and its KV events' block counts."""
+    return {"lookups": counters["lookups"], "hit_blocks": counters["hit_blocks"], **event_blocks}
+
+
 class Interval:
     """Running totals in, what they gained since the last call out (a stats object, or None
     when nothing moved). Totals only grow, so each is read once, without a lock."""
@@ -126,15 +155,15 @@ class FlatCakePromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         counter_cls = metric_types[Counter]
         self._counters: dict[str, dict[int, Any]] = {}
-        for field, meaning in FIELDS.items():
+        for name, meaning in FIELDS.items():
             counter = counter_cls(
-                name=metric_name(field), documentation=meaning, labelnames=labelnames
+                name=metric_name(name), documentation=meaning, labelnames=labelnames
             )
-            self._counters[field] = {
+            self._counters[name] = {
                 engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()
             }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for field, value in FlatCakeConnectorStats(data=transfer_stats_data).data.items():
+        for name, value in FlatCakeConnectorStats(data=transfer_stats_data).data.items():
             if value:
-                self._counters[field][engine_idx].inc(value)
+                self._counters[name][engine_idx].inc(value)

@@ -39,7 +39,7 @@ class only routes vLLM's calls to the side it runs on.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,19 +61,26 @@ from flatcake_ray.integrations._common import (
     release_store,
 )
 from flatcake_ray.integrations._vllm_compat import check_hash_seed, check_store_layout
-from flatcake_ray.integrations._vllm_events import Announced, FlatCakeKVEvents, announce
+from flatcake_ray.integrations._vllm_events import (
+    FlatCakeKVEvents,
+    SchedulerEvents,
+    announce,
+    worker_events,
+)
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
 from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
 from flatcake_ray.integrations._vllm_stats import (
     FlatCakeConnectorStats,
     FlatCakePromMetrics,
     Interval,
+    scheduler_totals,
+    worker_totals,
 )
 from flatcake_ray.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_events import BlockRemoved, KVCacheEvent
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -155,10 +162,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
         self.publishes_events = events is not None and bool(events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
             block_size = vllm_config.cache_config.block_size
-            self._announced = Announced()
-            self._arrived: list[FlatCakeKVEvents] = []
-            self._withdrawn: list[BlockRemoved] = []
-            self._event_blocks = {"announced_blocks": 0, "withdrawn_blocks": 0}
+            self._events = SchedulerEvents()
             self._scheduler = SchedulerSide(
                 store,
                 block_size=block_size,
@@ -168,7 +172,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 announcer=functools.partial(announce, block_size=block_size)
                 if self.publishes_events
                 else None,
-                on_missing=self._withdraw if self.publishes_events else None,
+                on_missing=self._events.withdraw if self.publishes_events else None,
             )
         else:
             rank = _tp_rank(vllm_config)
@@ -236,29 +240,20 @@ class FlatCakeConnector(KVConnectorBase_V1):
         return self.worker_side.take_failed_blocks()
 
     def get_kv_connector_kv_cache_events(self) -> FlatCakeKVEvents | None:
-        """BlockStored for this step's committed saves. A writer that planned saves reports
-        even when none committed, so the scheduler keeps only blocks every shard saved."""
         worker = self.worker_side
         committed, worker.committed = worker.committed, []
-        if not (self._announcing or committed):
-            return None
-        self._announcing = False
-        events = FlatCakeKVEvents()
-        events.add_events([announcement.stored(medium) for announcement, medium in committed])
-        return events
+        planned, self._announcing = self._announcing, False
+        return worker_events(committed, planned)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """What moved since the last call (vLLM asks every step, on both sides)."""
-        if self._worker is not None:
-            return self._interval.take(_worker_totals(self._worker))
-        side = self.scheduler_side
-        return self._interval.take(
-            {
-                "lookups": side.counters["lookups"],
-                "hit_blocks": side.counters["hit_blocks"],
-                **self._event_blocks,
-            }
-        )
+        worker = self._worker
+        if worker is None:
+            counters = self.scheduler_side.counters
+            return self._interval.take(scheduler_totals(counters, self._events.blocks))
+        geometry = worker.geometry
+        block_bytes = 0 if geometry is None else geometry.layers * geometry.page_bytes
+        return self._interval.take(worker_totals(worker.counters, block_bytes))
 
     @classmethod
     def build_kv_connector_stats(
@@ -317,35 +312,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
         return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        events = connector_output.kv_cache_events
-        if isinstance(events, FlatCakeKVEvents):
-            self._arrived.append(events)
+        self._events.arrive(connector_output.kv_cache_events)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """This step's KV events: withdrawals first (found at scheduling, before the step's
-        saves, which may store the same blocks again), then what every shard saved."""
-        stored = [event for batch in self._arrived for event in batch.aggregate().get_all_events()]
-        self._arrived.clear()
-        withdrawn, self._withdrawn = self._withdrawn, []
-        self._event_blocks["announced_blocks"] += self._announced.note(stored)
-        return [*withdrawn, *stored]
-
-    def _withdraw(self, keys: Sequence[bytes]) -> None:
-        removed = self._announced.withdraw(keys)
-        self._event_blocks["withdrawn_blocks"] += sum(len(event.block_hashes) for event in removed)
-        self._withdrawn.extend(removed)
-
-
-def _worker_totals(worker: WorkerSide) -> dict[str, int]:
-    counters = worker.counters
-    geometry = worker.geometry
-    block_bytes = 0 if geometry is None else geometry.layers * geometry.page_bytes
-    return {
-        "loads": counters["pipelined_loads"],
-        "load_blocks": counters["loaded_pages"],
-        "load_bytes": counters["loaded_pages"] * block_bytes,
-        "load_failed_blocks": counters["failed_pages"],
-        "save_blocks": counters["saved_pages"],
-        "save_bytes": counters["saved_pages"] * block_bytes,
-        "save_failures": counters["failed_saves"],
-    }
+        return self._events.take()

@@ -162,6 +162,7 @@ def test_scheduler_publishes_saves_and_withdraws_what_the_store_lost(
         engine = build_engine(
             base_model, local_store_options, kv_events=KVEventsConfig(**subscriber.config())
         )
+        subscriber.wait_connected()
         first = engine.add_request("turn-1", PROMPT, max_tokens=2)
         engine.run(first)
         assert store.catalog.reclaim(Medium.SSD, 0.0)
@@ -182,7 +183,27 @@ def test_scheduler_publishes_saves_and_withdraws_what_the_store_lost(
         assert total(engine, "save_bytes") == 6 * BLOCK_BYTES
         assert total(engine, "withdrawn_blocks") == 3
         assert total(engine, "lookups") == 2
+        assert subscriber.live_batches >= 1
     finally:
         shutdown_engines()
         release_store(store)
         subscriber.close()
+
+
+def test_a_save_trimmed_to_its_new_blocks_announces_only_those():
+    """Two requests filling the same prefix in one step: the second saves (and announces)
+    only its tail, continuing the first's last shared block."""
+    from flatcake_ray.core.catalog import PutHints
+    from flatcake_ray.integrations._vllm_scheduler import SaveSpec, _drop_repeated_keys
+
+    def save(req_id: str, blocks: int) -> SaveSpec:
+        keys = tuple(i.to_bytes(32, "big") for i in range(blocks))
+        return SaveSpec(
+            req_id, keys, tuple(range(blocks)), "", None, None, PutHints(), announcement(0, blocks)
+        )
+
+    first, second = _drop_repeated_keys([save("a", 2), save("b", 3)])
+    assert second.announce.stored(None).block_hashes == [(2).to_bytes(32, "big")]
+    assert second.announce.parent_block_hash == (1).to_bytes(32, "big") == second.parent
+    assert second.announce.token_ids == tuple(range(2 * BLOCK, 3 * BLOCK))
+    assert first.announce == announcement(0, 2)
