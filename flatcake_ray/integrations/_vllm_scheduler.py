@@ -10,7 +10,8 @@ every engine that shares the hash seed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flatcake_ray.core.api import KVStore, Probe
@@ -42,6 +43,7 @@ class SaveSpec:
     parent: bytes | None
     session_id: str | None
     hints: PutHints
+    announce: Any = None  # _vllm_events.Announcement, when the engine publishes KV events
 
 
 @dataclass
@@ -71,7 +73,11 @@ class SchedulerSide:
         hash_block_size: int,
         shard_namespaces: tuple[str, ...],
         load_policy: str = "auto",
+        announcer: Callable[[Any, Sequence[bytes], bytes | None, int], Any] | None = None,
+        on_missing: Callable[[Sequence[bytes]], None] | None = None,
     ) -> None:
+        """``announcer(request, keys, parent, first_block)`` describes a planned save for the
+        KV events; ``on_missing(keys)`` hears of keys a lookup found gone (both optional)."""
         if block_size % hash_block_size:
             raise ConfigError(
                 f"block size {block_size} is not a multiple of the hash block {hash_block_size}"
@@ -84,6 +90,8 @@ class SchedulerSide:
         # One namespace per KV shard (tensor-parallel rank); a hit must hold in all of them.
         self.shard_namespaces = shard_namespaces
         self.load_policy = load_policy
+        self.announcer = announcer
+        self.on_missing = on_missing
         self._tracked: dict[str, _Tracked] = {}
         self._ready_loads: dict[str, LoadSpec] = {}
         self.counters = {"lookups": 0, "hit_blocks": 0, "async_loads": 0, "saved_blocks": 0}
@@ -126,6 +134,8 @@ class SchedulerSide:
         keys = self.block_keys(request, loadable)
         probe = self._probe(tracked, keys)
         self.counters["lookups"] += 1
+        if self.on_missing is not None and probe.hits < len(keys):
+            self.on_missing(keys[probe.hits :])
         tracked.saved_blocks = max(tracked.saved_blocks, probe.hits)
         tracked.hit_on_ssd = probe.on_ssd
         local_blocks = num_computed_tokens // self.block_size
@@ -200,19 +210,23 @@ class SchedulerSide:
         if len(keys) <= first:
             return
         params = getattr(request, "kv_transfer_params", None) or {}
+        parent = keys[first - 1] if first else None
         saves.append(
             SaveSpec(
                 request.request_id,
                 tuple(keys[first:]),
                 tuple(tracked.block_ids[first : len(keys)]),
                 tracked.tenant,
-                self.block_keys(request, first)[-1] if first else None,
+                parent,
                 params.get("flatcake_session") or getattr(request, "session_id", None),
                 PutHints(
                     turn=params.get("flatcake_turn"),
                     prior_reply_tokens=params.get("flatcake_prior_reply_tokens"),
                     context_tokens=len(keys) * self.block_size,
                 ),
+                None
+                if self.announcer is None
+                else self.announcer(request, keys[first:], parent, first),
             )
         )
         tracked.saved_blocks = len(keys)
@@ -252,14 +266,12 @@ def _drop_repeated_keys(saves: list[SaveSpec]) -> list[SaveSpec]:
             kept.append(save)
             continue
         kept.append(
-            SaveSpec(
-                save.req_id,
-                save.keys[lead:],
-                save.block_ids[lead:],
-                save.tenant,
-                save.keys[lead - 1],
-                save.session_id,
-                save.hints,
+            replace(
+                save,
+                keys=save.keys[lead:],
+                block_ids=save.block_ids[lead:],
+                parent=save.keys[lead - 1],
+                announce=None if save.announce is None else save.announce.tail(lead),
             )
         )
     return kept

@@ -18,10 +18,12 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 from flatcake_ray.core.api import KVStore, PutWriter
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import FlatCakeError, ShapeError
 from flatcake_ray.integrations._common import Geometry, byte_view
 from flatcake_ray.integrations._vllm_restore import (
@@ -70,6 +72,8 @@ class WorkerSide:
         self._async_loads: dict[str, tuple[LoadSpec, Future[list[int]]]] = {}
         self._failed_lock = threading.Lock()
         self._failed_blocks: set[int] = set()
+        # (announcement, medium) of committed saves the connector has not yet reported
+        self.committed: list[tuple[Any, Medium | None]] = []
         self.counters = dict.fromkeys(
             ("loaded_pages", "saved_pages", "failed_pages", "failed_saves", "pipelined_loads"), 0
         )
@@ -244,8 +248,10 @@ class WorkerSide:
         for index in sorted(self._open_saves):
             spec, handle, _ = self._open_saves[index]
             try:
-                handle.commit()
+                result = handle.commit()
                 self.counters["saved_pages"] += len(spec.keys)
+                if spec.announce is not None:
+                    self.committed.append((spec.announce, result.medium))
             except FlatCakeError:
                 self._give_up_save(index, spec)
         self._open_saves.clear()

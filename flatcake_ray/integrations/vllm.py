@@ -27,12 +27,19 @@ under the ``mp`` or Ray executors the connector refuses it and names ``store: ra
 connector releases its store on ``shutdown``: an in-process store closes with its last user
 (and at exit), a Ray client at once.
 
+Observability: the connector's loads, saves, bytes and failures reach vLLM's own metrics
+(``KVConnectorStats``, ``build_prom_metrics``: ``vllm:flatcake_*`` on ``/metrics``;
+``_vllm_stats``), and with vLLM's KV events enabled the blocks it saves (and later finds
+gone) are published as ``BlockStored``/``BlockRemoved`` events (``_vllm_events``).
+
 Scheduler-side logic lives in ``_vllm_scheduler``, worker-side in ``_vllm_worker``; this
 class only routes vLLM's calls to the side it runs on.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,16 +61,32 @@ from flatcake_ray.integrations._common import (
     release_store,
 )
 from flatcake_ray.integrations._vllm_compat import check_hash_seed, check_store_layout
+from flatcake_ray.integrations._vllm_events import (
+    FlatCakeKVEvents,
+    SchedulerEvents,
+    announce,
+    worker_events,
+)
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
 from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
+from flatcake_ray.integrations._vllm_stats import (
+    FlatCakeConnectorStats,
+    FlatCakePromMetrics,
+    Interval,
+    scheduler_totals,
+    worker_totals,
+)
 from flatcake_ray.integrations._vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 MODULE_PATH = __name__
@@ -134,14 +157,22 @@ class FlatCakeConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._interval = Interval()
+        events = vllm_config.kv_events_config
+        self.publishes_events = events is not None and bool(events.enable_kv_cache_events)
         if role == KVConnectorRole.SCHEDULER:
+            block_size = vllm_config.cache_config.block_size
+            self._events = SchedulerEvents()
             self._scheduler = SchedulerSide(
                 store,
-                block_size=vllm_config.cache_config.block_size,
-                hash_block_size=kv_cache_config.hash_block_size
-                or vllm_config.cache_config.block_size,
+                block_size=block_size,
+                hash_block_size=kv_cache_config.hash_block_size or block_size,
                 shard_namespaces=tuple(shards),
                 load_policy=str(options.get("load_async", "auto")),
+                announcer=functools.partial(announce, block_size=block_size)
+                if self.publishes_events
+                else None,
+                on_missing=self._events.withdraw if self.publishes_events else None,
             )
         else:
             rank = _tp_rank(vllm_config)
@@ -153,6 +184,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 restore_settings=RestoreSettings.from_options(options),
             )
             self._expected = geometry
+            self._announcing = False  # this step planned saves the KV events describe
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -179,7 +211,11 @@ class FlatCakeConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, FlatCakeConnectorMetadata)
-        self.worker_side.start_step(connector_metadata.plan)
+        plan = connector_metadata.plan
+        self.worker_side.start_step(plan)
+        self._announcing = self.worker_side.is_writer and any(
+            save.announce is not None for save in plan.saves
+        )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker_side.start_loads()
@@ -202,6 +238,38 @@ class FlatCakeConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed_blocks()
+
+    def get_kv_connector_kv_cache_events(self) -> FlatCakeKVEvents | None:
+        worker = self.worker_side
+        committed, worker.committed = worker.committed, []
+        planned, self._announcing = self._announcing, False
+        return worker_events(committed, planned)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What moved since the last call (vLLM asks every step, on both sides)."""
+        worker = self._worker
+        if worker is None:
+            counters = self.scheduler_side.counters
+            return self._interval.take(scheduler_totals(counters, self._events.blocks))
+        geometry = worker.geometry
+        block_bytes = 0 if geometry is None else geometry.layers * geometry.page_bytes
+        return self._interval.take(worker_totals(worker.counters, block_bytes))
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> FlatCakeConnectorStats | None:
+        return FlatCakeConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> FlatCakePromMetrics:
+        return FlatCakePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         store, self._store = self._store, None
@@ -242,3 +310,9 @@ class FlatCakeConnector(KVConnectorBase_V1):
         # Saves are synchronous within each step, so vLLM may free the blocks at once.
         self.scheduler_side.request_finished(request)
         return False, None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._events.arrive(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._events.take()

@@ -22,6 +22,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -68,6 +69,7 @@ def build_vllm_config(
     extra_config: dict[str, Any],
     kv_load_failure_policy: str = "fail",
     hash_algo: str = "sha256",
+    kv_events: KVEventsConfig | None = None,
 ) -> VllmConfig:
     return VllmConfig(
         model_config=copy.deepcopy(base),
@@ -89,6 +91,7 @@ def build_vllm_config(
             kv_load_failure_policy=kv_load_failure_policy,
         ),
         device_config=DeviceConfig("cpu"),
+        kv_events_config=kv_events,
     )
 
 
@@ -136,6 +139,7 @@ class Engine:
     events: list[str] = field(default_factory=list)
     computed_tokens: dict[str, int] = field(default_factory=dict)
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # last seen per request
+    connector_stats: list[dict[str, Any]] = field(default_factory=list)  # per step, as shipped
 
     @property
     def connector(self) -> Any:
@@ -180,6 +184,8 @@ class Engine:
             self.worker.wait_for_save()
             results = self.worker.get_transfer_results(output.finished_req_ids)
             invalid = self.worker.get_block_ids_with_load_errors()
+            stats = self.worker.get_kv_connector_stats()
+            kv_events = self.worker.get_kv_connector_kv_cache_events()
         self.worker.clear_connector_metadata()
         if results.finished_recving:
             self.events.append(f"finished_recving:{sorted(results.finished_recving)}")
@@ -192,9 +198,13 @@ class Engine:
                 finished_sending=results.finished_sending or None,
                 finished_recving=results.finished_recving or None,
                 invalid_block_ids=invalid,
+                kv_connector_stats=stats,
+                kv_cache_events=kv_events,
             ),
         )
-        self.scheduler.update_from_output(output, runner_output)
+        for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            if outputs.scheduler_stats and outputs.scheduler_stats.kv_connector_stats:
+                self.connector_stats.append(outputs.scheduler_stats.kv_connector_stats)
         return sampled
 
     def _scheduled_work(self, output: Any) -> list[tuple[str, int, int]]:
@@ -233,9 +243,11 @@ class Engine:
         return sampled
 
     def shutdown(self) -> None:
-        """What vLLM does at exit: both connectors shut down and let go of their stores."""
+        """What vLLM does at exit: both connectors shut down and let go of their stores, and
+        the KV-event publisher stops."""
         self.worker.shutdown()
         self.connector.shutdown()
+        self.scheduler.kv_event_publisher.shutdown()
 
     def run(self, request: Request, max_steps: int = 200) -> list[int]:
         """Step until ``request`` finished; its output tokens."""
