@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from flatcake_ray.core.keys import DIGEST_DTYPE
 from flatcake_ray.replay.tiers import PageLru
 
 OVERDUE_FACTOR = 2.0
@@ -89,22 +88,12 @@ class PredictedLru(PageLru):
         self.owner[slots[found]] = owner  # the session that used a page last owns it
         return super().insert(digests, owner)
 
-    def _evict(self, need: int, protect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        evictable = self.used & (self.pins == 0)
-        evictable[protect] = False
-        candidates = np.flatnonzero(evictable)
-        want = min(len(candidates), max(need, self.capacity // 64))
-        if want == 0:
-            return np.zeros(0, dtype=DIGEST_DTYPE), np.zeros(0, dtype=np.int64)
+    def _choose(self, candidates: np.ndarray, want: int) -> np.ndarray:
         next_use, gap = self.predictor.next_use(self.owner[candidates])
         overdue = self.now > next_use + (OVERDUE_FACTOR - 1.0) * gap
         # lexsort: last key first. Overdue first; then furthest predicted use; then LRU.
         order = np.lexsort((self.stamp[candidates], -next_use, ~overdue))
-        chosen = candidates[order[:want]]
-        gone, owners = self.digests[chosen].copy(), self.owner[chosen].copy()
-        self._release(chosen)
-        self.evicted += len(chosen)
-        return gone, owners
+        return candidates[order[:want]]
 
     def admits_first_turn(self, pages: int) -> bool:
         free = self.capacity - len(self)

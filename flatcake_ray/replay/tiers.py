@@ -142,15 +142,17 @@ class PageLru:
         want = min(len(candidates), max(need, self.capacity // 64))
         if want == 0:
             return np.zeros(0, dtype=DIGEST_DTYPE), np.zeros(0, dtype=np.int64)
-        if want < len(candidates):
-            chosen = candidates[np.argpartition(self.stamp[candidates], want - 1)[:want]]
-        else:
-            chosen = candidates
-        chosen = chosen[np.argsort(self.stamp[chosen], kind="stable")]
+        chosen = self._choose(candidates, want)
         gone, owners = self.digests[chosen].copy(), self.owner[chosen].copy()
         self._release(chosen)
         self.evicted += len(chosen)
         return gone, owners
+
+    def _choose(self, candidates: np.ndarray, want: int) -> np.ndarray:
+        """The ``want`` slots of ``candidates`` to evict, in eviction order: least recent."""
+        if want < len(candidates):
+            candidates = candidates[np.argpartition(self.stamp[candidates], want - 1)[:want]]
+        return candidates[np.argsort(self.stamp[candidates], kind="stable")]
 
     def _release(self, slots: np.ndarray) -> None:
         if not slots.size:

@@ -95,6 +95,20 @@ def remove_leftovers(left: list[str]) -> None:
     assert not ours, f"FlatCake left shared memory in /dev/shm: {ours}"
 
 
+@pytest.fixture(scope="module")
+def one_process_engines():
+    """vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the uni
+    executor: the scheduler, the worker and the store share this process."""
+    import vllm.envs
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm.envs.disable_envs_cache()
+    yield {"distributed_executor_backend": "uni"}
+    patch.undo()
+    vllm.envs.disable_envs_cache()
+
+
 @pytest.fixture(scope="session")
 def ray_service(tmp_path_factory):
     """One local 2-node Ray cluster with the FlatCake service on it, for every module that

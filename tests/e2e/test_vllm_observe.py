@@ -60,19 +60,7 @@ def flatcake_events(events: list, kind: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def one_process_engine():
-    import vllm.envs
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm.envs.disable_envs_cache()
-    yield {"distributed_executor_backend": "uni"}
-    patch.undo()
-    vllm.envs.disable_envs_cache()
-
-
-@pytest.fixture(scope="module")
-def observed(tiny_model, one_process_engine, tmp_path_factory):
+def observed(tiny_model, one_process_engines, tmp_path_factory):
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
@@ -85,7 +73,7 @@ def observed(tiny_model, one_process_engine, tmp_path_factory):
         disable_log_stats=False,
         kv_events_config=KVEventsConfig(**subscriber.config()),
         kv_transfer_config=kv_transfer_config(**options),
-        **one_process_engine,
+        **one_process_engines,
     )
     llm = LLM(**args)
     try:

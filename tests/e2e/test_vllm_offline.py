@@ -41,20 +41,6 @@ def prompts(placement: str) -> tuple[list[int], list[int]]:
 
 
 @pytest.fixture(scope="module")
-def one_process_engines():
-    """vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the uni
-    executor: the scheduler, the worker and the store share this process."""
-    import vllm.envs
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    vllm.envs.disable_envs_cache()
-    yield {"distributed_executor_backend": "uni"}
-    patch.undo()
-    vllm.envs.disable_envs_cache()
-
-
-@pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """The test's own hold on the in-process store, so it outlives engine A."""
     options = store_options(tmp_path_factory.mktemp("fc") / "store")
