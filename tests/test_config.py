@@ -42,6 +42,8 @@ def test_bad_env_value_names_the_variable():
         {"dram_bytes": 1000},
         {"ssd_file_bytes": 4097},
         {"low_watermark": 0.95, "high_watermark": 0.9},
+        {"ssd_low_watermark": 0.95, "ssd_high_watermark": 0.9},
+        {"ssd_high_watermark": 1.5},
         {"hugepages": "sometimes"},
         {"max_read_bytes": 100},
     ],

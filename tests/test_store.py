@@ -197,14 +197,26 @@ def test_reopened_store_recovers_its_ssd_index(tmp_path):
         assert reopened.exists(list(range(9))) == 9
 
 
+ONE_MIB_POOL = dict(ssd_file_bytes=1 << 20, ssd_files_per_dir=1, ssd_min_run_bytes=128 << 10)
+
+
+def test_ssd_is_reclaimed_on_demand_oldest_first(make_store):
+    store = make_store(**ONE_MIB_POOL)
+    kv = random_kv(4)  # 128 KiB a segment: the pool holds 8
+    for session in range(8):
+        store.put([f"s{session}-{p}" for p in range(4)], kv)
+    assert store.stats()["reclaimed_scopes"] == 0  # full, but nothing freed ahead
+    store.exists(["s0-0"])  # a lookup is not a use: s0 stays the oldest
+    store.release(store.lease(["s1-0", "s1-1"]))  # a lease is: s1 moves to the back
+    store.put([f"s8-{p}" for p in range(4)], kv)
+    store.put([f"s9-{p}" for p in range(4)], kv)
+    assert store.stats()["reclaimed_scopes"] == 2  # one scope per put, no more
+    kept = [s for s in range(10) if store.exists([f"s{s}-0"])]
+    assert kept == [1, 3, 4, 5, 6, 7, 8, 9]
+
+
 def test_reclaimed_ssd_scopes_stay_gone_after_restart(tmp_path):
-    config = dict(
-        ssd_file_bytes=1 << 20,
-        ssd_files_per_dir=1,
-        ssd_min_run_bytes=128 << 10,
-        high_watermark=0.6,
-        low_watermark=0.4,
-    )
+    config = dict(**ONE_MIB_POOL, ssd_high_watermark=0.6, ssd_low_watermark=0.4)
     kv = random_kv(4)  # 128 KiB a segment
     with FlatCakeStore(small_config(tmp_path, **config)) as store:
         for session in range(8):

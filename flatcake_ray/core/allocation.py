@@ -35,8 +35,9 @@ class AllocationMixin(ReclamationMixin):
         try:
             offset = None
             if self._obtainable(medium, scope, nbytes) and self._fits_quota(medium, nbytes):
-                if self._fraction(medium, nbytes) > self.config.high_watermark:
-                    self.reclaim(medium, target=self.config.low_watermark)
+                high, low = self._watermarks(medium)
+                if self._fraction(medium, nbytes) > high:
+                    self.reclaim(medium, target=low)
                 offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
                 while offset is None and self._reclaim_oldest(medium):
                     offset = space.place(scope.runs, nbytes, reserve_ahead=reserve_ahead)
@@ -47,6 +48,13 @@ class AllocationMixin(ReclamationMixin):
             self._drop_if_unused(scope)
             return None, 0
         return scope, offset
+
+    def _watermarks(self, medium: Medium) -> tuple[float, float]:
+        """(high, low): past ``high`` full, ``medium`` is reclaimed ahead down to ``low``."""
+        config = self.config
+        if medium is Medium.DRAM:
+            return config.high_watermark, config.low_watermark
+        return config.ssd_high_watermark, config.ssd_low_watermark
 
     def _within_quota(self, medium: Medium, nbytes: int) -> bool:
         quota = self.quota[medium]
