@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flatcake_ray.config import ClientConfig, StoreConfig, parse_size
+from flatcake_ray.config_sources import read_value
 from flatcake_ray.core.api import KVStore
 from flatcake_ray.errors import ConfigError, ShapeError
 
@@ -147,6 +148,14 @@ def close_local_stores() -> None:
 
 
 atexit.register(close_local_stores)
+
+
+def option_flag(options: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A true/false adapter option (a bool, or its text as an engine's CLI JSON may give it)."""
+    try:
+        return bool(read_value("bool", options.get(name, default), text=True))
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}", name) from None
 
 
 def make_namespace(engine: str, *parts: object) -> str:

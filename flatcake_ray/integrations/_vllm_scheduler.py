@@ -6,6 +6,14 @@ The scheduler process holds no KV. It asks the store how much of a request's pre
 full blocks to save (``build_connector_meta``). Keys are vLLM's own block hashes: chained
 prefix hashes, so one key names one whole prefix and the same prefix maps to the same key in
 every engine that shares the hash seed.
+
+Shared-prefix holds (``core/prefix_holds.py`` states the rule; the replay model runs the same
+class). Two turns of one session often wait together; vLLM caches a block in HBM only once a
+request has loaded or computed it, so without a hold both would read the session's prefix
+from SSD. A request that would read from SSD blocks an older request is bringing into HBM
+gets ``None`` ("ask again later") from the lookup until that request's prefill is scheduled
+to its end (its blocks are then in vLLM's prefix cache) or it finishes; the next lookup
+finds the prefix in HBM and loads only the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 
 from flatcake_ray.core.api import KVStore, Probe
 from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.prefix_holds import PrefixHolds
 from flatcake_ray.errors import ConfigError
 
 LOAD_POLICIES = ("auto", "always", "never")
@@ -75,6 +84,7 @@ class SchedulerSide:
         load_policy: str = "auto",
         announcer: Callable[[Any, Sequence[bytes], bytes | None, int], Any] | None = None,
         on_missing: Callable[[Sequence[bytes]], None] | None = None,
+        hold_shared_prefixes: bool = True,
     ) -> None:
         """``announcer(request, keys, parent, first_block)`` describes a planned save for the
         KV events; ``on_missing(keys)`` hears of keys a lookup found gone (both optional)."""
@@ -94,7 +104,14 @@ class SchedulerSide:
         self.on_missing = on_missing
         self._tracked: dict[str, _Tracked] = {}
         self._ready_loads: dict[str, LoadSpec] = {}
-        self.counters = {"lookups": 0, "hit_blocks": 0, "async_loads": 0, "saved_blocks": 0}
+        self._holds = PrefixHolds() if hold_shared_prefixes else None
+        self.counters = {
+            "lookups": 0,
+            "hit_blocks": 0,
+            "async_loads": 0,
+            "saved_blocks": 0,
+            "held_lookups": 0,  # lookups answered "later": an older request brings the blocks
+        }
 
     # ---- keys ------------------------------------------------------------------------------
     def block_keys(self, request: Any, blocks: int) -> list[bytes]:
@@ -127,8 +144,11 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         tracked = self._track(request)
+        if self._holds is not None and self._holds.is_held(request.request_id):
+            self.counters["held_lookups"] += 1
+            return None, False
         # The last prompt token is always recomputed: vLLM needs its logits.
         loadable = (request.num_tokens - 1) // self.block_size
         keys = self.block_keys(request, loadable)
@@ -139,6 +159,9 @@ class SchedulerSide:
         tracked.saved_blocks = max(tracked.saved_blocks, probe.hits)
         tracked.hit_on_ssd = probe.on_ssd
         local_blocks = num_computed_tokens // self.block_size
+        if self._held(request.request_id, keys, keys[local_blocks : probe.hits], probe.on_ssd):
+            tracked.offer = None
+            return None, False
         if probe.hits <= local_blocks:
             tracked.offer = None
             return 0, False
@@ -151,6 +174,15 @@ class SchedulerSide:
             is_async,
         )
         return (probe.hits - local_blocks) * self.block_size, is_async
+
+    def _held(self, req_id: str, brings: list[bytes], loads: list[bytes], on_ssd: bool) -> bool:
+        """Register that ``req_id`` brings ``brings`` into HBM; True if it must wait for an
+        older request that brings blocks it would load from SSD."""
+        if self._holds is None:
+            return False
+        held = self._holds.register(req_id, brings, loads if on_ssd else ())
+        self.counters["held_lookups"] += int(held)
+        return held
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self._track(request)
@@ -183,15 +215,23 @@ class SchedulerSide:
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            self._plan_save(tracked, new.num_computed_tokens + scheduled[new.req_id], saves)
+            self._step_done(tracked, new.num_computed_tokens + scheduled[new.req_id], saves)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
             self._follow_blocks(tracked, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
-            self._plan_save(tracked, cached.num_computed_tokens[i] + scheduled[req_id], saves)
+            self._step_done(tracked, cached.num_computed_tokens[i] + scheduled[req_id], saves)
         return StepPlan(loads, tuple(_drop_repeated_keys(saves)))
+
+    def _step_done(self, tracked: _Tracked, tokens_after_step: int, saves: list[SaveSpec]) -> None:
+        request = tracked.request
+        if self._holds is not None and tokens_after_step >= request.num_prompt_tokens:
+            # Its prefill ends this step: vLLM has cached its blocks, so requests held behind
+            # it find them in HBM at their next lookup.
+            self._holds.drop(request.request_id)
+        self._plan_save(tracked, tokens_after_step, saves)
 
     @staticmethod
     def _follow_blocks(tracked: _Tracked, new_block_ids: Any, resumed: bool) -> None:
@@ -232,6 +272,10 @@ class SchedulerSide:
         tracked.saved_blocks = len(keys)
         self.counters["saved_blocks"] += len(keys) - first
 
+    def is_held(self, req_id: str) -> bool:
+        """Whether ``req_id`` waits for an older request to bring its SSD blocks into HBM."""
+        return self._holds is not None and self._holds.is_held(req_id)
+
     def last_hit_on_ssd(self, req_id: str) -> bool:
         tracked = self._tracked.get(req_id)
         return tracked is not None and tracked.hit_on_ssd
@@ -240,6 +284,8 @@ class SchedulerSide:
         # A load already planned still runs: vLLM keeps the blocks of a request aborted while
         # waiting for its KV until the worker reports that load finished.
         self._tracked.pop(request.request_id, None)
+        if self._holds is not None:
+            self._holds.drop(request.request_id)
 
 
 def tenant_of(request: Any) -> str:

@@ -58,6 +58,7 @@ from flatcake_ray.integrations._common import (
     Geometry,
     make_namespace,
     open_store,
+    option_flag,
     release_store,
 )
 from flatcake_ray.integrations._vllm_compat import check_hash_seed, check_store_layout
@@ -169,6 +170,10 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 hash_block_size=kv_cache_config.hash_block_size or block_size,
                 shard_namespaces=tuple(shards),
                 load_policy=str(options.get("load_async", "auto")),
+                # A hold only pays when the held request then finds the blocks in vLLM's
+                # prefix cache; without one it would wait and read them anyway.
+                hold_shared_prefixes=option_flag(options, "hold_shared_prefixes", True)
+                and bool(vllm_config.cache_config.enable_prefix_caching),
                 announcer=functools.partial(announce, block_size=block_size)
                 if self.publishes_events
                 else None,

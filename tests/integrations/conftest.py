@@ -103,7 +103,18 @@ def local_store_options(tmp_path):
         "store_ssd_min_run_bytes": "256KiB",
         "store_fsync": False,
     }
+    harness = sys.modules.get("tests.integrations.vllm_harness")
+    if harness is not None:
+        harness.shutdown_engines()  # engines let go of their stores before the stores close
     close_local_stores()
+
+
+@pytest.fixture(scope="module")
+def base_model(tiny_model_dir):
+    """vLLM's ModelConfig of the tiny Llama (a vLLM test module has called require_vllm)."""
+    from tests.integrations.vllm_harness import model_config
+
+    return model_config(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -22,26 +22,12 @@ from tests.integrations.vllm_harness import (  # noqa: E402
     LAYER_NAMES,
     PAGE_BYTES,
     build_engine,
-    model_config,
     prefix_kv,
-    shutdown_engines,
 )
 
 PROMPT = list(range(100, 200))  # 3 full blocks and a partial one
 REPLY = 40  # the reply completes block 4 (token 128) during decode
 USER = [5, 6, 7, 8, 9]
-
-
-@pytest.fixture(scope="module")
-def base_model(tiny_model_dir):
-    return model_config(tiny_model_dir)
-
-
-@pytest.fixture
-def local_store_options(local_store_options):
-    """The shared options; the engines built on them shut down before their store closes."""
-    yield local_store_options
-    shutdown_engines()
 
 
 @pytest.fixture
@@ -294,3 +280,53 @@ def test_in_process_store_under_a_multiprocess_executor_names_store_ray(backend)
     with pytest.raises(ConfigError, match="store: ray"):
         check_store_layout(config, "local")
     check_store_layout(config, "ray")
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_turn_waiting_behind_its_predecessor_reads_the_prefix_once(
+    base_model, local_store_options, hold
+):
+    options = {**local_store_options, "hold_shared_prefixes": hold}
+    reply = first_turn(base_model, options)
+    engine = build_engine(base_model, options)
+    first = PROMPT + reply + USER
+    second = PROMPT + reply + [11, 12, 13]  # the same 4 stored blocks, another question
+    requests = [engine.add_request("a", first, max_tokens=2), engine.add_request("b", second, 2)]
+    for request in requests:
+        engine.run(request)
+
+    counters = engine.connector.scheduler_side.counters
+    loads = 1 if hold else 2  # the held turn finds the blocks in vLLM's prefix cache
+    assert counters["hit_blocks"] == 4 * loads
+    assert engine.worker.worker_side.counters["loaded_pages"] == 4 * loads
+    assert (counters["held_lookups"] > 0) is hold
+    assert f"forward:b:128+{len(second) - 128}" in engine.events  # only past the prefix
+    for req_id, tokens in (("a", first), ("b", second)):
+        for got, want in zip(
+            engine.block_bytes(req_id, 4), expected_block_bytes(tokens, 4), strict=True
+        ):
+            assert torch.equal(got, want)
+
+
+def test_a_held_turn_reads_for_itself_once_its_holder_is_aborted(base_model, local_store_options):
+    from vllm.v1.request import RequestStatus
+
+    reply = first_turn(base_model, local_store_options)
+    engine = build_engine(base_model, local_store_options)
+    tokens = PROMPT + reply + USER
+    holder = engine.add_request("a", tokens, max_tokens=2)
+    held = engine.add_request("b", tokens, max_tokens=2)
+    engine.step()
+    assert holder.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert held.status == RequestStatus.WAITING and engine.connector.scheduler_side.is_held("b")
+    engine.scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert not engine.connector.scheduler_side.is_held("b")
+    engine.run(held)
+    assert engine.connector.scheduler_side.counters["hit_blocks"] == 8  # a's load, then b's
+    for got, want in zip(engine.block_bytes("b", 4), expected_block_bytes(tokens, 4), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_hold_option_must_be_a_bool(base_model, local_store_options):
+    with pytest.raises(ConfigError, match="hold_shared_prefixes"):
+        build_engine(base_model, {**local_store_options, "hold_shared_prefixes": "sometimes"})

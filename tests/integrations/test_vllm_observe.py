@@ -38,7 +38,6 @@ from tests.integrations.vllm_harness import (  # noqa: E402
     PAGE_BYTES,
     build_engine,
     build_vllm_config,
-    model_config,
     shutdown_engines,
 )
 from tests.vllm_kv_events import KVEventSubscriber  # noqa: E402
@@ -47,17 +46,6 @@ PROMPT = list(range(300, 400))  # 3 full blocks and a partial one
 BLOCK_BYTES = len(LAYER_NAMES) * PAGE_BYTES
 
 counts = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.integers(0, 1 << 40))
-
-
-@pytest.fixture(scope="module")
-def base_model(tiny_model_dir):
-    return model_config(tiny_model_dir)
-
-
-@pytest.fixture
-def local_store_options(local_store_options):
-    yield local_store_options
-    shutdown_engines()
 
 
 @pytest.fixture
