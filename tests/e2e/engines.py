@@ -64,12 +64,21 @@ def completion_of(output: Any) -> Completion:
 
 
 def generate(llm: Any, prompt: list[int], kv_params: dict[str, Any] | None = None) -> Completion:
+    return generate_together(llm, [prompt], kv_params)[0]
+
+
+def generate_together(
+    llm: Any, prompts: list[list[int]], kv_params: dict[str, Any] | None = None
+) -> list[Completion]:
+    """The prompts submitted at once (they wait in vLLM's queue together), in their order."""
     from vllm.inputs import TokensPrompt
 
     outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=prompt)], sampling(kv_params), use_tqdm=False
+        [TokensPrompt(prompt_token_ids=prompt) for prompt in prompts],
+        sampling(kv_params),
+        use_tqdm=False,
     )
-    return completion_of(outputs[0])
+    return [completion_of(output) for output in outputs]
 
 
 def assert_same_completion(got: Completion, reference: Completion) -> None:

@@ -40,6 +40,12 @@ def prompts(placement: str) -> tuple[list[int], list[int]]:
     return prefix, prefix + words(NEW_TOKENS, start + 5000)
 
 
+def shared_prompts() -> tuple[list[int], list[list[int]]]:
+    """A prefix and two prompts continuing it differently (two turns waiting together)."""
+    prefix = words(PREFIX_TOKENS, 700)
+    return prefix, [prefix + words(NEW_TOKENS, 5700), prefix + words(NEW_TOKENS, 6700)]
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """The test's own hold on the in-process store, so it outlives engine A."""
@@ -72,17 +78,34 @@ def runs(tiny_model, one_process_engines, store):
     common = {"kv_transfer_config": kv_transfer_config(**options), **one_process_engines}
     llm_a = LLM(**engines.engine_args(tiny_model, enable_prefix_caching=True, **common))
     reference: dict[str, Completion] = {}
+    shared_prefix, pair = shared_prompts()
     try:
         for placement, hints in PLACEMENTS.items():
             prefix, prompt = prompts(placement)
             engines.generate(llm_a, prefix, hints)
             reference[placement] = engines.generate(llm_a, prompt, hints)
+        engines.generate(llm_a, shared_prefix, PLACEMENTS["ssd"])
+        pair_reference = [engines.generate(llm_a, prompt) for prompt in pair]
     finally:
         engines.shutdown(llm_a)
+    # C: a fresh engine with its prefix cache on, given both prompts at once.
+    llm_c = LLM(**engines.engine_args(tiny_model, enable_prefix_caching=True, **common))
+    try:
+        before = _counters(llm_c, held)
+        pair_got = engines.generate_together(llm_c, pair)
+        pair_delta = [_delta(a, b) for a, b in zip(_counters(llm_c, held), before, strict=True)]
+    finally:
+        engines.shutdown(llm_c)
     llm_b = LLM(**engines.engine_args(tiny_model, enable_prefix_caching=False, **common))
     try:
         restored = {placement: _restore(llm_b, held, placement) for placement in PLACEMENTS}
-        yield {"reference": reference, "restored": restored, "llm_b": llm_b, "store": held}
+        yield {
+            "reference": reference,
+            "restored": restored,
+            "llm_b": llm_b,
+            "store": held,
+            "pair": (pair_got, pair_reference, *pair_delta),
+        }
     finally:
         engines.shutdown(llm_b)
 
@@ -127,6 +150,18 @@ def test_prefix_placement_and_load_mode(runs):
     assert dram["dram_bytes_read"] > 0 and dram["ssd_bytes_read"] == 0
     assert ssd["ssd_bytes_read"] > 0 and ssd["dram_bytes_read"] == 0
     assert (dram_sched["async_loads"], ssd_sched["async_loads"]) == (0, 1)
+
+
+def test_two_prompts_waiting_together_read_their_ssd_prefix_once(runs):
+    """The later prompt is held until the earlier one's prefill, then takes the prefix from
+    vLLM's own prefix cache: one SSD read of it, as many bytes as B's one SSD restore."""
+    got, reference, store_delta, scheduler, worker = runs["pair"]
+    assert scheduler["held_lookups"] > 0
+    assert scheduler["hit_blocks"] == worker["loaded_pages"] == PREFIX_BLOCKS
+    assert store_delta["ssd_bytes_read"] == runs["restored"]["ssd"][1]["ssd_bytes_read"]
+    assert [completion.cached_tokens for completion in got] == [PREFIX_TOKENS] * 2
+    for completion, expected in zip(got, reference, strict=True):
+        engines.assert_same_completion(completion, expected)
 
 
 def _zero_one_page(store, block: int = 5) -> None:
