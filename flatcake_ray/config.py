@@ -106,7 +106,7 @@ class StoreConfig:
     low_watermark: float = 0.80
     # SSD has no headroom rule to feed, and a write-once pool of mostly-never-reused turns
     # sits at its high watermark: a band frees scopes that were coming back (the chat replay:
-    # 96.8% of reusable pages at 0.90/0.80, 99.7% on demand, docs/bench_replay.md). 1.0/1.0
+    # 96.8% of reusable pages at 0.90/0.80, 99.6% on demand, docs/bench_replay.md). 1.0/1.0
     # frees only what a put needs.
     ssd_high_watermark: float = 1.0
     ssd_low_watermark: float = 1.0

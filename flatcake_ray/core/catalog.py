@@ -187,9 +187,10 @@ class Catalog(AllocationMixin):
             self.counters["forks"] += 1
         # The inferred refcount belongs to the stored page this put forks from, not to the
         # new pages: using it for them sent nearly every Mooncake conversation (all fork off
-        # the system prompt) to DRAM as "shared" and cost 5.5 points of hit rate in the replay
-        # (docs/bench_replay.md). Only the engine knows that the pages being written are
-        # shared (its radix-tree refcount), so only its hint fires the shared rule.
+        # the system prompt) to DRAM as "shared" and cost 5.5 points of hit rate in the
+        # Mooncake replay (measured when the rule was written). Only the engine knows that the
+        # pages being written are shared (its radix-tree refcount), so only its hint fires the
+        # shared rule.
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
         layout = self.layout_for(len(new_positions))
         placement = self.policy.decide(inputs, dram_headroom=self._dram_headroom(layout.nbytes))
