@@ -44,10 +44,11 @@ def session_keys(session: str, turn: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory) -> Pool:
-    """Ten two-turn SSD sessions on a 16 MiB pool: the last ones make room by reclaiming the
-    first ones, so the manifest holds seg and free records."""
+    """Ten two-turn SSD sessions on a 16 MiB pool reclaimed past 90% down to 80% (SSD is
+    otherwise reclaimed only when full): the first ones are freed, so the manifest holds seg
+    and free records."""
     root = tmp_path_factory.mktemp("pool")
-    config = small_config(root)
+    config = small_config(root, ssd_high_watermark=0.9, ssd_low_watermark=0.8)
     written: dict[str, tuple[list[str], np.ndarray]] = {}
     with FlatCakeStore(config) as store:
         for number in range(SESSIONS):

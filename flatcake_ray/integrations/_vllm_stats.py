@@ -21,6 +21,8 @@ metrics agent exports them as ``ray_vllm_flatcake_*``):
 ``vllm:flatcake_save_failures_total``     saves given up (the pages become a future miss)
 ``vllm:flatcake_lookups_total``           prefix lookups by the scheduler
 ``vllm:flatcake_hit_blocks_total``        blocks those lookups found and vLLM took
+``vllm:flatcake_held_lookups_total``      lookups answered "later": an older request brings
+                                          the SSD blocks into HBM (shared-prefix hold)
 ``vllm:flatcake_announced_blocks_total``  blocks announced in BlockStored KV events
 ``vllm:flatcake_withdrawn_blocks_total``  blocks withdrawn in BlockRemoved KV events
 ========================================  =================================================
@@ -63,6 +65,7 @@ FIELDS: dict[str, str] = {
     "save_failures": "Saves to FlatCake given up (the pages become a future miss).",
     "lookups": "Prefix lookups in FlatCake by vLLM's scheduler.",
     "hit_blocks": "Blocks found in FlatCake that vLLM took.",
+    "held_lookups": "Lookups held until an older request has brought the SSD blocks into HBM.",
     "announced_blocks": "Blocks announced in BlockStored KV events (saved to FlatCake).",
     "withdrawn_blocks": "Blocks withdrawn in BlockRemoved KV events (gone from FlatCake).",
 }
@@ -122,7 +125,8 @@ def scheduler_totals(
     counters: Mapping[str, int], event_blocks: Mapping[str, int]
 ) -> dict[str, int]:
     """The stats fields of the scheduler side's counters and its KV events' block counts."""
-    return {"lookups": counters["lookups"], "hit_blocks": counters["hit_blocks"], **event_blocks}
+    names = ("lookups", "hit_blocks", "held_lookups")
+    return {**{name: counters[name] for name in names}, **event_blocks}
 
 
 class Interval:

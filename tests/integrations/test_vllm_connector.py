@@ -300,6 +300,8 @@ def test_a_turn_waiting_behind_its_predecessor_reads_the_prefix_once(
     assert counters["hit_blocks"] == 4 * loads
     assert engine.worker.worker_side.counters["loaded_pages"] == 4 * loads
     assert (counters["held_lookups"] > 0) is hold
+    shipped = sum(stats.get("held_lookups", 0) for stats in engine.connector_stats)
+    assert shipped == counters["held_lookups"]  # in vLLM's stats, so in Prometheus
     assert f"forward:b:128+{len(second) - 128}" in engine.events  # only past the prefix
     for req_id, tokens in (("a", first), ("b", second)):
         for got, want in zip(
