@@ -265,7 +265,7 @@ class FlatCakeTier(SecondaryTierManager):
         return _Finished(result, missing)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        results = []
+        results: list[JobResult] = []
         while True:
             try:
                 finished = self._finished.get_nowait()

@@ -190,3 +190,21 @@ def test_bad_options_are_typed_errors(tier_options, engines):
         engines(tier_config(layers=3, **tier_options))
     with pytest.raises(ConfigError, match="tier_threads"):
         engines(tier_config(tier_threads=0, **tier_options))
+
+
+def test_the_serve_llm_example_attaches_the_tier(monkeypatch):
+    """examples/serve_llm_native_tier.py's engine arguments: vLLM's native offloading with a
+    CPU tier of the given size and FlatCake-Ray (the Ray service) below it."""
+    import importlib
+    import pathlib
+
+    examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+    monkeypatch.syspath_prepend(str(examples))
+    example = importlib.import_module("serve_llm_native_tier")
+    args = example.parser().parse_args(["--model", "m", "--cpu-tier-bytes", "2GiB"])
+    config = example.engine_kwargs(args, "10.0.0.1:6379")["kv_transfer_config"]
+    extra = config["kv_connector_extra_config"]
+    assert (config["kv_connector"], extra["cpu_bytes_to_use"]) == ("OffloadingConnector", 2 << 30)
+    (entry,) = extra["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(entry) is FlatCakeTier
+    assert (entry["store"], entry["ray_address"], entry["layers"]) == ("ray", "10.0.0.1:6379", 1)
