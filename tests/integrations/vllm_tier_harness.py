@@ -40,21 +40,27 @@ def chunk_keys(count: int, seed: str = "p") -> list[OffloadKey]:
     return [make_offload_key(f"{seed}-{i}".encode().ljust(32, b"."), 0) for i in range(count)]
 
 
-def chunk_bytes(key: OffloadKey) -> np.ndarray:
+def chunk_bytes(key: OffloadKey, size: int = WORKER_BLOCK_BYTES) -> np.ndarray:
     """A row's worth of bytes that only ``key`` has."""
     rng = np.random.default_rng(int.from_bytes(key[:8], "little") ^ len(key))
-    return rng.integers(0, 256, WORKER_BLOCK_BYTES, dtype=np.uint8)
+    return rng.integers(0, 256, size, dtype=np.uint8)
 
 
-def offloading_config(tier: dict[str, Any], *, events: bool = False) -> OffloadingConfig:
+def offloading_config(
+    tier: dict[str, Any],
+    *,
+    events: bool = False,
+    block_bytes: int = WORKER_BLOCK_BYTES,
+    chunks: int = CHUNKS,
+) -> OffloadingConfig:
     extra = {
         "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": CHUNKS * WORKER_BLOCK_BYTES,
+        "cpu_bytes_to_use": chunks * block_bytes,
         "secondary_tiers": [dict(tier)],
     }
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=WORKER_BLOCK_BYTES,
+        worker_kv_bytes_per_block=block_bytes,
         enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=f"fc-tier-{uuid.uuid4().hex[:10]}",
@@ -76,13 +82,14 @@ def offloading_config(tier: dict[str, Any], *, events: bool = False) -> Offloadi
 
 
 class NativeEngine:
-    """One engine's offloading manager with FlatCake's tier below its CPU tier."""
+    """One engine's offloading manager with one tier below its CPU tier (FlatCake's, or
+    another of vLLM's for comparison: ``tier`` is then None)."""
 
-    def __init__(self, tier: dict[str, Any], *, events: bool = False) -> None:
-        self.spec = TieringOffloadingSpec(offloading_config(tier, events=events))
+    def __init__(self, tier: dict[str, Any], *, events: bool = False, **sizes: int) -> None:
+        self.spec = TieringOffloadingSpec(offloading_config(tier, events=events, **sizes))
         self.manager = self.spec.get_manager()
-        self.tier = self.manager.secondary_tiers[0]
-        assert isinstance(self.tier, FlatCakeTier)
+        found = self.manager.secondary_tiers[0]
+        self.tier = found if isinstance(found, FlatCakeTier) else None
         view = self.manager.primary_tier.get_kv_memoryview()
         self.rows = np.frombuffer(view, dtype=np.uint8).reshape(-1, view.strides[0])
 
@@ -99,7 +106,7 @@ class NativeEngine:
         assert output is not None
         stored = list(output.keys_to_store)
         for key, chunk in zip(stored, output.store_spec.chunk_ids, strict=True):
-            self.rows[int(chunk)] = chunk_bytes(key)
+            self.rows[int(chunk)] = chunk_bytes(key, self.rows.shape[1])
         self.manager.complete_store(stored, context)
 
     def step(self) -> None:
