@@ -25,7 +25,8 @@ import argparse
 import json
 from typing import Any
 
-from serve_llm import parser as connector_parser  # the same flags, this file's folder
+from serve_llm import main as serve_main  # the same flags and serving, this file's folder
+from serve_llm import parser as connector_parser
 
 from flatcake_ray.config import parse_size
 from flatcake_ray.integrations.vllm_tier import kv_transfer_config
@@ -76,22 +77,5 @@ def parser() -> argparse.ArgumentParser:
     return cli
 
 
-def main() -> None:
-    cli = parser()
-    args = cli.parse_args()
-    if not args.address:
-        cli.error("name the Ray cluster with --address or RAY_ADDRESS")
-
-    import ray
-    from ray import serve
-
-    from flatcake_ray.client.client import FlatCakeClient
-
-    ray.init(address=args.address, namespace=args.namespace)
-    FlatCakeClient(args.namespace).close()  # fails fast (ServiceError) without a service
-    serve.start(http_options={"host": "0.0.0.0", "port": args.http_port})
-    serve.run(build_app(args), blocking=True)
-
-
 if __name__ == "__main__":
-    main()
+    serve_main(build_app, parser())
