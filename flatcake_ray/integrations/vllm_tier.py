@@ -148,7 +148,7 @@ class FlatCakeTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         kind = str(options.get(STORE_KIND, "local"))
-        self.locality = Locality(locality or ("REMOTE" if kind == "ray" else "LOCAL"))
+        self.locality = _locality(locality or ("REMOTE" if kind == "ray" else "LOCAL"))
         row_bytes = self.block_size_bytes
         if layers < 1 or row_bytes % layers:
             raise ConfigError(f"layers={layers!r} does not split a {row_bytes}-byte chunk")
@@ -312,6 +312,14 @@ class FlatCakeTier(SecondaryTierManager):
         self._pool.shutdown(wait=True)
         self._layer_views.clear()  # vLLM unmaps the CPU tier's region after this returns
         release_store(self._store)
+
+
+def _locality(name: str) -> Locality:
+    try:
+        return Locality(name)
+    except ValueError:
+        known = [member.value for member in Locality]
+        raise ConfigError(f"locality must be one of {known}, not {name!r}") from None
 
 
 def _namespace(spec: OffloadingSpec, name: str | None, row_bytes: int) -> str:

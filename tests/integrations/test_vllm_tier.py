@@ -206,6 +206,8 @@ def test_bad_options_are_typed_errors(tier_options, engines):
         engines(tier_config(layers=3, **tier_options))
     with pytest.raises(ConfigError, match="tier_threads"):
         engines(tier_config(tier_threads=0, **tier_options))
+    with pytest.raises(ConfigError, match="locality"):
+        engines(tier_config(locality="NEARBY", **tier_options))
 
 
 def test_the_serve_llm_example_attaches_the_tier(monkeypatch):
