@@ -22,14 +22,14 @@ require_vllm()
 
 from vllm.platforms import current_platform  # noqa: E402
 
-if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
-    pytest.skip(
-        "vLLM's OffloadingConnector does not run on the CPU platform: CPUOffloadingSpec."
-        "get_worker raises 'CPU Offloading is currently only supported on CUDA-alike and XPU "
-        "GPUs' (vllm/v1/kv_offload/cpu/spec.py) and its worker copies on device streams; "
-        "scripts/gpu_check.sh runs this test on a GPU",
-        allow_module_level=True,
-    )
+# Each test skips with the reason (a module-level skip would leave nothing to run).
+pytestmark = pytest.mark.skipif(
+    not (current_platform.is_cuda_alike() or current_platform.is_xpu()),
+    reason="vLLM's OffloadingConnector does not run on the CPU platform: CPUOffloadingSpec."
+    "get_worker raises 'CPU Offloading is currently only supported on CUDA-alike and XPU "
+    "GPUs' (vllm/v1/kv_offload/cpu/spec.py) and its worker copies on device streams; "
+    "scripts/gpu_check.sh runs this test on a GPU",
+)
 
 from flatcake_ray.integrations._common import Geometry, open_store, release_store  # noqa: E402
 from flatcake_ray.integrations.vllm_tier import kv_transfer_config  # noqa: E402
