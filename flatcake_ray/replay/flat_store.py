@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
-from flatcake_ray.core.catalog import Catalog, PutHints
+from flatcake_ray.core.catalog import Catalog
 from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
 from flatcake_ray.core.parts import LeasePart, lease_parts
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.core.plan import MediumAccess, RestorePlan
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.errors import MediumFullError
-from flatcake_ray.replay.pages import TracePages
+from flatcake_ray.replay.pages import TracePages, put_hints
 from flatcake_ray.replay.profiles import Profile
 from flatcake_ray.replay.systems import Located, StorageCounters, SystemSpec, Transfer
 
@@ -80,12 +80,15 @@ class FlatStorage:
         pages: TracePages,
         placement: PlacementConfig,
         arrivals: np.ndarray,
+        config: StoreConfig | None = None,
     ) -> None:
         self.profile = profile
         self.spec = spec
         self.pages = pages
         self.arrivals = arrivals
-        self.config = store_config_for(profile, placement, pages)
+        # ``config``: a given node's store (the live replay compares against one); by
+        # default one sized from the profile.
+        self.config = config or store_config_for(profile, placement, pages)
         self.oracle = OraclePlacement(placement) if spec.oracle else None
         self.catalog = Catalog(self.config, policy=self.oracle)
         self.counters = StorageCounters()
@@ -149,7 +152,7 @@ class FlatStorage:
                 return []
         try:
             plan = self.catalog.plan_put(
-                digests, session_id=self.pages.session_of(request), hints=self._hints(request)
+                digests, session_id=self.pages.session_of(request), hints=put_hints(self.pages, request)
             )
         except MediumFullError:
             self.counters.add("puts_failed")
@@ -175,13 +178,6 @@ class FlatStorage:
         self.counters.add("puts_published")
         self.counters.add(f"pages_to_{plan.segment.medium.name.lower()}", len(plan.new_positions))
         self.media_at_publish[plan.segment.segment_id] = (plan.segment.medium, plan.segment.offset)
-
-    def _hints(self, request: int) -> PutHints | None:
-        turn = int(self.pages.turns[request])
-        if turn < 1:
-            return None
-        reply = int(self.pages.prior_reply[request])
-        return PutHints(turn=turn, prior_reply_tokens=reply if reply >= 0 else None)
 
     def _oracle_choice(self, request: int, digests: np.ndarray, now: float) -> np.ndarray:
         first = self.pages.offsets[request]
