@@ -260,13 +260,17 @@ class Replay:
         copy = self.h2d.seconds(h2d_bytes)
         self.h2d.submit(now, h2d_bytes)
         service = max(compute, copy) + copy / self.profile.layers  # layer-pipelined load
+        service += self.profile.restore_overhead_ms / 1e3 if dram_hits + ssd_hits else 0.0
         self._gpu_busy = True
         self.records.dispatch[request] = now
         self.records.compute_s[request] = compute
         self._push(now + service, PREFILL_DONE, request)
         if self.storage.saves_during_prefill:  # layer-wise puts: each layer saved as computed
-            digests = self.pages.digests_for(request)
-            self._run_transfers(self.storage.store(request, digests, now), now, now + service)
+            # The restore has ended: its lease goes before the put is planned, as the live
+            # pipeline releases it (else the put could not drop the prefix's DRAM replica).
+            transfers = self.storage.release(request, flight.located, used)
+            transfers += self.storage.store(request, self.pages.digests_for(request), now)
+            self._run_transfers(transfers, now, now + service)
         if flight.staged_bytes:
             self._push(now + copy, STAGING_FREE, flight.staged_bytes)
 
@@ -368,10 +372,9 @@ class Replay:
             for scheduled in released:
                 self._look_again(self._flights[scheduled.request_id], now)
             self._start_prefetches(now)
-        transfers = self.storage.release(request, flight.located, flight.used)
-        if not self.storage.saves_during_prefill:
-            transfers += self.storage.store(request, digests, now)
-        self._run_transfers(transfers, now)
+        if not self.storage.saves_during_prefill:  # else released as the prefill started
+            transfers = self.storage.release(request, flight.located, flight.used)
+            self._run_transfers(transfers + self.storage.store(request, digests, now), now)
         self.records.done[request] = now
         self.records.arrival[request] = flight.arrival
         self._dispatch(now)

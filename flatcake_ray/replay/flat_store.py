@@ -1,12 +1,13 @@
 """FlatCake storage in the model: the live :class:`Catalog` with modelled devices.
 
-The catalog's bytes never exist: a put is :meth:`Catalog.plan_put` when the prefill ends and
-:meth:`Catalog.publish` when the modelled write completes (the live store's order: address
-first, key visible only after the write). A lookup is :meth:`Catalog.lease`, held until the
-request's prefill ends. SSD reads are those of the live restore pipeline's own plan
-(:class:`~flatcake_ray.core.plan.RestorePlan`: the wanted checksum blocks of each layer,
-coalesced group by group, reads capped at a staging slot); a read longer than a slot is cut
-into slot-sized commands, as the pipeline streams it.
+The catalog's bytes never exist: a put is :meth:`Catalog.plan_put` when the prefill starts
+(layer-wise saves) and :meth:`Catalog.publish` when the modelled write completes (the live
+store's order: address first, key visible only after the write). A lookup is
+:meth:`Catalog.lease`, held until the request's restore ends (its prefill starts, before its
+put is planned), as the live pipeline releases it. SSD reads are those of the live restore
+pipeline's own plan (:class:`~flatcake_ray.core.plan.RestorePlan`: the wanted checksum blocks
+of each layer, coalesced group by group, reads capped at a staging slot); a read longer than
+a slot is cut into slot-sized commands, as the pipeline streams it.
 """
 
 from __future__ import annotations
