@@ -34,6 +34,7 @@ def test_live_replay_counts_agree_with_the_model(tmp_path):
     conversation_trace(trace)
     out = tmp_path / "out"
     argv = ["replay", str(trace), "--live", "--out", str(out), "--no-progress"]
+    argv += ["--time-scale", "0.25"]  # turns 1 s apart, requests 37 ms apart
     # 4 MiB of DRAM a node holds 256 pages of 16 KiB: DRAM is reclaimed and replicas dropped;
     # SSD (16 MiB) has room, so the coordinator keeps every session on its client's node.
     argv += ["--dram-bytes", "4MiB", "--ssd-bytes", "16MiB", "--root", str(tmp_path / "nodes")]

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import ServiceConfig, parse_size
+from flatcake_ray.errors import ConfigError
 
 NAMESPACE = "flatcake-replay-live"
 RESOURCE = "fcreplay"
@@ -92,9 +93,8 @@ def run_live(args: argparse.Namespace, pages: Any, arrivals: np.ndarray) -> dict
         nodes = _node_actors(targets, pages)
         wheres = ray.get([node.where.remote() for node in nodes])
         records = _drive(nodes, node_of, arrivals, args, time.time() + 1.0)
-        stats = {
-            w["node_id"]: s for w, s in zip(wheres, ray.get([n.stats.remote() for n in nodes]))
-        }
+        found = ray.get([node.stats.remote() for node in nodes])
+        stats = {w["node_id"]: s for w, s in zip(wheres, found, strict=True)}
         calibration = ray.get([n.calibrate.remote() for n in nodes]) if args.measure else []
     finally:
         service.stop(NAMESPACE)
@@ -183,11 +183,13 @@ def live_command(args: argparse.Namespace, trace: Any) -> int:
     from flatcake_ray.replay.profiles import measure_this_machine
     from flatcake_ray.replay.workloads import arrivals_for, as_trace
 
-    if args.time_scale <= 0 or args.nodes < 1:
-        raise ValueError("--time-scale must be > 0 and --nodes >= 1")
-    page_tokens = args.page_tokens or ServiceConfig().store_config("0" * 16, 0).placement.page_tokens
+    if not args.time_scale > 0 or args.nodes < 1:
+        raise ConfigError("--time-scale must be > 0 and --nodes >= 1")
+    default_tokens = ServiceConfig().store_config("0" * 16, 0).placement.page_tokens
+    page_tokens = args.page_tokens or default_tokens
     pages = build_pages(as_trace(trace, args.limit), page_tokens)
-    arrivals = arrivals_for(pages, None, 0, "scaled") * args.time_scale
+    # The trace's clock, ties spread (a burst on one timestamp is a tick's worth of requests).
+    arrivals = arrivals_for(pages, None, 0, "spread") * args.time_scale
     load = os.getloadavg()
     started = time.perf_counter()
     live = run_live(args, pages, arrivals)

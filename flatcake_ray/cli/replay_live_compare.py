@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import StoreConfig
+from flatcake_ray.errors import ConfigError
 from flatcake_ray.replay.engine import Replay
 from flatcake_ray.replay.pages import TracePages, select_requests
 from flatcake_ray.replay.profiles import Profile, get_profile
@@ -43,12 +44,13 @@ def live_profile(
     (device constants from ``--measure``, ``--set``, the client's slot and windows)."""
     per_token, rest = divmod(page_bytes * layers, page_tokens)
     if rest:
-        raise ValueError(f"page_bytes x layers must be a multiple of page_tokens ({page_tokens})")
+        raise ConfigError(f"page_bytes x layers must be a multiple of page_tokens ({page_tokens})")
     overrides = {
         "layers": layers,
         "page_tokens": page_tokens,
         "kv_bytes_per_token": per_token,
         "hbm_kv_bytes": 0,
+        "prefill_overhead_ms": 0.0,  # the live run's time per request is given in ``changes``
         **NO_COMPUTE,
         **changes,
     }
@@ -84,14 +86,12 @@ def predict(
         out["restore_s"][requests] = out["ssd_seconds"][requests] + copy + fixed
         for key, value in replay.counters.items():
             counters[key] = counters.get(key, 0) + int(value)
-    out["counters"] = counters
-    return out
+    return {**out, "counters": counters}
 
 
 def measured_arrays(records: list[dict[str, Any]], count: int) -> dict[str, np.ndarray]:
-    fields = ("dram_pages", "ssd_pages", "ssd_commands", "ssd_bytes", "restore_s", "control_s")
-    fields += ("ssd_seconds",)
-    out = {name: np.zeros(count) for name in (*fields, "remote_pages")}
+    fields = ("dram_pages", "ssd_pages", "ssd_commands", "ssd_bytes", "ssd_seconds")
+    out = {name: np.zeros(count) for name in (*fields, "restore_s", "remote_pages")}
     for record in records:
         for name in out:
             out[name][record["request"]] = record.get(name, 0.0)

@@ -152,9 +152,8 @@ class FlatStorage:
             if not len(digests):
                 return []
         try:
-            plan = self.catalog.plan_put(
-                digests, session_id=self.pages.session_of(request), hints=put_hints(self.pages, request)
-            )
+            session, hints = self.pages.session_of(request), put_hints(self.pages, request)
+            plan = self.catalog.plan_put(digests, session_id=session, hints=hints)
         except MediumFullError:
             self.counters.add("puts_failed")
             return []
