@@ -66,7 +66,9 @@ def add_replay_commands(subparsers: Any) -> None:
     runs = parser.add_argument_group("runs")
     runs.add_argument("--qps", type=_floats, default=[None], help="e.g. 0.1,0.5,1 ('trace')")
     runs.add_argument("--seeds", type=_ints, default=[0])
-    runs.add_argument("--arrivals", default="jitter", choices=("jitter", "scaled", "poisson", "spread"))
+    runs.add_argument(
+        "--arrivals", default="jitter", choices=("jitter", "scaled", "poisson", "spread")
+    )
     runs.add_argument("--sweep", default="qps", choices=("qps", "context", "tau", "l-agent"))
     runs.add_argument("--values", type=_ints, help="x values of a context/tau/l-agent sweep")
     runs.add_argument("--limit", type=int, help="replay only the first N requests")

@@ -62,37 +62,37 @@ class LiveNode:
         found = self.client.stats()
         return {"client": found["client"], "node": found["nodes"].get(found["local_node_id"])}
 
-    def calibrate(self, small: int = 1, large: int = 64, repeats: int = 15) -> dict[str, Any]:
+    def calibrate(self, small: int = 1, large: int = 256, repeats: int = 21) -> dict[str, Any]:
         """The live DRAM restore path's constants on this node, for the model (``--measure``):
-        median end-to-end restores of a ``small``- and a ``large``-page DRAM session, fitted
-        as a fixed cost per restore plus a rate (as ``--measure`` fits O_DIRECT commands).
-        Run after the replay: its pages would otherwise change the store the trace met."""
+        end-to-end restores of a ``small``- and a ``large``-page DRAM session, alternated so
+        load hits both alike, their medians fitted as a fixed cost per restore plus a rate
+        (as ``--measure`` fits O_DIRECT commands); no rate when noise hides the slope. Run
+        after the replay: its pages would otherwise change the store the trace met."""
         node_id = self.client.nodes.local_node_id
         short_chat = PutHints(turn=2, prior_reply_tokens=1, context_tokens=1)  # a DRAM rule
-        seconds, media = {}, []
+        sessions, media = [], []
         for count in (small, large):
             keys = [f"calibrate-{node_id}-{count}-{i}" for i in range(count)]
             kv = page_bytes_for(np.arange(count), self.layers, self.page_bytes)
             session = f"calibrate-{node_id}-{count}"
             result = self.client.put(keys, kv, session_id=session, hints=short_chat)
             media.append(None if result.medium is None else result.medium.name)
-            out = np.zeros_like(kv)
-            self.client.restore_report(keys, out)  # its first restore pays for the lookup
-            runs = []
-            for _ in range(repeats):
+            sessions.append((keys, np.zeros_like(kv)))
+            self.client.restore_report(keys, sessions[-1][1])  # pays for the first lookup
+        runs: list[list[float]] = [[], []]
+        for _ in range(repeats):
+            for index, (keys, out) in enumerate(sessions):
                 started = time.perf_counter()
                 self.client.restore_report(keys, out)
-                runs.append(time.perf_counter() - started)
-            seconds[count] = float(np.median(runs))
+                runs[index].append(time.perf_counter() - started)
+        low, high = (float(np.median(r)) for r in runs)
         page_all = self.layers * self.page_bytes
-        per_byte = max(seconds[large] - seconds[small], 1e-9) / ((large - small) * page_all)
-        fixed = max(0.0, seconds[small] - small * page_all * per_byte)
-        return {
-            "restore_overhead_ms": fixed * 1e3,
-            "h2d_gb_s": 1 / per_byte / 1e9,
-            "media": media,
-            "seconds": seconds,
-        }
+        per_byte = (high - low) / ((large - small) * page_all)
+        found: dict[str, Any] = {"media": media, "seconds": {small: low, large: high}}
+        found["restore_overhead_ms"] = max(0.0, low - small * page_all * max(per_byte, 0)) * 1e3
+        if per_byte > 0:
+            found["h2d_gb_s"] = 1 / per_byte / 1e9
+        return found
 
     def run(
         self, requests: list[int], arrivals: list[float], start_at: float
