@@ -29,15 +29,19 @@ def conversation_trace(path, sessions: int = 12, turns: int = 3) -> None:
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
 
 
-def test_live_replay_counts_agree_with_the_model(tmp_path):
+def test_live_replay_counts_agree_with_the_model(tmp_path, monkeypatch):
+    # The service's default DRAM policy (read replicas), not the tests' table2: replicas made
+    # and dropped are where the model and the service could part.
+    monkeypatch.setenv("FLATCAKE_DRAM_POLICY", "replica")
     trace = tmp_path / "trace.jsonl"
     conversation_trace(trace)
     out = tmp_path / "out"
     argv = ["replay", str(trace), "--live", "--out", str(out), "--no-progress"]
     argv += ["--time-scale", "0.25"]  # turns 1 s apart, requests 37 ms apart
-    # 4 MiB of DRAM a node holds 256 pages of 16 KiB: DRAM is reclaimed and replicas dropped;
-    # SSD (16 MiB) has room, so the coordinator keeps every session on its client's node.
-    argv += ["--dram-bytes", "4MiB", "--ssd-bytes", "16MiB", "--root", str(tmp_path / "nodes")]
+    # 4 MiB of DRAM a node holds 64 pages of 64 KiB: replicas are dropped, so SSD is read;
+    # SSD (32 MiB) has room, so the coordinator keeps every session on its client's node.
+    argv += ["--page-bytes", "16KiB", "--dram-bytes", "4MiB", "--ssd-bytes", "32MiB"]
+    argv += ["--root", str(tmp_path / "nodes")]
     assert main(argv) == 0  # 0: every restored page read back as written
     result = json.loads((out / "live.json").read_text())
     rows = {row["metric"]: row for row in result["rows"]}
@@ -48,5 +52,7 @@ def test_live_replay_counts_agree_with_the_model(tmp_path):
     assert rows["SSD read commands"]["measured"] > 0
     assert result["remote_hit_pages"] == 0 and result["failures"] == 0
     assert result["model_counters"]["ssd_read_commands_restore"] > 0
+    nodes = [stats["node"] for stats in result["node_stats"].values()]
+    assert sum(node["replica_scopes_dropped"] for node in nodes) > 0
     assert {p.name for p in out.glob("*.png")} == {"restore_time_cdf.png", "hits_by_medium.png"}
     assert (out / "live.md").read_text().startswith("| metric |")
