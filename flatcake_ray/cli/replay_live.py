@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -79,16 +78,10 @@ def run_live(args: argparse.Namespace, pages: Any, arrivals: np.ndarray) -> dict
     """Replay against the service; returns per-request records and each node's store config."""
     import ray
 
-    from flatcake_ray.cli.benchkit import remove_arenas, start_local_cluster
-    from flatcake_ray.client import deploy as service
+    from flatcake_ray.cli.benchkit import running_service
 
     config = service_config(args)
-    cluster = None if args.address else start_local_cluster(args.nodes, RESOURCE)
-    address = args.address if cluster is None else cluster.address
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        targets = service.service_nodes(None if args.address else RESOURCE)[: args.nodes]
-        service.start(config, nodes=targets)
+    with running_service(config, args.address, args.nodes, RESOURCE, args.root) as targets:
         node_of = nodes_by_session(pages.sessions, len(targets))
         nodes = _node_actors(targets, pages)
         wheres = ray.get([node.where.remote() for node in nodes])
@@ -96,13 +89,6 @@ def run_live(args: argparse.Namespace, pages: Any, arrivals: np.ndarray) -> dict
         found = ray.get([node.stats.remote() for node in nodes])
         stats = {w["node_id"]: s for w, s in zip(wheres, found, strict=True)}
         calibration = ray.get([n.calibrate.remote() for n in nodes]) if args.measure else []
-    finally:
-        service.stop(NAMESPACE)
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(args.root, ignore_errors=True)
-        remove_arenas(args.root)
     stores = {slot: w["store"] for slot, w in enumerate(wheres)}
     return {
         "records": records,
