@@ -197,26 +197,14 @@ def ray_service(shape: Shape, root: Path) -> Iterator[str]:
     import ray
 
     from flatcake_ray.client import deploy
-    from flatcake_ray.config import ServiceConfig
-    from tests.e2e.conftest import _start_head
+    from tests.e2e.conftest import _start_head, service_config
 
     temp = Path(tempfile.mkdtemp(prefix="fcb-", dir="/tmp"))
     head = {"num_cpus": 2, "include_dashboard": False, "temp_dir": str(temp / "h")}
     cluster = _start_head(head)
     try:
         ray.init(address=cluster.address, namespace=RAY_NAMESPACE, log_to_driver=False)
-        config = ServiceConfig(
-            namespace=RAY_NAMESPACE,
-            root=str(root / "{node}"),
-            layers=shape.layers,
-            page_bytes=shape.page_bytes(BLOCK),
-            dram_bytes=256 << 20,
-            ssd_file_bytes=256 << 20,
-            ssd_files_per_dir=2,
-            fsync=False,
-            ship_bytes=4 << 20,
-            ramp_seconds=0.0,
-        )
+        config = service_config(root, RAY_NAMESPACE, shape, store_bytes=256 << 20)
         deploy.start(config, address=cluster.address)
         try:
             yield cluster.address
