@@ -12,6 +12,19 @@ from tests.e2e.engines import BLOCK
 from tests.e2e.tiny_model import Shape
 
 TARGET_RATIO = 1.3  # a DRAM hit's TTFT against the engine's own prefix-cache hit
+WHY_ASYNC_WAS_SLOW = (
+    "Before issue 22's fix an asynchronous load of a DRAM hit cost 0.2-0.5 s (8-layer model: "
+    "0.56 s against 0.022 s for the own prefix-cache hit). Two causes, both "
+    "removed: (1) while a request waits for its KV and nothing else runs, vLLM steps again "
+    "at once, and that busy loop held the GIL the loader threads need between their copies "
+    "(35-991 empty engine steps per load, the load stretched from a few ms to up to 0.2 s); "
+    "after a step that scheduled no tokens the worker now blocks on its loads "
+    "(`idle_wait_s`, default 10 ms, woken when one is done): one idle step per load, pinned "
+    "by count in `tests/e2e/test_vllm_load_steps.py`. (2) `load_async: auto` loaded a first "
+    "turn homed on SSD but read from its DRAM read replica (the default `dram_policy: "
+    "replica`) asynchronously, as an SSD hit; the probe now reports where the read goes, so "
+    "`auto` loads every DRAM read inside the step, as a production cache would."
+)
 
 
 def summarize(results: dict[str, list]) -> dict[str, dict]:
@@ -136,6 +149,8 @@ def write_markdown(path: str, run: dict, prompts: Any, repeats: int, command: st
         f"{TARGET_RATIO}x the own prefix-cache hit; an SSD hit <= that plus the prefix's "
         "bytes at the O_DIRECT read rate measured beside the run (last rows). Every hit "
         "reported the whole prefix as cached tokens and the same first token in every mode.",
+        "",
+        WHY_ASYNC_WAS_SLOW,
         "",
         "| second request's prefix | " + " | ".join(configs) + " |",
         "|---|" + "---:|" * len(configs),
