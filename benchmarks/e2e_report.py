@@ -167,7 +167,7 @@ def write_markdown(path: str, run: dict, prompts: Any, repeats: int, command: st
         lines.append(f"| {label(name)} | " + " | ".join(cells) + " |")
     for kind in ("dram", "ssd"):
         cells = [f"{run['limits'][c][kind]:.1f}" for c in configs]
-        lines.append(f"| target for a {kind.upper()} hit (ms) | " + " | ".join(cells) + " |")
+        lines.append(f"| target, {kind.upper()} hit (ms) | " + " | ".join(cells) + " |")
     lines.append("")
     replace_section(path, "## End to end: TTFT", "\n".join(lines))
 
