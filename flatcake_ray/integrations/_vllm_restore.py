@@ -56,6 +56,11 @@ class PipelinedRestore:
         self.restored = self.handle.wait_for_layer(layer, self._timeout)
         self.waited.append(layer)
 
+    def finish(self) -> None:
+        """Wait for the whole restore to end: every layer in place, the lease released and
+        the reads counted (the last layer can be in place a moment before that)."""
+        self.restored = self.handle.wait(self._timeout)
+
 
 @dataclass(frozen=True)
 class RestoreSettings:

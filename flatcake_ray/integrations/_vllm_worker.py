@@ -158,7 +158,11 @@ class WorkerSide:
             self._failed_blocks.update(missing)
 
     def _load_all(self, spec: LoadSpec) -> list[int]:
+        """An async load is reported done once its restore has ended, not just once its last
+        layer is in place: vLLM may go on at once (the idle-step wait wakes it), and what the
+        store counted for the load must be counted by then."""
         pending = self._begin_load(spec)
+        pending.restore.finish()
         for layer in sorted(pending.layers_left):
             self._place_layer(pending, layer)
         return list(spec.block_ids[: pending.restore.restored])
