@@ -65,11 +65,12 @@ class Tenancy:
             known = None
         if known is None:
             config = dataclasses.replace(self.config, layers=layers, page_bytes=page_bytes)
-            known = Catalog(config, space=self.space, ids=self.ids, tenant=name)
-            known.on_free = self._on_free
+            known = Catalog(
+                config, space=self.space, ids=self.ids, tenant=name, on_free=self._on_free
+            )
             self._catalogs[name] = known
         if quota is not None:
-            known.quota = dict(quota)
+            known.set_quota(quota)
         return known
 
     def set_tenant(self, tenant: Tenant) -> Catalog:
