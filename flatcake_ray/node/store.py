@@ -86,7 +86,7 @@ class FlatCakeStore:
         self._closed = False
         self._pipelines: dict[tuple[str, torch.device], RestorePipeline] = {}
         self._sources: dict[str, NodeSource] = {}
-        self.puts = PutTable(config.put_ttl_s)
+        self.puts: PutTable[PutHandle] = PutTable(config.put_ttl_s)
         with ExitStack() as undo:  # a failed open leaves no fd, arena or lock behind
             self._lock_fd = lock_root(Path(config.root))
             undo.callback(os.close, self._lock_fd)
