@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flatcake_ray.cuda_ext import _library, build, scatter
+from flatcake_ray.cuda_ext import _dispatch, _library, build, scatter
 from flatcake_ray.cuda_ext.scatter import (
     LAYER_FIRST,
     LAYOUTS,
@@ -166,11 +166,11 @@ def test_kernel_offsets_form_matches_reference(kernel) -> None:
 @requires_gpu
 def test_cuda_without_kernel_uses_torch_and_logs_once(monkeypatch, caplog) -> None:
     monkeypatch.setattr(_library, "load", lambda: _library.LoadResult(None, "not built (test)"))
-    monkeypatch.setattr(scatter, "_fallback_logged", False)
+    monkeypatch.setattr(_dispatch, "_fallback_logged", False)
     case = LayerCase(LAYER_FIRST, torch.float16, 2, 8, (32,), 1, [3, 6], 1, False)
     pool, staging = case.make("cuda")
     expected = oracle_layer(pool, staging, case.slot_ids, case.layer, case.layout)
-    with caplog.at_level(logging.WARNING, logger=scatter.__name__):
+    with caplog.at_level(logging.WARNING, logger=_dispatch.__name__):
         scatter_layer(staging, pool, case.slot_ids, case.layer, case.layout)
         scatter_layer(staging, pool, case.slot_ids, case.layer, case.layout)
     torch.cuda.synchronize()
