@@ -44,6 +44,8 @@ def deployment(ray_service):
 
 
 def test_cli_start_is_idempotent_and_status_prints_the_table(deployment, capsys):
+    for node_id, writer in deployment["by_node_id"].items():  # pages on every node to report
+        ray.get(writer.put.remote(f"status-{node_id}", 2, node_id, DRAM))
     import argparse
     import json
 
