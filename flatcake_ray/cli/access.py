@@ -55,13 +55,46 @@ def add_connection_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> None:
-    from flatcake_ray.cli.connect import connect
+def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> bool:
+    """Connect to the cluster the flags, ``RAY_ADDRESS`` or this machine name; with
+    ``may_start`` and none running, start a local one first. True when it started one."""
+    from flatcake_ray.cli import local_ray
+    from flatcake_ray.cli.connect import AUTH_MODE, connect, set_auth_mode
 
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if address is None and may_start and not _ray_running(args.connect_timeout):
-        _start_local_ray(args.local_cpus)
-    connect(address, namespace, args.connect_timeout)
+    started = False
+    local = local_ray.recorded() if address is None else None
+    if local is not None and local_ray.session_alive(local.session_dir):
+        local_ray.use_loopback()
+        address = local.address
+        if AUTH_MODE not in os.environ:
+            set_auth_mode(local.auth_mode)
+    elif address is None and may_start and not _ray_running(args.connect_timeout):
+        local_ray.use_loopback()
+        address = local_ray.start(args.local_cpus).address
+        started = True
+    try:
+        connect(address, namespace, args.connect_timeout)
+    except BaseException:
+        if started:
+            stop_local_ray()
+        raise
+    return started
+
+
+def stop_local_ray() -> None:
+    import ray
+
+    from flatcake_ray.cli import local_ray
+
+    ray.shutdown()
+    local = local_ray.recorded()
+    if local is None:
+        raise ServiceError(
+            "no local Ray started by `flatcake-ray start` is recorded on this machine "
+            f"({local_ray.state_file()}); stop a Ray you started yourself with `ray stop`"
+        )
+    local_ray.stop(local)
 
 
 def _ray_running(timeout_s: float) -> bool:
@@ -76,9 +109,3 @@ def _ray_running(timeout_s: float) -> bool:
     except subprocess.TimeoutExpired:
         raise ServiceError(f"`ray status` did not answer within {timeout_s:g} s") from None
     return result.returncode == 0
-
-
-def _start_local_ray(cpus: int) -> None:
-    command = [ray_binary(), "start", "--head", f"--num-cpus={cpus}"]
-    command += ["--include-dashboard=false", "--disable-usage-stats"]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)

@@ -7,7 +7,8 @@ and SSD folders come from a JSON or TOML config file (``--config``), then flags,
 node's ``FLATCAKE_*`` variables. Connecting gives up after ``--connect-timeout`` seconds
 (15 by default) when no cluster answers. ``start`` against a running service with another
 geometry (layers, page_bytes) is an error. ``stop`` shuts the storage nodes (SSD scopes
-stay on disk) and the coordinator down; ``--ray`` also stops the local Ray it runs on.
+stay on disk) and the coordinator down; ``--ray`` also stops the local Ray that ``start``
+started (that one only: other Ray clusters on the machine keep running).
 ``drain NODE`` stops placing new scopes on a storage node before it is removed (``undrain``
 reverses it).
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from typing import Any
 
 from flatcake_ray.cli.access import (
@@ -25,8 +25,8 @@ from flatcake_ray.cli.access import (
     namespace_of,
     operator_secret,
     positive_seconds,
+    stop_local_ray,
 )
-from flatcake_ray.cli.connect import ray_binary
 from flatcake_ray.cli.tenant import add_tenant_commands
 from flatcake_ray.config import ServiceConfig, Source, build_config
 from flatcake_ray.config_sources import load_file
@@ -103,7 +103,9 @@ def _add_status_stop(subparsers: Any) -> None:
     status.set_defaults(handler=cmd_status)
     stop = subparsers.add_parser("stop", help="stop the storage nodes and the coordinator")
     add_connection_flags(stop)
-    stop.add_argument("--ray", action="store_true", help="then `ray stop` on this machine")
+    stop.add_argument(
+        "--ray", action="store_true", help="then stop the local Ray that `start` started"
+    )
     stop.set_defaults(handler=cmd_stop)
 
 
@@ -169,8 +171,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import start
 
     config = config_from_args(args)
-    connect_cli(args, config.namespace, may_start=True)
-    _print_status(start(config, resource=args.resource), args.json)
+    started_ray = connect_cli(args, config.namespace, may_start=True)
+    try:
+        info = start(config, resource=args.resource)
+    except BaseException:
+        if started_ray:  # a failed start leaves nothing running that it started
+            stop_local_ray()
+        raise
+    _print_status(info, args.json)
     return 0
 
 
@@ -188,16 +196,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    connect_cli(args, namespace_of(args))  # first: it may set what Ray reads on import
     import ray
 
     from flatcake_ray.client.deploy import stop
 
-    connect_cli(args, namespace_of(args))
     stopped = stop(namespace_of(args), operator_secret(args))
     print(f"stopped {stopped} actors in namespace {namespace_of(args)!r}")
     ray.shutdown()
     if args.ray:
-        subprocess.run([ray_binary(), "stop"], check=False, timeout=120)
+        stop_local_ray()
+        print("stopped the local Ray that `flatcake-ray start` started")
     return 0
 
 
