@@ -25,8 +25,8 @@ from flatcake_ray.config_sources import (
     normalise,
     parse_size,
 )
-from flatcake_ray.core.gva import MAX_NODE_ID, MAX_OFFSET
 from flatcake_ray.errors import ConfigError, GeometryMismatchError
+from flatcake_ray.gva_bits import MAX_NODE_ID, MAX_OFFSET
 
 __all__ = [
     "ALIGN",

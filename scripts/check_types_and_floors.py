@@ -1,4 +1,5 @@
-"""Lint step: the floors' import contracts (import-linter) and the type check (mypy).
+"""Lint step: the import contracts (import-linter: floors one way, no import cycles, a pure
+core) and the type check (mypy).
 
 Both tools find modules by walking folders, but ``flatcake_ray.actors``, ``.transports`` and
 ``.cuda_ext`` live in top-level folders mapped into the package by setuptools

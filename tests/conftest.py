@@ -77,6 +77,23 @@ def make_store(tmp_path):
         store.close()
 
 
+@pytest.fixture
+def pipelines():
+    """``pipelines(store, **options)``: a restore pipeline over ``store``'s source, closed at
+    the test's end."""
+    from flatcake_ray.restore import RestorePipeline
+
+    made: list[RestorePipeline] = []
+
+    def build(store, **options):
+        made.append(RestorePipeline(store.source, **options))
+        return made[-1]
+
+    yield build
+    for pipeline in made:
+        pipeline.close()
+
+
 def random_kv(pages: int, seed: int = 0, layers: int = LAYERS, page_bytes: int = PAGE_BYTES):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, size=(layers, pages, page_bytes), dtype=np.uint8)

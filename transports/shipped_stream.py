@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,8 +27,25 @@ from flatcake_ray.errors import (
 )
 from flatcake_ray.transports.base import ReadBatch, ReadStream, TransferStats
 
-if TYPE_CHECKING:
-    from flatcake_ray.transports.remote_ssd import ShippedSsdTransport
+
+class ShipOwner(Protocol):
+    """What a stream asks of the transport that opened it
+    (:class:`~flatcake_ray.transports.remote_ssd.ShippedSsdTransport`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def timeout_s(self) -> float: ...
+
+    def windows(self, reads: ReadBatch) -> list[ReadBatch]: ...
+
+    def call(self, method: str, *args: Any) -> Any: ...
+
+    def fetch(self, window: ReadBatch, dst: np.ndarray, region: int) -> TransferStats: ...
+
+    def unship(self, region_id: int) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +65,7 @@ class ShipStream(ReadStream):
     """See the module docstring; made by :meth:`ShippedSsdTransport.open_stream`."""
 
     def __init__(
-        self, transport: ShippedSsdTransport, batches: list[ReadBatch], lock: threading.Lock
+        self, transport: ShipOwner, batches: list[ReadBatch], lock: threading.Lock
     ) -> None:
         self._transport = transport
         self._lock = lock  # the caller's lock of this transport: held around each fetch

@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import subprocess
 from typing import Any
 
-from flatcake_ray.cli.connect import DEFAULT_CONNECT_TIMEOUT_S, ray_binary
-from flatcake_ray.config import ServiceConfig, Source, build_config, secret_path
+from flatcake_ray.cli.access import (
+    add_connection_flags,
+    connect_cli,
+    namespace_of,
+    operator_secret,
+    positive_seconds,
+    stop_local_ray,
+)
+from flatcake_ray.cli.tenant import add_tenant_commands
+from flatcake_ray.config import ServiceConfig, Source, build_config
 from flatcake_ray.config_sources import load_file
-from flatcake_ray.errors import ServiceError, UnknownNodeError
+from flatcake_ray.errors import UnknownNodeError
 
 _SIZE_FLAGS = {
     "dram_bytes": "DRAM arena per node (e.g. 8GiB)",
@@ -42,7 +47,6 @@ _CONFIG_FLAGS: tuple[str, ...] = (
     "ssd_files_per_dir",
 )
 _CONFIG_FLAGS += ("secret_file", "open_default")
-DEFAULT_NAMESPACE = "flatcake"
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -60,48 +64,9 @@ def config_from_args(args: argparse.Namespace) -> ServiceConfig:
     return build_config(ServiceConfig, *sources)
 
 
-def namespace_of(args: argparse.Namespace) -> str:
-    return args.namespace or DEFAULT_NAMESPACE
-
-
-def operator_secret(args: argparse.Namespace) -> str:
-    """The service secret an operator command presents (``--secret-file``, else the
-    machine's own for the namespace)."""
-    from flatcake_ray.actors.auth import read_secret
-
-    return read_secret(secret_path(namespace_of(args), args.secret_file or ""))
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS or auto)")
-    parser.add_argument("--namespace", help=f"the service's Ray namespace ({DEFAULT_NAMESPACE})")
-    parser.add_argument(
-        "--connect-timeout",
-        type=_seconds,
-        default=DEFAULT_CONNECT_TIMEOUT_S,
-        help="give up connecting to the Ray cluster after this many seconds",
-    )
-    parser.add_argument(
-        "--secret-file",
-        dest="secret_file",
-        help="the service secret (default: FLATCAKE_SECRET_FILE, else "
-        "~/.flatcake/{namespace}.secret, made by the first start)",
-    )
-
-
 def _add_start(subparsers: Any) -> None:
     start = subparsers.add_parser("start", help="deploy the coordinator and storage nodes")
-    _add_connection_flags(start)
+    add_connection_flags(start)
     start.add_argument("--config", help="JSON or TOML file of ServiceConfig fields")
     start.add_argument("--root", help="per-node folder; {node} becomes the Ray node id")
     start.add_argument("--layers", help="model layers (the geometry every node shares)")
@@ -127,17 +92,17 @@ def _add_status_stop(subparsers: Any) -> None:
     status = subparsers.add_parser(
         "status", help="nodes, capacity and use; hit rates, latency, quarantines per tenant"
     )
-    _add_connection_flags(status)
+    add_connection_flags(status)
     status.add_argument("--json", action="store_true")
     status.add_argument(
         "--metrics-timeout",
-        type=_seconds,
+        type=positive_seconds,
         default=3.0,
         help="seconds to wait for each Ray node's metrics endpoint",
     )
     status.set_defaults(handler=cmd_status)
     stop = subparsers.add_parser("stop", help="stop the storage nodes and the coordinator")
-    _add_connection_flags(stop)
+    add_connection_flags(stop)
     stop.add_argument(
         "--ray", action="store_true", help="then stop the local Ray that `start` started"
     )
@@ -151,7 +116,7 @@ def _add_drain(subparsers: Any) -> None:
     undrain = subparsers.add_parser("undrain", help="place scopes on a drained node again")
     for parser, handler in ((drain, cmd_drain), (undrain, cmd_undrain)):
         parser.add_argument("node", type=int, help="the NodeID (`flatcake-ray status`)")
-        _add_connection_flags(parser)
+        add_connection_flags(parser)
         parser.set_defaults(handler=handler)
 
 
@@ -180,70 +145,14 @@ def _add_bench(subparsers: Any) -> None:
 def add_service_commands(subparsers: Any) -> None:
     """Register ``start``, ``status``, ``stop``, ``drain``, ``undrain``, ``tenant`` and
     ``bench restore``."""
-    from flatcake_ray.cli.tenant import add_tenant_commands
-
     _add_start(subparsers)
-    add_tenant_commands(subparsers, _add_connection_flags)
+    add_tenant_commands(subparsers)
     _add_status_stop(subparsers)
     _add_drain(subparsers)
     _add_bench(subparsers)
 
 
 # ---- handlers --------------------------------------------------------------------------------
-def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> bool:
-    """Connect to the cluster the flags, ``RAY_ADDRESS`` or this machine name; with
-    ``may_start`` and none running, start a local one first. True when it started one."""
-    from flatcake_ray.cli import local_ray
-    from flatcake_ray.cli.connect import AUTH_MODE, connect, set_auth_mode
-
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    started = False
-    local = local_ray.recorded() if address is None else None
-    if local is not None and local_ray.session_alive(local.session_dir):
-        local_ray.use_loopback()
-        address = local.address
-        if AUTH_MODE not in os.environ:
-            set_auth_mode(local.auth_mode)
-    elif address is None and may_start and not _ray_running(args.connect_timeout):
-        local_ray.use_loopback()
-        address = local_ray.start(args.local_cpus).address
-        started = True
-    try:
-        connect(address, namespace, args.connect_timeout)
-    except BaseException:
-        if started:
-            _stop_local_ray()
-        raise
-    return started
-
-
-def _stop_local_ray() -> None:
-    import ray
-
-    from flatcake_ray.cli import local_ray
-
-    ray.shutdown()
-    local = local_ray.recorded()
-    if local is None:
-        raise ServiceError(
-            "no local Ray started by `flatcake-ray start` is recorded on this machine "
-            f"({local_ray.state_file()}); stop a Ray you started yourself with `ray stop`"
-        )
-    local_ray.stop(local)
-
-
-def _ray_running(timeout_s: float) -> bool:
-    try:
-        result = subprocess.run(
-            [ray_binary(), "status"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        raise ServiceError(f"`ray status` did not answer within {timeout_s:g} s") from None
-    return result.returncode == 0
 
 
 def _print_status(info: dict[str, Any], as_json: bool) -> None:
@@ -267,7 +176,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         info = start(config, resource=args.resource)
     except BaseException:
         if started_ray:  # a failed start leaves nothing running that it started
-            _stop_local_ray()
+            stop_local_ray()
         raise
     _print_status(info, args.json)
     return 0
@@ -296,7 +205,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     print(f"stopped {stopped} actors in namespace {namespace_of(args)!r}")
     ray.shutdown()
     if args.ray:
-        _stop_local_ray()
+        stop_local_ray()
         print("stopped the local Ray that `flatcake-ray start` started")
     return 0
 

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
+from flatcake_ray.cli.access import (
+    add_connection_flags,
+    connect_cli,
+    namespace_of,
+    operator_secret,
+)
 from flatcake_ray.config_sources import parse_size
 from flatcake_ray.errors import ConfigError
 
@@ -37,9 +42,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_tenant_commands(
-    subparsers: Any, add_connection_flags: Callable[[argparse.ArgumentParser], None]
-) -> None:
+def add_tenant_commands(subparsers: Any) -> None:
     tenant = subparsers.add_parser("tenant", help="add, list, change or remove tenants")
     commands = tenant.add_subparsers(dest="tenant_command", required=True)
     add = commands.add_parser("add", help="create a tenant; prints its secret once")
@@ -64,11 +67,9 @@ def add_tenant_commands(
 
 
 def _connected(args: argparse.Namespace) -> tuple[str, str]:
-    from flatcake_ray.cli import service
-
-    namespace = service.namespace_of(args)
-    service.connect_cli(args, namespace)
-    return namespace, service.operator_secret(args)
+    namespace = namespace_of(args)
+    connect_cli(args, namespace)
+    return namespace, operator_secret(args)
 
 
 def cmd_add(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
-from flatcake_ray.core.put_checks import SessionId
+from flatcake_ray.core.records import SessionId
 
 Keys = Sequence[KeyLike | PageKey]
 

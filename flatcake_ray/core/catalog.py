@@ -13,21 +13,24 @@ replica) and releases it; reclamation frees only unreferenced scopes, oldest fir
 DRAM reclamation drops replica scopes (no write-back: the SSD copy stays) before any home
 scope.
 
-The catalog's parts, one mixin each over the same state: ``allocation.py`` (a session's
-scope, room in its run, quotas), ``reclamation.py`` (how full, who goes first, freeing and
-quarantine), ``replicas.py`` (DRAM read replicas); lookups, the put's plan, publish, abort
-and recovery are here.
+The catalog holds its parts, each an object with its own state that is handed the tables it
+works on: :class:`~flatcake_ray.core.scopes.ScopeTable` (scopes and their age orders),
+:class:`~flatcake_ray.core.usage.MediaUse` (bytes used against quota or medium),
+:class:`~flatcake_ray.core.allocation.Allocation` (a session's scope, room in its run,
+quotas), :class:`~flatcake_ray.core.reclamation.Reclamation` (who goes first, freeing and
+quarantine) and :class:`~flatcake_ray.core.replicas.Replicas` (DRAM read replicas). The
+catalog itself owns the index, sessions, segments and leases: lookups, the put's plan,
+publish, abort and recovery are here.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.core.allocation import AllocationMixin
+from flatcake_ray.core.allocation import Allocation
 from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import PageIndex, pack_location, unpack_location
@@ -38,14 +41,22 @@ from flatcake_ray.core.placement import (
     PlacementPolicy,
     PlacementRule,
 )
-from flatcake_ray.core.put_checks import (
+from flatcake_ray.core.put_checks import check_segment_pages, check_session_id, put_refusal
+from flatcake_ray.core.reclamation import Reclamation
+from flatcake_ray.core.records import (
+    Ids,
+    Lease,
+    PutHints,
+    PutPlan,
+    Scope,
+    Segment,
+    Session,
     SessionId,
-    check_segment_pages,
-    check_session_id,
-    put_refusal,
 )
-from flatcake_ray.core.records import Ids, Lease, PutHints, PutPlan, Scope, Segment, Session
+from flatcake_ray.core.replicas import Replicas
+from flatcake_ray.core.scopes import ScopeTable
 from flatcake_ray.core.tenants import DEFAULT_TENANT
+from flatcake_ray.core.usage import MediaUse
 from flatcake_ray.errors import QuotaExceededError
 
 __all__ = [
@@ -70,11 +81,12 @@ def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
     }
 
 
-class Catalog(AllocationMixin):
+class Catalog:
     """One tenant's pages on a store's media. ``space`` and ``ids`` are shared by the catalogs
     of one store (one per tenant); ``quota`` bounds the bytes this tenant's scopes reserve per
-    medium. A catalog reclaims only its own scopes: a tenant over its quota, or a medium
-    above its high watermark, frees this tenant's oldest unreferenced scopes, never another's.
+    medium; ``on_free`` hears of every home scope freed (the store logs SSD frees). A catalog
+    reclaims only its own scopes: a tenant over its quota, or a medium above its high
+    watermark, frees this tenant's oldest unreferenced scopes, never another's.
     """
 
     def __init__(
@@ -86,38 +98,69 @@ class Catalog(AllocationMixin):
         ids: Ids | None = None,
         quota: dict[Medium, int | None] | None = None,
         tenant: str = DEFAULT_TENANT,
+        on_free: Callable[[Scope], None] | None = None,
     ) -> None:
         self.config = config
         self.tenant = tenant
         self.policy: PlacementRule = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
-        self.space = space if space is not None else media_spaces(config)
-        self.quota: dict[Medium, int | None] = quota or dict.fromkeys(Medium)
-        # Bytes this tenant's segments fill, per medium (a scope's run may reserve more, as
-        # room to grow contiguously; that slack is not the tenant's use and is not counted).
-        self.used = dict.fromkeys(Medium, 0)
         self.segments: dict[int, Segment] = {}
-        self.scopes: dict[int, Scope] = {}
         self.sessions: dict[SessionId, Session] = {}
-        self._age: dict[Medium, OrderedDict[int, None]] = {m: OrderedDict() for m in Medium}
-        self._replica_age: OrderedDict[int, None] = OrderedDict()
-        self._ids = ids if ids is not None else Ids()
         self.leases: dict[int, Lease] = {}
-        self.counters = dict.fromkeys(
-            (
-                "reclaimed_scopes",
-                "reclaimed_bytes",
-                "quarantined_scopes",
-                "forks",
-                "replicas_written",
-                "replicas_refused",
-                "replica_scopes_dropped",
-                "replica_bytes_dropped",
-            ),
-            0,
-        )
         self.rule_counts: dict[str, int] = {}
-        self.on_free: Callable[[Scope], None] | None = None  # the store logs SSD frees
+        self._forks = 0
+        self._ids = ids if ids is not None else Ids()
+        self.use = MediaUse(space if space is not None else media_spaces(config), quota)
+        self.scope_table = ScopeTable(self.sessions)
+        self.replicas = Replicas(
+            config, self.use.space[Medium.DRAM], self.scope_table, self.segments, self._ids
+        )
+        self.reclamation = Reclamation(
+            self.use, self.scope_table, self.segments, self.index, self.replicas, on_free
+        )
+        self.allocation = Allocation(
+            config, self.use, self.scope_table, self.reclamation, self._ids
+        )
+
+    # ---- what the parts hold, as the store and the replay model read it ------------------
+    @property
+    def scopes(self) -> dict[int, Scope]:
+        return self.scope_table.by_id
+
+    @property
+    def space(self) -> dict[Medium, MediumSpace]:
+        return self.use.space
+
+    @property
+    def used(self) -> dict[Medium, int]:
+        return self.use.used
+
+    @property
+    def quota(self) -> dict[Medium, int | None]:
+        return self.use.quota
+
+    def set_quota(self, quota: dict[Medium, int | None]) -> None:
+        self.use.quota = dict(quota)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {
+            **self.reclamation.counters,
+            "forks": self._forks,
+            **self.replicas.counters,
+        }
+
+    def reclaim(self, medium: Medium, target: float) -> list[Scope]:
+        """See :meth:`Reclamation.reclaim`."""
+        return self.reclamation.reclaim(medium, target)
+
+    def free_scope(self, scope: Scope) -> int:
+        """See :meth:`Reclamation.free_scope`."""
+        return self.reclamation.free_scope(scope)
+
+    def quarantine(self, scope_id: int) -> None:
+        """See :meth:`Reclamation.quarantine`."""
+        self.reclamation.quarantine(scope_id)
 
     # ---- lookups -------------------------------------------------------------------------
     def prefix(self, digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,7 +189,7 @@ class Catalog(AllocationMixin):
             segments[segment_id] = view
             scope_ids.update((segment.scope_id, view.scope_id))  # both pinned while read
         for scope_id in sorted(scope_ids):
-            self._touch(self.scopes[scope_id], +1)
+            self.scope_table.touch(self.scopes[scope_id], +1)
         pinned = tuple(sorted(scope_ids))
         lease = Lease(next(self._ids), segment_ids, pages, pinned, segments, self.tenant)
         self.leases[lease.lease_id] = lease
@@ -193,7 +236,7 @@ class Catalog(AllocationMixin):
         if reply is None:
             reply = self.policy.infer_prior_reply(turn, appended_tokens)
         if refcount > 1:
-            self.counters["forks"] += 1
+            self._forks += 1
         # The inferred refcount belongs to the stored page this put forks from, not to the
         # new pages: using it for them sent nearly every Mooncake conversation (all fork off
         # the system prompt) to DRAM as "shared" and cost 5.5 points of hit rate in the
@@ -202,17 +245,18 @@ class Catalog(AllocationMixin):
         # shared rule.
         inputs = PlacementInputs(hints.prefix_refcount or 1, turn, reply, context)
         layout = self.layout_for(len(new_positions))
-        placement = self.policy.decide(inputs, dram_headroom=self._dram_headroom(layout.nbytes))
+        headroom = self.allocation.dram_headroom(layout.nbytes)
+        placement = self.policy.decide(inputs, dram_headroom=headroom)
         ahead = turn > 1
-        scope, offset = self._allocate(session, placement.medium, layout.nbytes, ahead)
+        scope, offset = self.allocation.allocate(session, placement.medium, layout.nbytes, ahead)
         rule = placement.rule
         tried = [placement.medium]
         if scope is None and placement.medium is Medium.DRAM:
             rule = "spill"
-            scope, offset = self._allocate(session, Medium.SSD, layout.nbytes, ahead)
+            scope, offset = self.allocation.allocate(session, Medium.SSD, layout.nbytes, ahead)
             tried.append(Medium.SSD)
         if scope is None:
-            over = [m for m in tried if not self._within_quota(m, layout.nbytes)]
+            over = [m for m in tried if not self.use.within_quota(m, layout.nbytes)]
             if over:
                 raise QuotaExceededError(
                     f"tenant {self.tenant}: a put of {layout.nbytes} bytes does not fit its "
@@ -226,7 +270,7 @@ class Catalog(AllocationMixin):
         )
         replica = None
         if self.policy.replicate(Placement(scope.medium, rule)):
-            replica = self._plan_replica(scope, segment)
+            replica = self.replicas.plan(scope, segment)
         return PutPlan(
             segment, new_positions, session.session_id, rule, turn, parent_segment, replica
         )
@@ -239,9 +283,9 @@ class Catalog(AllocationMixin):
         hits from SSD where a tiered DRAM, touched on every write-through, had none)."""
         for segment_id in np.unique(unpack_location(values)[0]).tolist():
             segment = self.segments[segment_id]
-            self._touch(self.scopes[segment.scope_id], 0)
+            self.scope_table.touch(self.scopes[segment.scope_id], 0)
             if segment.replica is not None:
-                self._touch(self.scopes[segment.replica.scope_id], 0)
+                self.scope_table.touch(self.scopes[segment.replica.scope_id], 0)
 
     def layout_for(self, pages: int) -> SegmentLayout:
         config = self.config
@@ -298,12 +342,12 @@ class Catalog(AllocationMixin):
         inserted = self.index.insert(segment.digests, values)
         scope.pages += int(inserted.sum())
         if plan.replica is not None:
-            self._publish_replica(plan.replica, segment)
+            self.replicas.publish(plan.replica, segment)
         session = self.sessions[plan.session_id]
         session.turns = max(session.turns, plan.turn)
         session.context_pages += segment.layout.pages
         self.rule_counts[plan.rule] = self.rule_counts.get(plan.rule, 0) + 1
-        self._touch(scope, 0)
+        self.scope_table.touch(scope, 0)
         return inserted
 
     def abort(self, plan: PutPlan) -> None:
@@ -312,8 +356,8 @@ class Catalog(AllocationMixin):
             parent = self.segments[plan.parent_segment]
             parent.continuations = max(0, parent.continuations - 1)
         if plan.replica is not None:
-            self._give_back(plan.replica)
-        self._give_back(plan.segment)
+            self.allocation.give_back(plan.replica)
+        self.allocation.give_back(plan.segment)
 
     # ---- recovery ------------------------------------------------------------------------
     def adopt_scope(
@@ -325,8 +369,7 @@ class Catalog(AllocationMixin):
         for _allocator, start, length, used in runs:
             space.reserve(scope.runs, start, length, used)
         self.used[Medium.SSD] += scope.runs.used_bytes
-        self.scopes[scope_id] = scope
-        self._age[Medium.SSD][scope_id] = None
+        self.scope_table.add(scope)
         session = self.sessions.setdefault(session_id, Session(session_id))
         session.scopes[Medium.SSD] = scope_id
         for segment in segments:
@@ -339,7 +382,7 @@ class Catalog(AllocationMixin):
             session.turns += 1
             session.context_pages += segment.layout.pages
         if not segments:  # a quarantined scope: space held, nothing readable
-            self._drop_scope(scope)
+            self.scope_table.drop(scope)
 
     def skip_ids_below(self, floor: int) -> None:
         self._ids.skip_below(floor)

@@ -13,15 +13,13 @@ from typing import NamedTuple
 import numpy as np
 
 from flatcake_ray.errors import GVAError
-
-MEDIA_SHIFT = 60
-NODE_SHIFT = 48
-MEDIA_BITS = 4
-NODE_BITS = 12
-OFFSET_BITS = 48
-MAX_NODE_ID = (1 << NODE_BITS) - 1
-MAX_OFFSET = (1 << OFFSET_BITS) - 1
-SSD_FLOOR = 1 << MEDIA_SHIFT  # smallest SSD GVA
+from flatcake_ray.gva_bits import (
+    MAX_NODE_ID,
+    MAX_OFFSET,
+    MEDIA_SHIFT,
+    NODE_SHIFT,
+    SSD_FLOOR,
+)
 
 
 class Medium(IntEnum):

@@ -156,3 +156,17 @@ def _digest_text_keys(prefix: bytes, keys: Iterable[KeyLike]) -> bytes | None:
         return b"".join([blake2b(text + key.encode(), digest_size=16).digest() for key in keys])
     except UnicodeEncodeError:
         return None
+
+
+def key_digests(
+    keys: Sequence[KeyLike | PageKey] | np.ndarray, namespace: str | None
+) -> np.ndarray:
+    """The digests of ``keys``, or ``keys`` themselves when already packed digests (which
+    carry their namespace: naming one as well is an :class:`InvalidKeyError`)."""
+    packed = as_digests(keys)
+    if packed is None:
+        resolved, bare = split_namespace(keys, namespace)  # type: ignore[arg-type]
+        return digest_keys(resolved, bare)
+    if namespace is not None:
+        raise InvalidKeyError("packed digests carry their namespace; pass none")
+    return packed

@@ -12,6 +12,7 @@ from flatcake_ray.core.extents import MediumSpace
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.index import MAX_SEGMENT_PAGES
 from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.core.records import PutHints, SessionId
 from flatcake_ray.errors import (
     InvalidSessionError,
     MediumFullError,
@@ -20,7 +21,6 @@ from flatcake_ray.errors import (
     ShapeError,
 )
 
-SessionId = str | int | bytes
 MAX_SESSION_ID_BYTES = 1024
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1  # the ints msgpack (the manifest) holds
 
@@ -54,10 +54,8 @@ def check_session_id(session_id: object) -> SessionId:
 
 
 def check_hints(hints: object) -> None:
-    """Hints are a :class:`~flatcake_ray.core.catalog.PutHints` or None (``hints="fast"``
+    """Hints are a :class:`~flatcake_ray.core.records.PutHints` or None (``hints="fast"``
     was an untyped AttributeError deep in placement)."""
-    from flatcake_ray.core.catalog import PutHints  # the catalog imports this module
-
     if hints is not None and not isinstance(hints, PutHints):
         raise ShapeError(f"hints are PutHints or None, not {type(hints).__name__}")
 

@@ -1,7 +1,7 @@
 """The catalog's records: sessions, scopes, segments, put plans, leases and ids (no rules).
 
-:mod:`flatcake_ray.core.catalog` re-exports them; they live here so the catalog module holds
-only the rules that change them.
+They sit below every part of the catalog (:mod:`~flatcake_ray.core.catalog` and the parts it
+holds: allocation, reclamation, replicas), which all read and change them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import numpy as np
 from flatcake_ray.core.extents import ScopeRuns
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.layout import SegmentLayout
-from flatcake_ray.core.put_checks import SessionId
 from flatcake_ray.core.tenants import DEFAULT_TENANT
+
+SessionId = str | int | bytes
 
 
 @dataclass(frozen=True)

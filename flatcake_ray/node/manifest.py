@@ -42,24 +42,18 @@ import msgpack
 from flatcake_ray.errors import ConfigError, ManifestError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.manifest_frames import MAGIC, encode_frame, encode_record, frames
-from flatcake_ray.node.manifest_records import RecordError, check_live_scopes, check_record
+from flatcake_ray.node.manifest_records import (
+    RecordError,
+    RecoveredScope,
+    check_live_scopes,
+    check_record,
+)
 
 log = logging.getLogger(__name__)
 VERSION = 2  # checksummed frames, and segment checksums per block of pages
 RECORD_REASONS = ("checksum", "malformed", "header", "torn")
 SCOPE_REASONS = ("checksum", "malformed", "overlap", "duplicate_segment")
 MAX_EXAMPLES = 5
-
-
-@dataclass
-class RecoveredScope:
-    scope_id: int
-    session_id: str | int | bytes
-    runs: list[list[int]] = field(default_factory=list)  # [allocator, start, length, used]
-    segments: list[dict[str, Any]] = field(default_factory=list)
-    payloads: list[bytes] = field(default_factory=list)  # each segment's record, as read
-    quarantined: bool = False
-    last_record: int = 0  # sequence number of its latest record (newer wins an overlap)
 
 
 @dataclass

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.index import MAX_SEGMENT_PAGES, PAGE_BITS
@@ -19,8 +20,19 @@ from flatcake_ray.core.put_checks import check_session_id
 from flatcake_ray.core.tenants import TENANT_NAME
 from flatcake_ray.errors import FlatCakeError
 
-if TYPE_CHECKING:
-    from flatcake_ray.node.manifest import RecoveredScope
+
+@dataclass
+class RecoveredScope:
+    """A scope as the manifest's records rebuild it, before recovery hands it to a catalog."""
+
+    scope_id: int
+    session_id: str | int | bytes
+    runs: list[list[int]] = field(default_factory=list)  # [allocator, start, length, used]
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)  # each segment's record, as read
+    quarantined: bool = False
+    last_record: int = 0  # sequence number of its latest record (newer wins an overlap)
+
 
 MAX_LAYERS = 1 << 16
 MAX_ID = 1 << (64 - PAGE_BITS)  # segment ids share a 64-bit index value with page numbers

@@ -34,7 +34,7 @@ class PutHandle:
         plan: PutPlan | None,
         catalog: Catalog,
         keys: int,
-        table: PutTable,
+        table: PutTable[PutHandle],
         on_commit: Callable[[PutResult, str], None] | None = None,
     ) -> None:
         self._writer = writer

@@ -14,15 +14,24 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from flatcake_ray.errors import StoreWriteError
 
-if TYPE_CHECKING:
-    from flatcake_ray.node.put import PutHandle
+
+class OpenPut(Protocol):
+    """What the table needs of a put it holds (:class:`~flatcake_ray.node.put.PutHandle`)."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    def abort(self) -> None: ...
 
 
-class PutTable:
+PutHandle = TypeVar("PutHandle", bound=OpenPut)
+
+
+class PutTable(Generic[PutHandle]):
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._open: OrderedDict[int, tuple[PutHandle, float]] = OrderedDict()

@@ -11,28 +11,50 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from flatcake_ray.config import ALIGN
-from flatcake_ray.core.catalog import Catalog
+from flatcake_ray.core.catalog import Catalog, Lease
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.plan import MediumAccess, SlotRead
 from flatcake_ray.errors import TransferError
 from flatcake_ray.failpoints import failpoint
+from flatcake_ray.media.arena import DramArena
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
 from flatcake_ray.transports.base import LOCAL_DRAM, LOCAL_SSD, ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport, gds_reader
 
-if TYPE_CHECKING:
-    from flatcake_ray.node.store import FlatCakeStore
+
+class NodeStore(Protocol):
+    """What a node source asks of its store (:class:`~flatcake_ray.node.store.FlatCakeStore`):
+    the media it reads, leases to pin what it reads, and where its reads are accounted."""
+
+    @property
+    def arena(self) -> DramArena: ...
+
+    @property
+    def pool(self) -> SsdPool: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    def lease(
+        self, keys: Sequence[KeyLike | PageKey], *, namespace: str | None, tenant: str
+    ) -> Lease: ...
+
+    def release(self, lease: Lease) -> bool: ...
+
+    def account_read(self, outcome: ReadOutcome, catalog: Catalog) -> None: ...
 
 
 class NodeSource(Source):
     fills_dram = False
 
-    def __init__(self, store: FlatCakeStore, catalog: Catalog) -> None:
+    def __init__(self, store: NodeStore, catalog: Catalog) -> None:
         """The pages of one tenant (``catalog``) of ``store``."""
         self._store = store
         self._catalog = catalog

@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from flatcake_ray.core.catalog import Catalog
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.media.arena import DramArena
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.node.manifest import Manifest
+from flatcake_ray.node.puts import PutTable
+from flatcake_ray.node.tenancy import Tenancy
 
-if TYPE_CHECKING:
-    from flatcake_ray.node.store import FlatCakeStore
+
+class StoreParts(Protocol):
+    """What the stats read of a store (:class:`~flatcake_ray.node.store.FlatCakeStore`)."""
+
+    @property
+    def tenancy(self) -> Tenancy: ...
+
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def puts(self) -> PutTable[Any]: ...
+
+    @property
+    def arena(self) -> DramArena: ...
+
+    @property
+    def pool(self) -> SsdPool: ...
 
 
 STORE_COUNTERS = (
@@ -49,7 +73,7 @@ def tenant_stats(catalog: Catalog) -> dict[str, Any]:
     }
 
 
-def store_stats(store: FlatCakeStore) -> dict[str, Any]:
+def store_stats(store: StoreParts) -> dict[str, Any]:
     tenants = {catalog.tenant: tenant_stats(catalog) for catalog in store.tenancy}
     summed: Counter[str] = Counter()
     for row in tenants.values():

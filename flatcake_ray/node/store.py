@@ -44,17 +44,16 @@ from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import (
     KeyLike,
     PageKey,
-    as_digests,
     check_key_list,
     digest_keys,
+    key_digests,
     split_namespace,
 )
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.put_checks import check_hints
-from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
-from flatcake_ray.errors import InvalidKeyError, ShapeError, StoreClosedError
+from flatcake_ray.errors import ShapeError, StoreClosedError
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
@@ -86,7 +85,7 @@ class FlatCakeStore:
         self._closed = False
         self._pipelines: dict[tuple[str, torch.device], RestorePipeline] = {}
         self._sources: dict[str, NodeSource] = {}
-        self.puts = PutTable(config.put_ttl_s)
+        self.puts: PutTable[PutHandle] = PutTable(config.put_ttl_s)
         with ExitStack() as undo:  # a failed open leaves no fd, arena or lock behind
             self._lock_fd = lock_root(Path(config.root))
             undo.callback(os.close, self._lock_fd)
@@ -175,16 +174,6 @@ class FlatCakeStore:
         if self._closed:
             raise StoreClosedError("the store is closed")
 
-    def _digests(self, keys: Keys | np.ndarray, namespace: str | None) -> np.ndarray:
-        """The digests of ``keys``, or ``keys`` themselves when already packed digests."""
-        packed = as_digests(keys)
-        if packed is None:
-            resolved, bare = split_namespace(keys, namespace)  # type: ignore[arg-type]
-            return digest_keys(resolved, bare)
-        if namespace is not None:
-            raise InvalidKeyError("packed digests carry their namespace; pass none")
-        return packed
-
     # ---- writes --------------------------------------------------------------------------
     def begin_put(
         self,
@@ -236,7 +225,7 @@ class FlatCakeStore:
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
     ) -> int:
         self._check_open()
-        digests = self._digests(keys, namespace)
+        digests = key_digests(keys, namespace)
         with self._lock:
             hits = self.tenancy.catalog(tenant).index.prefix_length(digests)
         self.metrics.probed(tenant, len(keys), hits)
@@ -262,7 +251,7 @@ class FlatCakeStore:
         """Locate the consecutive hits and pin their scopes; pair with :meth:`release`."""
         self._check_open()
         self.puts.expire(time.monotonic())
-        digests = self._digests(keys, namespace)
+        digests = key_digests(keys, namespace)
         with self._lock:
             return self.tenancy.catalog(tenant).lease(digests)
 
@@ -284,16 +273,7 @@ class FlatCakeStore:
         to the end of its used bytes rounded up to the read alignment: what a reader of the
         lease may ask the node to read for it."""
         with self._lock:
-            if lease.tenant not in self.tenancy:
-                return []
-            scopes = self.tenancy.catalog(lease.tenant).scopes
-            runs = [
-                run
-                for scope_id in lease.scope_ids
-                if scope_id in scopes and scopes[scope_id].medium is medium
-                for run in scopes[scope_id].runs.runs
-            ]
-        return [(r.start, r.start + min(r.length, align_up(r.used))) for r in runs]
+            return self.tenancy.lease_runs(lease, medium)
 
     def remove_tenant(self, name: str) -> int:
         """Free every page of tenant ``name`` (removed from the service); returns the bytes
@@ -399,7 +379,7 @@ class FlatCakeStore:
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
     ) -> np.ndarray:
         """The layer-0 GVA of each consecutive hit (per-layer GVAs follow the layout)."""
-        digests = self._digests(keys, namespace)
+        digests = key_digests(keys, namespace)
         with self._lock:
             catalog = self.tenancy.catalog(tenant)
             segment_ids, pages = catalog.prefix(digests)

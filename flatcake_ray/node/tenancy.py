@@ -14,8 +14,9 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 from flatcake_ray.config import StoreConfig
-from flatcake_ray.core.catalog import Catalog, Ids, Scope, media_spaces
+from flatcake_ray.core.catalog import Catalog, Ids, Lease, Scope, media_spaces
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.runs import align_up
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant, check_tenant_name
 from flatcake_ray.errors import TenantError
 
@@ -65,11 +66,12 @@ class Tenancy:
             known = None
         if known is None:
             config = dataclasses.replace(self.config, layers=layers, page_bytes=page_bytes)
-            known = Catalog(config, space=self.space, ids=self.ids, tenant=name)
-            known.on_free = self._on_free
+            known = Catalog(
+                config, space=self.space, ids=self.ids, tenant=name, on_free=self._on_free
+            )
             self._catalogs[name] = known
         if quota is not None:
-            known.quota = dict(quota)
+            known.set_quota(quota)
         return known
 
     def set_tenant(self, tenant: Tenant) -> Catalog:
@@ -83,3 +85,17 @@ class Tenancy:
         if catalog is None:
             return 0
         return sum(catalog.free_scope(scope) for scope in list(catalog.scopes.values()))
+
+    def lease_runs(self, lease: Lease, medium: Medium) -> list[tuple[int, int]]:
+        """The ``[start, end)`` spans on ``medium`` of the runs of ``lease``'s scopes that are
+        still there, each to the end of its used bytes rounded up to the read alignment."""
+        if lease.tenant not in self:
+            return []
+        scopes = self.catalog(lease.tenant).scopes
+        runs = [
+            run
+            for scope_id in lease.scope_ids
+            if scope_id in scopes and scopes[scope_id].medium is medium
+            for run in scopes[scope_id].runs.runs
+        ]
+        return [(r.start, r.start + min(r.length, align_up(r.used))) for r in runs]

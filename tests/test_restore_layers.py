@@ -1,0 +1,146 @@
+"""Restores into per-layer destinations (vLLM's KV caches: one tensor per layer, any of its
+layouts) and into GPU memory."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from flatcake_ray.cuda_ext.scatter import scatter_layer
+from flatcake_ray.errors import RestoreTimeoutError, ShapeError
+from flatcake_ray.restore import LayerTensors, PagedPool
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv
+from tests.test_restore import DRAM, WAIT, make_pool, pool_pages, put_turns, scattered_slots
+
+# ---- per-layer destinations (vLLM's KV caches) ------------------------------------------------
+
+BLOCKS = 40
+
+
+def layer_tensors(shape, device):
+    return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(LAYERS)]
+
+
+def contiguous_layers(device="cpu"):
+    """vLLM's CPU caches: one [blocks, heads, block, 2 * head] bf16 tensor per layer."""
+    return layer_tensors((BLOCKS, 2, 32, 64), device)
+
+
+def kv_first_layers(device="cpu"):
+    """A K/V-first physical layout [2, blocks, block, heads, head] seen block first: a page
+    is the block's K half, then its V half, far apart in memory."""
+    return [t.transpose(0, 1) for t in layer_tensors((2, BLOCKS, 32, 2, 32), device)]
+
+
+def head_major_layers(device="cpu"):
+    """[blocks, block, heads, head] over [blocks, heads, block, head] memory: 64 pieces."""
+    return [t.transpose(1, 2) for t in layer_tensors((BLOCKS, 2, 32, 64), device)]
+
+
+def saved_pages(tensors, block_ids):
+    """What vLLM's connector saves: tensor[blocks] in logical order, as bytes per page."""
+    ids = torch.as_tensor(np.asarray(block_ids), dtype=torch.int64)
+    return np.stack([t.view(torch.uint8)[ids].reshape(len(ids), -1).numpy() for t in tensors])
+
+
+@pytest.mark.parametrize("make_layers", [contiguous_layers, kv_first_layers, head_major_layers])
+@pytest.mark.parametrize("hints", [[None, None], [DRAM, None], [DRAM, DRAM]])
+def test_per_layer_tensors_restore_byte_exact(make_store, pipelines, make_layers, hints):
+    store = make_store()
+    kv = random_kv(24, seed=60)
+    put_turns(store, kv, [9, 24], hints)
+    tensors = make_layers()
+    blocks = scattered_slots(24, seed=61, slots=BLOCKS)
+    pipeline = pipelines(store, slot_bytes=3 * PAGE_BYTES + 4096)  # layers span chunks
+    handle = pipeline.submit(list(range(24)), LayerTensors(tensors, blocks))
+    assert handle.wait(WAIT) == 24 and handle.layers_done == LAYERS
+    assert np.array_equal(saved_pages(tensors, blocks), kv)
+    untouched = np.setdiff1d(np.arange(BLOCKS), blocks)
+    assert not saved_pages(tensors, untouched).any()
+
+
+def test_per_layer_wait_returns_with_that_layer_in_place(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(8, seed=62)
+    store.put(list(range(8)), kv)
+    tensors = contiguous_layers()
+    opened = threading.Event()
+
+    def gated(staging, pool, ids, layer, layout, **options):
+        if pool.data_ptr() == tensors[1].data_ptr():
+            assert opened.wait(WAIT), "test gate never opened"
+        scatter_layer(staging, pool, ids, layer, layout, **options)
+
+    pipeline = pipelines(store, scatter=gated)
+    handle = pipeline.submit(list(range(8)), LayerTensors(tensors, np.arange(8)))
+    assert handle.wait_for_layer(0, WAIT) == 8
+    assert np.array_equal(saved_pages(tensors[:1], np.arange(8)), kv[:1])
+    with pytest.raises(RestoreTimeoutError):
+        handle.wait_for_layer(1, timeout=0.05)
+    assert not saved_pages(tensors[1:], np.arange(8)).any()
+    opened.set()
+    assert handle.wait(WAIT) == 8
+    assert np.array_equal(saved_pages(tensors, np.arange(8)), kv)
+
+
+def test_bad_destinations_are_typed_errors(make_store, pipelines):
+    store = make_store()
+    store.put(list(range(4)), random_kv(4))
+    pipeline = pipelines(store)
+    tensors = contiguous_layers()
+    keys = list(range(4))
+    with pytest.raises(ShapeError):
+        LayerTensors(tensors, [0, 1, 2, BLOCKS])  # a block out of range
+    with pytest.raises(ShapeError):
+        LayerTensors(tensors, [0, 1, 1, 2])
+    with pytest.raises(ShapeError):
+        LayerTensors([tensors[0], tensors[1][:, :1]], [0])  # layers differ in page bytes
+    with pytest.raises(ShapeError):
+        LayerTensors([t.transpose(-1, -2) for t in tensors], [0])  # last axis strided
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, LayerTensors(tensors[:3], [0, 1, 2, 3]))  # 3 of 4 layers
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, LayerTensors(tensors, [0, 1, 2]))  # a block short
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, LayerTensors(tensors, [0, 1, 2, 3]), [0, 1, 2, 3])
+    with pytest.raises(ShapeError):
+        pipeline.submit(keys, make_pool("layer_first"))  # a pool needs its slot ids
+    pool = make_pool("page_first")
+    assert pipeline.submit(keys, PagedPool(pool, [3, 2, 1, 0], "page_first")).wait(WAIT) == 4
+    assert np.array_equal(pool_pages(pool, "page_first", [3, 2, 1, 0]), random_kv(4))
+    assert store.stats()["leases_open"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_restore_into_a_gpu_pool_is_byte_exact(make_store, pipelines, layout):
+    page_bytes = 6000
+    store = make_store(page_bytes=page_bytes)
+    kv = random_kv(40, seed=50, page_bytes=page_bytes)
+    put_turns(store, kv, [10, 18, 40], [None, DRAM, None])
+    pipeline = pipelines(store, device="cuda", slot_bytes=4 * 4096)
+    pool = make_pool(layout, page_bytes, torch.int16).cuda()
+    slots = scattered_slots(40)
+    handles = [pipeline.submit(list(range(40)), pool, slots, layout) for _ in range(3)]
+    handles.append(pipeline.submit(list(range(18)), pool, slots[:18], layout))  # DRAM lane
+    assert [h.wait(WAIT) for h in handles] == [40, 40, 40, 18]
+    assert np.array_equal(pool_pages(pool.cpu(), layout, slots), kv)
+    assert pipeline.window_bytes == 2 * 2 * 4 * 4096 * 2 + 2 * 4 * 4096  # host + HBM twins
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("make_layers", [contiguous_layers, kv_first_layers])
+def test_per_layer_gpu_tensors_restore_byte_exact(make_store, pipelines, make_layers):
+    store = make_store()
+    kv = random_kv(24, seed=65)
+    put_turns(store, kv, [9, 24], [DRAM, None])
+    tensors = make_layers("cuda")
+    blocks = scattered_slots(24, seed=66, slots=BLOCKS)
+    pipeline = pipelines(store, device="cuda", slot_bytes=3 * PAGE_BYTES + 4096)
+    assert pipeline.submit(list(range(24)), LayerTensors(tensors, blocks)).wait(WAIT) == 24
+    assert np.array_equal(saved_pages([t.cpu() for t in tensors], blocks), kv)
