@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
-from flatcake_ray.cli.replay_live import add_live_arguments
+from flatcake_ray.cli.replay_live import add_live_arguments, profile_overrides
 from flatcake_ray.errors import ConfigError
 
 HELP = """\
@@ -82,21 +81,6 @@ def add_replay_commands(subparsers: Any) -> None:
     parser.set_defaults(handler=replay_command)
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    if args.profile_json:
-        loaded = json.loads(Path(args.profile_json).read_text())
-        if not isinstance(loaded, dict):
-            raise ConfigError("--profile-json must hold a JSON object")
-        found.update(loaded)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set wants FIELD=VALUE, got {item!r}")
-        found[key.strip()] = value.strip()
-    return found
-
-
 def _trace(args: argparse.Namespace) -> Any:
     if args.synth:
         from flatcake_ray.traces.records import Trace
@@ -114,7 +98,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     systems = [s for s in args.systems.split(",") if s]
     common: dict[str, Any] = {
-        "profile_overrides": _overrides(args),
+        "profile_overrides": profile_overrides(args),
         "progress": not args.no_progress,
     }
     if args.sweep == "context":

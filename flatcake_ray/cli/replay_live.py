@@ -205,7 +205,6 @@ def compare_and_write(
 ) -> dict[str, Any]:
     """The model's run beside the live one; writes ``live.md`` and plots; returns the result."""
     from flatcake_ray.cli import replay_live_compare as compare
-    from flatcake_ray.cli.replay import _overrides
 
     any_store = next(iter(live["stores"].values()))
     client = {"slot_bytes": any_store.restore_slot_bytes}
@@ -214,7 +213,7 @@ def compare_and_write(
     # put, median): a request that arrives meanwhile waits and then sees its puts, as live.
     spent = [r["restore_s"] + r["put_s"] for r in live["records"] if "put_s" in r]
     client["prefill_overhead_ms"] = float(np.median(spent)) * 1e3 if spent else 0.0
-    changes = {**device_constants, **client, **_overrides(args)}
+    changes = {**device_constants, **client, **profile_overrides(args)}
     profile = compare.live_profile(
         args.profile, args.layers, parse_size(args.page_bytes), page_tokens, **changes
     )
@@ -249,3 +248,19 @@ def compare_and_write(
         },
         "node_of": live["node_of"].tolist(),
     }
+
+
+def profile_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--profile-json``, then each ``--set FIELD=VALUE``: the profile fields to change."""
+    found: dict[str, Any] = {}
+    if args.profile_json:
+        loaded = json.loads(Path(args.profile_json).read_text())
+        if not isinstance(loaded, dict):
+            raise ConfigError("--profile-json must hold a JSON object")
+        found.update(loaded)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set wants FIELD=VALUE, got {item!r}")
+        found[key.strip()] = value.strip()
+    return found
