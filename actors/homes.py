@@ -160,6 +160,7 @@ class HomeCalls:
         """``method`` ("lookup" with lease, "exists" or "probe") of ``keys`` here, and when
         this node holds none of them, the owner it recorded for their chain: a home answers
         a lookup in one call whether it owns the chain, knows its owner, or knows nothing."""
+        tenant = self._tenant(secret).name  # a stranger is refused before anything else
         if method not in FIND_METHODS:
             raise ShapeError(f"find answers {sorted(FIND_METHODS)}, not {method!r}")
         answer = getattr(self, str(method))(secret, keys, namespace)
@@ -167,4 +168,4 @@ class HomeCalls:
             return Found(answer, None)
         digests = as_digests(keys)
         first = (digests if digests is not None else request_digests(keys, namespace))[:1]
-        return Found(answer, self.homes.owner(self._tenant(secret).name, first.tobytes()))
+        return Found(answer, self.homes.owner(tenant, first.tobytes()))
