@@ -13,8 +13,14 @@ every node (0 on the miss path). The coordinator's messages per second (registra
 capacity reports and placements it received, from its counters) are measured over the lookup
 phase (at least three report intervals): lookups never reach it.
 
-``stages`` breaks one warm lookup of the first size down: hashing the keys on the client,
-an empty actor call (Ray's floor), the ``lookup`` call alone, and ``locate`` end to end.
+Each size also times an empty actor call to a storage node, interleaved with the lookups:
+every "node" here shares the machine's cores, so a bigger cluster loads the machine that
+measures it; a lookup's cost in empty calls of the same moment is what carries over.
+
+``stages`` breaks one warm lookup of the first size down: hashing the keys on the client
+(and, beside it, hashlib one key at a time: the fallback, and the only path before
+``core/_digests.c``), an empty actor call (Ray's floor), the ``lookup`` call alone, and
+``locate`` end to end.
 
 All on one machine: every "node" shares its cores, so absolute times are the machine's load;
 the counts and the ratio of 16 nodes to 2 are what carry over.
@@ -29,12 +35,14 @@ import shutil
 import statistics
 import tempfile
 import time
+from hashlib import blake2b
 from typing import Any
 
 import numpy as np
 
 from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas
 from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.keys import DEFAULT_NAMESPACE, namespace_frame
 
 NAMESPACE = "flatcake-bench-control"
 RESOURCE = "fcctl"
@@ -88,10 +96,24 @@ def _timed(client: Any, keys: list[str], forget: bool) -> tuple[float, Any]:
     return (time.perf_counter() - started) * 1e3, report
 
 
+def _empty_call(client: Any, i: int) -> float:
+    """Ms of one actor call that does nothing, to a node chosen by ``i``: this machine's cost
+    of a Ray round trip at this moment, to read the lookups against."""
+    import ray
+
+    links = sorted(client.nodes.up(), key=lambda link: link.node_id)
+    started = time.perf_counter()
+    ray.get(links[i % len(links)].handle.actor.ping.remote())
+    return (time.perf_counter() - started) * 1e3
+
+
 def _lookups(client: Any, args: argparse.Namespace, stored: list[str]) -> dict[str, Any]:
-    """Misses and hits, cold then warm, interleaved so load drifts hit every kind alike."""
+    """Misses and hits, cold then warm, interleaved with empty calls so load drifts hit every
+    kind alike."""
     samples: dict[str, list[tuple[float, Any]]] = {}
+    empty = []
     for i in range(args.lookups):
+        empty.append(_empty_call(client, i))
         miss = chain_keys(f"absent-{i}", args.pages)
         hit = chain_keys(stored[i % len(stored)], args.pages)
         for kind, keys in (("miss", miss), ("hit", hit)):
@@ -107,7 +129,15 @@ def _lookups(client: Any, args: argparse.Namespace, stored: list[str]) -> dict[s
             "max_nodes_asked": max(r.nodes_asked for _, r in rows),
             "calls": round(statistics.mean(r.actor_calls for _, r in rows), 2),
         }
+    out["empty_call_ms"] = round(statistics.median(empty), 3)
     return out
+
+
+def hashlib_digests(keys: list[str]) -> bytes:
+    """The keys' digests one hashlib object at a time: ``core/keys.py``'s fallback where
+    ``core/_digests.c`` is not built (and the only path before it), timed beside it."""
+    prefix = namespace_frame(DEFAULT_NAMESPACE) + b"s"
+    return b"".join([blake2b(prefix + key.encode(), digest_size=16).digest() for key in keys])
 
 
 def stages(client: Any, keys: list[str], repeats: int = 30) -> dict[str, float]:
@@ -129,6 +159,7 @@ def stages(client: Any, keys: list[str], repeats: int = 30) -> dict[str, float]:
 
     for _ in range(repeats):
         clock("hash_keys", lambda: digests_of(keys, None))
+        clock("hash_keys_hashlib", lambda: hashlib_digests(keys))
         clock("empty_call", lambda: ray.get(link.handle.actor.ping.remote()))
         reply = clock("lookup_call", lambda: ray.get(link.handle.lookup.remote(digests)))
         ray.get(link.handle.release.remote(reply.lease_id, []))
@@ -198,9 +229,9 @@ def format_control(results: dict[str, Any]) -> str:
         f"{config['pages']}-page lookups with lease, {config['lookups']} misses and hits per "
         f"size; load average {config['load_before']} before, {config['load_after']} after",
         "| nodes | miss: nodes asked (max) | miss cold ms | miss warm ms | hit cold: nodes "
-        "asked (max) | hit cold ms | hit warm: calls | hit warm ms | fan-outs | coordinator "
-        "msgs/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "asked (max) | hit cold ms | hit warm: calls | hit warm ms | empty call ms | miss / "
+        "empty call | fan-outs | coordinator msgs/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         mc, mw, hc, hw = (row[k] for k in ("miss_cold", "miss_warm", "hit_cold", "hit_warm"))
@@ -208,12 +239,17 @@ def format_control(results: dict[str, Any]) -> str:
             f"| {row['nodes']} | {mc['nodes_asked']:.2f} ({mc['max_nodes_asked']}) | "
             f"{mc['ms']:.2f} | {mw['ms']:.2f} | {hc['nodes_asked']:.2f} "
             f"({hc['max_nodes_asked']}) | {hc['ms']:.2f} | {hw['calls']:.2f} | {hw['ms']:.2f} | "
+            f"{row['empty_call_ms']:.2f} | {mc['ms'] / row['empty_call_ms']:.2f} | "
             f"{row['fanouts']} | {row['coordinator_msgs_per_s']:.2f} |"
         )
     first, last = rows[0], rows[-1]
+    relative = (last["miss_cold"]["ms"] / last["empty_call_ms"]) / (
+        first["miss_cold"]["ms"] / first["empty_call_ms"]
+    )
     lines.append(
         f"miss latency, {last['nodes']} nodes / {first['nodes']} nodes: "
-        f"{last['miss_cold']['ms'] / first['miss_cold']['ms']:.2f}x"
+        f"{last['miss_cold']['ms'] / first['miss_cold']['ms']:.2f}x in ms, {relative:.2f}x in "
+        "empty calls of the same moment"
     )
     lines.append(f"stages of a warm lookup at {first['nodes']} nodes (ms): {first['stages']}")
     return "\n".join(lines)
