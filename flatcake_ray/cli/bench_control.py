@@ -20,7 +20,8 @@ measures it; a lookup's cost in empty calls of the same moment is what carries o
 ``stages`` breaks one warm lookup of the first size down: hashing the keys on the client
 (and, beside it, hashlib one key at a time: the fallback, and the only path before
 ``core/_digests.c``), an empty actor call (Ray's floor), the ``lookup`` call alone, and
-``locate`` end to end.
+``locate`` end to end; ``capacity`` how many empty calls and ``find`` misses one node
+answers per second with 16 in flight (the per-call costs ``docs/scaling.md`` builds on).
 
 All on one machine: every "node" shares its cores, so absolute times are the machine's load;
 the counts and the ratio of 16 nodes to 2 are what carry over.
@@ -167,6 +168,34 @@ def stages(client: Any, keys: list[str], repeats: int = 30) -> dict[str, float]:
     return {name: round(statistics.median(values), 3) for name, values in timings.items()}
 
 
+def capacity(client: Any, pages: int, seconds: float = 3.0, in_flight: int = 16) -> dict:
+    """Calls per second one node answers, ``in_flight`` at a time for ``seconds``: empty
+    calls, and ``find`` misses of a ``pages``-page request (what a home does most). A lower
+    bound: the caller shares the machine's cores with it."""
+    import ray
+
+    from flatcake_ray.client.source import digests_of
+
+    link = min(client.nodes.up(), key=lambda link: link.node_id)
+    digests = digests_of(chain_keys("capacity-absent", pages), None)
+    calls = {
+        "empty_calls_per_s": lambda: link.handle.actor.ping.remote(),
+        "find_misses_per_s": lambda: link.handle.find.remote("lookup", digests),
+    }
+    out = {}
+    for name, call in calls.items():
+        pending = [call() for _ in range(in_flight)]
+        done, started = 0, time.monotonic()
+        while time.monotonic() - started < seconds:
+            ready, pending = ray.wait(pending, num_returns=1)
+            ray.get(ready)
+            done += 1
+            pending.append(call())
+        ray.get(pending)
+        out[name] = round(done / (time.monotonic() - started), 1)
+    return out
+
+
 def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
@@ -194,7 +223,9 @@ def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
             elapsed = time.monotonic() - started
             messages = _coordinator_messages(NAMESPACE) - messages
             row["fanouts"] = client.stats(nodes=False)["client"]["fanouts"]
-            row["stages"] = stages(client, chain_keys(stored[0], args.pages))
+            if nodes == min(int(n) for n in str(args.nodes).split(",")):
+                row["stages"] = stages(client, chain_keys(stored[0], args.pages))
+                row["capacity"] = capacity(client, args.pages)
         row.update(nodes=nodes, coordinator_msgs_per_s=round(messages / elapsed, 2))
         deploy.stop(NAMESPACE)
         return row
@@ -252,6 +283,7 @@ def format_control(results: dict[str, Any]) -> str:
         "empty calls of the same moment"
     )
     lines.append(f"stages of a warm lookup at {first['nodes']} nodes (ms): {first['stages']}")
+    lines.append(f"one node's capacity (calls/s, 16 in flight): {first.get('capacity')}")
     return "\n".join(lines)
 
 
