@@ -72,9 +72,13 @@ def _start(nodes: int) -> Any:
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
     )
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=0, resources={RESOURCE: 1})
-    cluster.wait_for_nodes()
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=0, resources={RESOURCE: 1})
+        cluster.wait_for_nodes()
+    except BaseException:  # a raylet that did not start (a loaded machine): nothing left over
+        cluster.shutdown()
+        raise
     return cluster
 
 
