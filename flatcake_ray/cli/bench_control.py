@@ -89,7 +89,8 @@ def _coordinator_messages(namespace: str) -> int:
     from flatcake_ray.client.deploy import operator_secret
 
     coordinator = ray.get_actor(COORDINATOR_NAME, namespace=namespace)
-    info = ray.get(coordinator.info.remote(operator_secret(namespace)), timeout=60)
+    ref: Any = coordinator.info.remote(operator_secret(namespace))
+    info: dict[str, Any] = ray.get(ref, timeout=60)
     return sum(int(info[k]) for k in ("registrations", "reports", "placements"))
 
 

@@ -165,12 +165,13 @@ def _packed(raw: bytes) -> np.ndarray:
     return digests
 
 
-def _digest_text_keys(prefix: bytes, keys: Iterable[KeyLike]) -> bytes | None:
+def _digest_text_keys(prefix: bytes, keys: Iterable[KeyLike | PageKey]) -> bytes | None:
     """The packed digests when every key is a non-empty str (the common request), hashed
     without the per-key type dispatch of :func:`_key_bytes` (it was half of a 3,421-key
     request's 9 ms here), in one native call when ``core/_digests.c`` is built (a hashlib
-    object per key was most of the rest); the same bytes as the general path. None: some key is not a plain
-    non-empty str or not encodable, and the general path hashes (or refuses) them."""
+    object per key was most of the rest); the same bytes as the general path. None: some key
+    is not a plain non-empty str or not encodable, and the general path hashes (or refuses)
+    them."""
     if not isinstance(keys, list | tuple):
         return None
     text = prefix + b"s"
