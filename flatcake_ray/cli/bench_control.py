@@ -64,7 +64,19 @@ def chain_keys(name: str, pages: int) -> list[str]:
     return [f"{name}/{i}" for i in range(pages)]
 
 
-def _start(nodes: int) -> Any:
+def _start(nodes: int, tries: int = 3) -> Any:
+    """The cluster, started again (up to ``tries`` times) when a raylet misses Ray's fixed
+    30 s startup wait, as it may on a loaded machine."""
+    for _ in range(tries - 1):
+        try:
+            return _start_once(nodes)
+        except Exception as exc:
+            if "timed out during startup" not in str(exc):
+                raise
+    return _start_once(nodes)
+
+
+def _start_once(nodes: int) -> Any:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
