@@ -16,14 +16,13 @@ from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.source import first_digest  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.homes import home_candidates  # noqa: E402
-from tests.conftest import wait_for  # noqa: E402
+from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE, wait_for  # noqa: E402
 
 NAMESPACE = "fc-lookup-scale"
 RESOURCE = "fcscale"
 NODES = 8
 CHAINS = 48  # a joining ninth node becomes the first home of 1/9 of them: 5 expected
 PAGES = 4
-LAYERS, PAGE_BYTES = 1, 4096
 DRAM = PutHints(turn=2, prior_reply_tokens=1)  # short chat -> DRAM
 
 
@@ -38,11 +37,7 @@ def scale(ray_service):
         workers=NODES,
         worker_args={"num_cpus": 0, "resources": {RESOURCE: 1}},
         resource=RESOURCE,
-        layers=LAYERS,
-        page_bytes=PAGE_BYTES,
-        dram_bytes=4 << 20,
-        ssd_file_bytes=4 << 20,
-        ship_bytes=1 << 20,
+        **SMALL_SERVICE,
         landing_bytes=1 << 20,
         rpc_timeout_s=20.0,
         ramp_seconds=0.0,
@@ -139,3 +134,26 @@ def test_after_a_node_leaves_its_chains_miss_and_the_rest_are_found(scale):
     reports = lookups({name: owner != leaver for name, owner in owners.items()})
     assert_bounded(reports)
     assert reports["lost"] and homed  # chains it held miss; chains it was home to are found
+
+
+def test_a_restarted_home_still_knows_its_chains(scale):
+    writer = scale["writer"]
+    ids = node_ids(writer)
+    located = {f"c{i}": writer.locate(chain(f"c{i}")).node_id for i in range(CHAINS)}
+    owners = {name: owner for name, owner in located.items() if owner is not None}
+    records = {  # (home, chain) pairs where the home is not the owner: it holds a record
+        (home, name)
+        for name, owner in owners.items()
+        for home in home_candidates(_first(name), ids)
+        if home != owner
+    }
+    home = max(ids, key=lambda node: sum(1 for h, _ in records if h == node))
+    known = [name for h, name in records if h == home]
+    assert known and all(home_record(writer, home, name) == owners[name] for name in known)
+    link = writer.nodes.require(home)
+    actor = ray.get_actor(node_actor_name(link.description.ray_node_id), namespace=NAMESPACE)
+    ray.kill(actor, no_restart=False)
+    epoch = link.description.started_at
+    wait_for("the home to restart", lambda: ray.get(actor.describe.remote(None)).started_at > epoch)
+    writer.nodes.refresh(force=True)
+    assert all(home_record(writer, home, name) == owners[name] for name in known)
