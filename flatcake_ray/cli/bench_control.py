@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from hashlib import blake2b
@@ -258,7 +259,10 @@ def run_control(args: argparse.Namespace) -> dict[str, Any]:
     if min(sizes) < 2:
         raise ValueError("--nodes sizes must be at least 2")
     load_before = os.getloadavg()[0]
-    rows = [run_size(nodes, args) for nodes in sizes]
+    rows = []
+    for nodes in sizes:  # each size's row on stderr as it ends: a later size may not start
+        rows.append(run_size(nodes, args))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     return {
         "config": {
             "pages": args.pages,
