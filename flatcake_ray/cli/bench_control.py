@@ -298,7 +298,8 @@ def format_control(results: dict[str, Any]) -> str:
             f"{row['fanouts']} | {row['coordinator_msgs_per_s']:.2f} |"
         )
         wrong = sum(row[kind]["unexpected"] for kind in ("miss_cold", "miss_warm", "hit_cold"))
-        if wrong + row["hit_warm"]["unexpected"]:
+        wrong += row["hit_warm"]["unexpected"]
+        if wrong:
             lines.append(f"| {row['nodes']}: {wrong} lookups did not find what is stored |")
     first, last = rows[0], rows[-1]
     relative = (last["miss_cold"]["ms"] / last["empty_call_ms"]) / (
