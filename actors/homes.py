@@ -161,9 +161,9 @@ class HomeCalls:
         this node holds none of them, the owner it recorded for their chain: a home answers
         a lookup in one call whether it owns the chain, knows its owner, or knows nothing."""
         tenant = self._tenant(secret).name  # a stranger is refused before anything else
-        if method not in FIND_METHODS:
+        if not isinstance(method, str) or method not in FIND_METHODS:
             raise ShapeError(f"find answers {sorted(FIND_METHODS)}, not {method!r}")
-        answer = getattr(self, str(method))(secret, keys, namespace)
+        answer = getattr(self, method)(secret, keys, namespace)
         if _hits(answer):
             return Found(answer, None)
         digests = as_digests(keys)
