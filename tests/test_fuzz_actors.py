@@ -93,6 +93,7 @@ NODE_TENANT_CALLS = {
     "release": 2,
     "record_home": 2,
     "home_of": 1,
+    "find": 3,
     "begin_put": 5,
     "land": 3,
     "commit_put": 2,

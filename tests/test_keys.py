@@ -49,3 +49,29 @@ def test_a_keys_digest_does_not_depend_on_the_other_keys_of_its_request(keys, at
     assert (text_only[:cut] == with_bytes[:cut]).all()
     assert (text_only[cut:] == with_bytes[cut + 1 :]).all()
     assert (digest_keys("tenant", tuple(keys)) == text_only).all()
+
+
+@given(
+    st.text(min_size=1, max_size=200),
+    st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=40),
+)
+def test_the_native_batch_digests_are_the_hashlib_digests(namespace, keys):
+    """``core/_digests.c`` (when built) gives the bytes hashlib gives, for any text: keys
+    and namespaces over a BLAKE2b block (128 bytes), multi-byte UTF-8, one-key requests."""
+    from hashlib import blake2b
+
+    from flatcake_ray.core import keys as module
+
+    if module._native is None:
+        pytest.skip("core/_digests.c is not built here (pip install compiles it)")
+    try:
+        prefix = module.namespace_frame(namespace) + b"s"
+    except InvalidKeyError:  # a namespace that is not Unicode is refused before hashing
+        return
+    try:
+        expected = b"".join(blake2b(prefix + k.encode(), digest_size=16).digest() for k in keys)
+    except UnicodeEncodeError:  # a key that is not Unicode: the general path refuses it
+        assert module._native.digest_str_keys(prefix, keys) is None
+        return
+    assert module._native.digest_str_keys(prefix, keys) == expected
+    assert module._native.digest_str_keys(prefix, [*keys, 7]) is None

@@ -160,7 +160,7 @@ class RestoreBench:
         cold, warm = [], []
         for _ in range(repeats):
             self.client.forget_locations()
-            cold.append(self.client.locate(keys, lease=True))  # asks every node
+            cold.append(self.client.locate(keys, lease=True))  # asks the chain's homes
             warm.append(self.client.locate(keys, lease=True))  # asks the one that has it
         return {
             "pages": len(keys),

@@ -1,5 +1,5 @@
-"""``flatcake-ray start | status | stop | drain | undrain | bench restore``: the service's
-commands.
+"""``flatcake-ray start | status | stop | drain | undrain | bench restore | bench control``:
+the service's commands.
 
 ``start`` deploys on a running Ray cluster (``--address``, or ``RAY_ADDRESS``); with neither
 and no cluster running it first starts a local single-node one (``ray start --head``). Sizes
@@ -140,6 +140,13 @@ def _add_bench(subparsers: Any) -> None:
     )
     add_bench_arguments(restore)
     restore.set_defaults(handler=cmd_bench_restore)
+    from flatcake_ray.cli.bench_control import add_control_arguments, cmd_bench_control
+
+    control = _bench_subparsers(subparsers).add_parser(
+        "control", help="lookup cost (nodes asked, ms) and coordinator load against cluster size"
+    )
+    add_control_arguments(control)
+    control.set_defaults(handler=cmd_bench_control)
 
 
 def add_service_commands(subparsers: Any) -> None:

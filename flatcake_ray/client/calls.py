@@ -16,6 +16,7 @@ CLIENT_CALLS = frozenset(
         *("gvas", "release", "begin_put", "land", "commit_put", "abort_put"),
         *("ship", "unship", "ship_stream", "ship_stop", "read_ranges", "record_home"),
         "home_of",
+        "find",
     }
 )
 

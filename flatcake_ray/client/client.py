@@ -1,12 +1,13 @@
 """FlatCakeClient: the Ray service as a :class:`~flatcake_ray.core.api.KVStore`, from any
 process of the cluster.
 
-Finding pages (no coordinator, O(nodes touched) calls): a session's pages live on the node the
-coordinator placed its scope on, contiguous from the chain's first page. A request's first
-key is looked up in a client-side location cache (first-page digest -> NodeID, filled by this
-client's puts and earlier hits): on a hit the request is one ``lookup`` (index probe + lease)
-on that node. On a miss the client asks every live node once, in parallel, and keeps the
-longest prefix; that is one round trip of N calls, then cached. Never one call per page.
+Finding pages (no coordinator, a bounded number of calls at any cluster size): a session's
+pages live on the node the coordinator placed its scope on, contiguous from the chain's first
+page. A request's first key is looked up in a client-side location cache (first-page digest
+-> NodeID, filled by this client's puts and earlier hits): on a hit the request is one
+``lookup`` (index probe + lease) on that node. Otherwise the chain's two homes are asked in
+parallel and, if they only know the owner, the owner: a miss is 2 calls, a hit at most 3
+(``client/locate.py``). Never one call per page, never one per node.
 
 Restores run through the same :class:`RestorePipeline` as the in-process store (bounded
 staging windows, layer order and per-layer waits, FC-MAS admission, the scatter step), over
@@ -221,7 +222,7 @@ class FlatCakeClient:
         return report
 
     def forget_locations(self) -> None:
-        """Drop the location cache (the next request of each chain asks every node)."""
+        """Drop the location cache (the next request of each chain asks its homes)."""
         self._locator.forget()
 
     # ---- restores --------------------------------------------------------------------------
@@ -313,8 +314,11 @@ class FlatCakeClient:
         options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
         options.update(parent=parent, hints=hints)
         self._owners.remember(first, session_id, link.node_id)
-        if parent is None:  # a chain's head: its home learns where the chain lives
+        if parent is None:  # a chain's head: its homes learn where the chain lives
             report.actor_calls += self._locator.record_home(first, link.node_id)
+        if parent is not None or len(keys) > 1:  # its tail: where a continuation goes
+            last = first_digest(keys[-1:], namespace)
+            report.actor_calls += self._locator.record_home(last, link.node_id)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
             route, keys, layers=self.layers, page_bytes=self.page_bytes, options=options

@@ -1,15 +1,22 @@
-"""Finding a request's pages across nodes, with O(nodes touched) calls and no coordinator.
+"""Finding a request's pages across nodes in a bounded number of calls, whatever the cluster
+size, and no coordinator.
 
 A session's pages live on the node the coordinator placed its scope on, contiguous from the
 chain's first page. The :class:`Locator` keeps a cache: first-page digest -> NodeID, filled by
 this client's puts and earlier hits. A request whose first key is cached costs one call to
-that node (``lookup``: index probe and lease; or ``exists``). Otherwise the chain's *home*
-(``core/homes.py``: rendezvous hashing of the first digest over the live nodes, computed
-here) is asked; if it is not the owner, one more call asks it which node the writer
-recorded, and that node is asked: at most three calls, whatever the cluster size. Only when
-all of that misses (the home changed with the node set, or restarted) is every live node
-asked once, in parallel, the longest prefix winning (the others' leases are released); the
-answer is cached. A node that does not answer in the RPC timeout is marked down.
+that node (``lookup``: index probe and lease; or ``exists``), and its answer is final (no
+hits: the entry is dropped and the request misses). Otherwise the chain's two *homes*
+(``core/homes.py``: the first two rendezvous candidates of the first digest over the live
+nodes, computed here) are asked in parallel with ``find``: each answers the lookup itself and,
+when it holds nothing, the owner it recorded. A named owner is asked next. So a miss costs 2
+calls (one round trip) and a hit at most 3 nodes, at any N. A put records its chain at both
+homes, so one node joining or leaving leaves one of them holding the record; a record found
+only at the second is re-recorded at the first (not awaited).
+
+Asking every live node is kept only as a counted recovery (``fanouts``): when a home did not
+answer (its records may be what is missing), at most once per chain per membership (the set
+of live NodeIDs), never for a plain miss. A node that does not answer in the RPC timeout is
+marked down.
 """
 
 from __future__ import annotations
@@ -22,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from flatcake_ray.actors.homes import Found
 from flatcake_ray.actors.protocol import LeaseReply
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
-from flatcake_ray.core.homes import home_node
+from flatcake_ray.core.homes import home_candidates
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 
@@ -45,6 +53,7 @@ class Locator:
         self._where: OrderedDict[bytes, int] = OrderedDict()
         self._lock = threading.Lock()
         self.fanouts = 0
+        self._recovered: OrderedDict[tuple[bytes, frozenset[int]], None] = OrderedDict()
 
     def where(self, first: bytes) -> int | None:
         return self._where.get(first)
@@ -60,89 +69,127 @@ class Locator:
             while len(self._where) > LOCATION_CACHE_ENTRIES:
                 self._where.popitem(last=False)
 
+    def _drop(self, first: bytes) -> None:
+        with self._lock:
+            self._where.pop(first, None)
+
     def ask(
         self, method: str, digests: np.ndarray, report: RestoreReport
     ) -> tuple[NodeLink | None, Any]:
         """The node with the longest prefix for a request (its packed ``digests``) and its
         answer (see module doc)."""
         first = digests[:1].tobytes()
-        tried: set[int] = set()
-        found = self._try(self._where.get(first), method, digests, report, tried)
-        if found is not None:
-            return found
+        known = self._where.get(first)
+        cached = self.nodes.get(known) if known is not None else None
+        if cached is not None and cached.is_up(time.monotonic()):
+            answers = self.call_all([cached], method, (digests,), report)
+            if answers and hits(answers[0][1]):
+                return answers[0]
+            if answers:  # the owner said no: final (dropped, so the next request asks homes)
+                self._drop(first)
+                return answers[0]
         self.nodes.refresh()
-        home = home_node(first, [link.node_id for link in self.nodes.up()])
-        for node_id in (home, self._recorded_owner(home, first, report)):
-            found = self._try(node_id, method, digests, report, tried)
-            if found is not None:
-                self.remember(first, found[0].node_id)
-                return found
-        others = [n for n in self.nodes.up() if n.node_id not in tried]
-        self.fanouts += 1
-        answers = self.call_all(others, method, digests, report)
-        if not answers:
-            return None, None
-        best = max(answers, key=lambda a: hits(a[1]))
+        up = {link.node_id: link for link in self.nodes.up()}
+        homes = [up[node_id] for node_id in home_candidates(first, up)]
+        found, failed = self._ask_homes(homes, method, digests, first, report)
+        if found is not None or not failed:
+            return found if found is not None else (None, None)
+        return self._recover(first, list(up.values()), method, digests, report, homes)
+
+    def _ask_homes(
+        self,
+        homes: list[NodeLink],
+        method: str,
+        digests: np.ndarray,
+        first: bytes,
+        report: RestoreReport,
+    ) -> tuple[tuple[NodeLink, Any] | None, bool]:
+        """Ask the chain's homes (``find``, in parallel), then the owner they recorded: the
+        longest prefix found (or None), and whether some home did not answer."""
+        found = self.call_all(homes, "find", (method, digests), report)
+        failed = len(found) < len(homes)
+        best = self._best([(link, reply.answer) for link, reply in found], report)
+        owners = [reply.owner for _, reply in found if reply.owner is not None]
+        if best is None and owners:
+            link = self.nodes.get(owners[0])
+            if link is not None and link not in homes and link.is_up(time.monotonic()):
+                asked = self.call_all([link], method, (digests,), report)
+                best = asked[0] if asked and hits(asked[0][1]) else None
+        if best is None:
+            return None, failed
+        self.remember(first, best[0].node_id)
+        # A home that knew nothing (it became a home since the put) learns the owner now.
+        unaware = [link for link, reply in found if reply.owner is None and link is not best[0]]
+        if unaware:
+            report.actor_calls += self._record_at(unaware, first, best[0].node_id)
+        return best, failed
+
+    def _best(
+        self, answers: list[tuple[NodeLink, Any]], report: RestoreReport
+    ) -> tuple[NodeLink, Any] | None:
+        """The longest prefix among ``answers`` (the others' leases released), or None."""
+        best = max(answers, key=lambda a: hits(a[1]), default=None)
+        if best is None or not hits(best[1]):
+            return None
         for link, answer in answers:
             if link is not best[0] and isinstance(answer, LeaseReply) and answer.hits:
                 self.release(link, answer, (), report)
-        if hits(best[1]):
-            self.remember(first, best[0].node_id)
         return best
 
-    def _try(
+    def _recover(
         self,
-        node_id: int | None,
+        first: bytes,
+        up: list[NodeLink],
         method: str,
         digests: np.ndarray,
         report: RestoreReport,
-        tried: set[int],
-    ) -> tuple[NodeLink, Any] | None:
-        """``node_id``'s answer if it has the prefix (each node is asked once per request)."""
-        link = self.nodes.get(node_id) if node_id is not None else None
-        if link is None or node_id in tried or not link.is_up(time.monotonic()):
-            return None
-        tried.add(link.node_id)
-        answers = self.call_all([link], method, digests, report)
-        return answers[0] if answers and hits(answers[0][1]) else None
-
-    def _recorded_owner(self, home: int | None, first: bytes, report: RestoreReport) -> int | None:
-        """The owner the chain's home recorded (one call), or None."""
-        import ray
-        from ray.exceptions import RayError
-
-        link = self.nodes.get(home) if home is not None else None
-        if link is None or not link.is_up(time.monotonic()):
-            return None
-        report.actor_calls += 1
-        try:
-            return ray.get(link.handle.home_of.remote(first), timeout=self.rpc_timeout_s)
-        except RayError as exc:
-            self.nodes.mark_down(link, f"home_of failed: {exc}")
-            return None
+        homes: list[NodeLink],
+    ) -> tuple[NodeLink | None, Any]:
+        """A home did not answer, so its record may be what is missing: ask every other live
+        node once, at most once per chain per membership (counted in ``fanouts``)."""
+        membership = frozenset(link.node_id for link in up)
+        if (first, membership) in self._recovered:
+            return None, None
+        with self._lock:
+            self._recovered[(first, membership)] = None
+            while len(self._recovered) > LOCATION_CACHE_ENTRIES:
+                self._recovered.popitem(last=False)
+        self.fanouts += 1
+        others = [link for link in self.nodes.up() if link not in homes]
+        answers = self.call_all(others, method, (digests,), report)
+        best = self._best(answers, report)
+        if best is None:
+            return None, None
+        self.remember(first, best[0].node_id)
+        return best
 
     def record_home(self, first: bytes, owner: int) -> int:
-        """Tell the chain's home which node owns it (not awaited); returns calls made."""
-        home = home_node(first, [link.node_id for link in self.nodes.up()])
-        link = self.nodes.get(home) if home is not None else None
-        if link is None or home == owner:
-            return 0
-        link.handle.record_home.remote(first, owner)
-        return 1
+        """Tell the chain's homes which node owns it (not awaited); returns calls made."""
+        homes = home_candidates(first, [link.node_id for link in self.nodes.up()])
+        links = [self.nodes.get(home) for home in homes if home != owner]
+        return self._record_at([link for link in links if link is not None], first, owner)
+
+    @staticmethod
+    def _record_at(links: list[NodeLink], first: bytes, owner: int) -> int:
+        for link in links:
+            link.handle.record_home.remote(first, owner)
+        return len(links)
 
     def call_all(
         self,
         links: list[NodeLink],
         method: str,
-        digests: np.ndarray,
+        args: tuple[Any, ...],
         report: RestoreReport,
     ) -> list[tuple[NodeLink, Any]]:
+        """Each node's answer to ``method(*args)``, asked in parallel; a node that fails or
+        does not answer in the RPC timeout is marked down and left out."""
         import ray
         from ray.exceptions import RayError
 
         if not links:
             return []
-        refs = {getattr(link.handle, method).remote(digests): link for link in links}
+        refs = {getattr(link.handle, method).remote(*args): link for link in links}
         report.actor_calls += len(refs)
         report.nodes_asked += len(refs)
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)
@@ -161,6 +208,8 @@ class Locator:
         """False for a lease from a node that restarted since ``link`` described it: the
         link's mappings are the dead process's (its old arena), so nothing is read through
         it. The lease is given back, the node described anew, and the request misses there."""
+        if isinstance(answer, Found):
+            answer = answer.answer
         if not isinstance(answer, LeaseReply) or answer.epoch == link.description.started_at:
             return True
         if answer.hits:

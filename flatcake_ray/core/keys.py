@@ -16,6 +16,7 @@ serving it as misses while holding its space. DRAM pages do not outlive a restar
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -24,6 +25,18 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.errors import InvalidKeyError, MixedNamespaceError
+
+
+def _load_native() -> Any:
+    """The batch digests built from ``core/_digests.c`` by pip install (the same bytes), or
+    None where it was not compiled: hashlib then hashes one key at a time."""
+    try:
+        return importlib.import_module("flatcake_ray.core._digests")
+    except ImportError:
+        return None
+
+
+_native = _load_native()
 
 DEFAULT_NAMESPACE = "default"
 KeyLike = bytes | str | int
@@ -119,6 +132,10 @@ def namespace_frame(namespace: str) -> bytes:
 def request_digests(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> np.ndarray:
     """The digests of one request's keys (one namespace): what a client sends a node, one
     packed array instead of the keys (16 bytes a page, hashed once, by the caller)."""
+    # All plain str keys (the common request) name no PageKey: no namespace to split out.
+    raw = _digest_text_keys(namespace_frame(namespace or DEFAULT_NAMESPACE), keys)
+    if raw is not None:
+        return _packed(raw)
     resolved, bare = split_namespace(keys, namespace)
     return digest_keys(resolved, bare)
 
@@ -139,19 +156,29 @@ def digest_keys(namespace: str, keys: Iterable[KeyLike]) -> np.ndarray:
     raw = _digest_text_keys(prefix, keys)
     if raw is None:
         raw = b"".join(blake2b(prefix + _key_bytes(key), digest_size=16).digest() for key in keys)
+    return _packed(raw)
+
+
+def _packed(raw: bytes) -> np.ndarray:
     digests = np.frombuffer(raw, dtype=DIGEST_DTYPE).copy()
     digests["hi"] |= HI_MARK
     return digests
 
 
-def _digest_text_keys(prefix: bytes, keys: Iterable[KeyLike]) -> bytes | None:
+def _digest_text_keys(prefix: bytes, keys: Iterable[KeyLike | PageKey]) -> bytes | None:
     """The packed digests when every key is a non-empty str (the common request), hashed
     without the per-key type dispatch of :func:`_key_bytes` (it was half of a 3,421-key
-    request's 9 ms here); the same bytes as the general path. None: some key is not a plain
-    non-empty str or not encodable, and the general path hashes (or refuses) them."""
-    if not isinstance(keys, list | tuple) or not all(type(key) is str and key for key in keys):
+    request's 9 ms here), in one native call when ``core/_digests.c`` is built (a hashlib
+    object per key was most of the rest); the same bytes as the general path. None: some key
+    is not a plain non-empty str or not encodable, and the general path hashes (or refuses)
+    them."""
+    if not isinstance(keys, list | tuple):
         return None
     text = prefix + b"s"
+    if _native is not None:  # one C call for the whole request (None: some key is not a str)
+        return _native.digest_str_keys(text, keys)
+    if not all(type(key) is str and key for key in keys):
+        return None
     try:
         return b"".join([blake2b(text + key.encode(), digest_size=16).digest() for key in keys])
     except UnicodeEncodeError:

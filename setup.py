@@ -1,0 +1,20 @@
+"""The native part of the build (everything else is in pyproject.toml): the batch page-key
+digests of ``flatcake_ray/core/_digests.c``. Optional: where it cannot be compiled, the
+package installs without it and ``core/keys.py`` hashes with hashlib (same digests).
+``FLATCAKE_NATIVE=0`` leaves it out: ``make wheel`` does, so the wheel shipped to a cluster's
+nodes (``examples/``) stays pure Python and installs on whatever Python their image runs."""
+
+import os
+
+from setuptools import Extension, setup
+
+NATIVE = [
+    Extension(
+        "flatcake_ray.core._digests",
+        ["flatcake_ray/core/_digests.c"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    )
+]
+
+setup(ext_modules=[] if os.environ.get("FLATCAKE_NATIVE") == "0" else NATIVE)
