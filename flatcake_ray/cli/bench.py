@@ -26,12 +26,14 @@ import numpy as np
 
 from flatcake_ray.cli.benchkit import (
     bench_service_config,
+    load_average,
     best_gbps,
     memcpy_gbps,
     odirect_read_gbps,
     remove_arenas,
     seeded_pages,
     start_local_cluster,
+    unfit_for_record,
 )
 from flatcake_ray.config import ServiceConfig, parse_size
 from flatcake_ray.core.catalog import PutHints
@@ -287,7 +289,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     cluster = None if args.address else start_local_cluster(args.nodes, "fcbench")
     address = args.address if cluster is None else cluster.address
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), load_average()
     try:
         targets = service.service_nodes(None if args.address else "fcbench")[: args.nodes]
         service.start(config, nodes=targets)
@@ -314,6 +316,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "placed": placed,
             "units": "gbps = 1e9 bytes/s; seconds = best of repeats, lookup to last byte",
             "wall_seconds": round(time.perf_counter() - started, 1),
+            "load_before": load_before,
+            "load_after": load_average(),
         },
         "paths": {k: v for k, v in results.items() if k not in ("control_plane", "window")},
         "control_plane": results["control_plane"],
@@ -347,6 +351,11 @@ def format_results(results: dict[str, Any]) -> str:
             f"{window['short_high_water'] >> 20} MiB (1/16 of the context), "
             f"{window['long_high_water'] >> 20} MiB (all of it)"
         )
+    config = results["config"]
+    lines.append(f"load average {config['load_before']} before, {config['load_after']} after")
+    reasons = refusal(results)
+    verdict = "yes" if not reasons else "no: " + "; ".join(reasons)
+    lines.append(f"fit for BENCHMARKS.md: {verdict}")
     control = results["control_plane"]
     lines.append(
         f"control plane, {control['pages']}-page request: "
@@ -354,6 +363,19 @@ def format_results(results: dict[str, Any]) -> str:
         f"{control['cold_seconds'] * 1e3:.2f} ms / {control['cold_actor_calls']} calls (cold)"
     )
     return "\n".join(lines)
+
+
+LIMIT_NAMES = {"local_dram": "memcpy", "remote_dram": "nixl", "local_ssd": "odirect_read"}
+
+
+def refusal(results: dict[str, Any]) -> list[str]:
+    """Why these figures must not be recorded (``benchkit.unfit_for_record``); empty: fit."""
+    rows = {
+        path: {LIMIT_NAMES[path]: row["limit_gbps"]}
+        for path, row in results["paths"].items()
+        if path in LIMIT_NAMES
+    }
+    return unfit_for_record(results["config"]["load_before"], rows)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
