@@ -58,6 +58,16 @@ RESTORE_STAGES = (
     ("release", "flatcake_ray.node.source", "NodeSource.release"),
     ("release", "flatcake_ray.client.source", "TransportSource.release"),
 )
+# The GPU paths' own pieces, beside RESTORE_STAGES (``benchmarks/gpu_restore.py --stages``):
+# the scatter stage there is the host-to-device copy (cudaMemcpyAsync from the pinned arena or
+# slot) plus the kernel, up to the stream's synchronize.
+GPU_STAGES = (
+    ("fill.odirect", "flatcake_ray.transports.local_ssd", "LocalSsdTransport.read"),
+    ("fill.gds", "flatcake_ray.transports.local_ssd", "GdsSsdTransport.read"),
+    ("checksums.source", "flatcake_ray.restore.deliver", "ChunkDelivery._source_bytes"),
+    ("scatter.kernel_launch", "flatcake_ray.cuda_ext.scatter", "_launch"),
+    ("scatter.cpu_copy", "flatcake_ray.cuda_ext.scatter", "_copy_layer_host"),
+)
 PUT_STAGES = (
     ("open", "flatcake_ray.node.store", "FlatCakeStore.begin_put"),
     ("open", "flatcake_ray.client.put", "RemotePut._open"),
