@@ -75,6 +75,7 @@ PUT_STAGES = (
     ("copy", "flatcake_ray.client.put", "RemotePut._place"),
     ("copy.into_medium", "flatcake_ray.node.writer", "SegmentWriter._place"),
     ("checksums", "flatcake_ray.node.writer", "layer_checksums"),
+    ("checksums", "flatcake_ray.node.writer", "parallel_layer_checksums"),
     ("drive", "flatcake_ray.media.pool", "SsdPool.write"),
     ("drive", "flatcake_ray.media.pool", "SsdPool.sync"),
     ("land", "flatcake_ray.client.put", "RemotePut._land"),
@@ -329,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "load_before": load_before,
         "load_after": round(os.getloadavg()[0], 2),
-        "command": "python -m benchmarks.stages " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.stages "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "versions": {name: combine(version_runs) for name, version_runs in runs.items()},
     }
     for path, text in ((args.json, json.dumps(results, indent=2)), (args.md, markdown(results))):

@@ -11,10 +11,12 @@ of one thread's copy at load 26 on 2 cores.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -74,7 +76,7 @@ def _pieces(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
     if flat_dst is not None and flat_src is not None:
         count = max(1, flat_dst.size // PIECE_BYTES)
         bounds = np.linspace(0, flat_dst.size, count + 1, dtype=np.int64).tolist()
-        return [(flat_dst[a:b], flat_src[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [(flat_dst[a:b], flat_src[a:b]) for a, b in itertools.pairwise(bounds)]
     if dst.ndim == 0 or dst.shape[0] < 2:
         return [(dst, src)]
     row_bytes = max(1, dst.nbytes // dst.shape[0])
@@ -101,11 +103,25 @@ def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             filled = 0
         groups[-1].append(piece)
         filled += piece[0].nbytes
-    # The caller's thread copies the first group itself: one handoff fewer.
-    futures = [_executor().submit(_copy_group, group) for group in groups[1:]]
-    _copy_group(groups[0])
-    for future in futures:
-        future.result()
+    run_split([functools.partial(_copy_group, group) for group in groups])
+
+
+def run_split(tasks: Sequence[Callable[[], None]]) -> None:
+    """Run ``tasks`` at once on the copy threads, the first on the caller's (one handoff
+    fewer); returns when all are done, raising the first error after all ended."""
+    futures = [_executor().submit(task) for task in tasks[1:]]
+    try:
+        if tasks:
+            tasks[0]()
+    finally:
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:  # raised below, once every task has ended
+                errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:

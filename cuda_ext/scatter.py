@@ -35,12 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 from flatcake_ray.core.runs import run_bounds
 from flatcake_ray.cuda_ext import _library
-from flatcake_ray.cuda_ext.host_copy import copy_many
 from flatcake_ray.cuda_ext._library import ScatterKernelError, ScatterLibrary, ScatterLibraryError
 from flatcake_ray.cuda_ext._validate import (
     BIT_VIEWS,
@@ -53,6 +51,7 @@ from flatcake_ray.cuda_ext._validate import (
     require_bit_view,
     require_tensor,
 )
+from flatcake_ray.cuda_ext.host_copy import copy_many
 from flatcake_ray.errors import ShapeError
 
 __all__ = [

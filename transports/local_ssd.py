@@ -130,10 +130,14 @@ class LocalSsdTransport(Transport):
             for s, n, d in commands:
                 self._read_one(pool, s, n, dst, d)
         else:  # READ_DEPTH commands in flight: preadv releases the GIL while the drive works
-            futures = [_readers().submit(self._read_one, pool, s, n, dst, d) for s, n, d in commands]
+            futures = [
+                _readers().submit(self._read_one, pool, s, n, dst, d) for s, n, d in commands
+            ]
             for future in futures:
                 future.result()  # every command is waited for before an error is raised
-        return TransferStats(reads.total_bytes, len(commands), time.perf_counter() - start, self.name)
+        return TransferStats(
+            reads.total_bytes, len(commands), time.perf_counter() - start, self.name
+        )
 
     @staticmethod
     def _read_one(pool: SsdPool, src: int, length: int, dst: np.ndarray, at: int) -> None:

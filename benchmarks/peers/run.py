@@ -182,7 +182,9 @@ def _write(results: dict[str, Any], args: argparse.Namespace) -> bool:
         return False
     reasons = refusal(results)
     if reasons:
-        print(f"[bench-peers] NOT writing {args.write_md}: rerun on a quiet machine.", file=sys.stderr)
+        print(
+            f"[bench-peers] NOT writing {args.write_md}: rerun on a quiet machine.", file=sys.stderr
+        )
         for reason in reasons:
             print(f"[bench-peers]   {reason}", file=sys.stderr)
         return True

@@ -26,8 +26,8 @@ import numpy as np
 
 from flatcake_ray.cli.benchkit import (
     bench_service_config,
-    load_average,
     best_gbps,
+    load_average,
     memcpy_gbps,
     odirect_read_gbps,
     remove_arenas,

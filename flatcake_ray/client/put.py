@@ -27,8 +27,8 @@ from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.core.api import PutResult
-from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.core.keys import KeyLike, PageKey
+from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.errors import ServiceError, ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
 

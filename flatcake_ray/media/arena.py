@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flatcake_ray.errors import ConfigError
 from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.errors import ConfigError
 from flatcake_ray.media.log import log_once
 
 HUGE_PAGE = 2 << 20

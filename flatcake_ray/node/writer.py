@@ -30,12 +30,12 @@ import numpy as np
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.integrity import layer_checksums
+from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import AlignedBuffer, StagingBuffers
-from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.node.checksums import parallel_layer_checksums
 from flatcake_ray.node.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class SegmentWriter:
         layout = state.plan.segment.layout
         start = self.layer_extent(state, layer)
         extent = self.arena.view[start : start + layout.layer_bytes]
-        state.checksums[layer] = layer_checksums(extent, layout)
+        state.checksums[layer] = parallel_layer_checksums(extent, layout)
         self._count(dram_bytes_written=layout.layer_bytes)
 
     def _write_ssd_layer(self, state: WriteState, layer: int, block: np.ndarray) -> None:
@@ -176,7 +176,7 @@ class SegmentWriter:
         layout = state.plan.segment.layout
         replica = state.plan.replica  # a DRAM read replica of the same bytes (placement.py)
         block[layout.layer_bytes : layout.layer_stride] = 0
-        state.checksums[layer] = layer_checksums(block, layout)
+        state.checksums[layer] = parallel_layer_checksums(block, layout)
         self.pool.write(self.layer_extent(state, layer), block[: layout.layer_stride])
         self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
         if replica is not None:
