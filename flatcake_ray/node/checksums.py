@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from flatcake_ray.cuda_ext.host_copy import SPLIT_BYTES, idle_threads, run_split
 
 
 @functools.cache
-def _xxh3() -> ctypes._CFuncPtr | None:
+def _xxh3() -> Callable[[int, int], int] | None:
     name = ctypes.util.find_library("xxhash")
     if name is None:
         return None
