@@ -301,7 +301,7 @@ def combine(runs: list[dict]) -> dict:
 
 
 def _path_order(path: str) -> tuple[int, str]:
-    return (0 if path.startswith("local") else 1, path)
+    return (0 if path.startswith("local") else 1, path)  # in process first, then the Ray client
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

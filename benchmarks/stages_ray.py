@@ -1,7 +1,8 @@
 """The Ray client's paths for ``benchmarks/stages.py``: local and remote DRAM and SSD, restore
 and put, on a 2-node cluster on 127.0.0.1 (``benchmarks/peers``' FlatCake harness), the stages
-timed inside the client's process. Limits beside each row: memcpy and O_DIRECT as in process;
-remote DRAM against one raw NIXL READ of the same bytes between two fresh processes."""
+timed inside the client's process; rows named "ray ..." beside the in-process ones. Limits
+beside each row: memcpy and O_DIRECT as in process; remote DRAM against one raw NIXL READ of
+the same bytes between two fresh processes."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def run_ray(pages: int, layers: int, page_bytes: int, rounds: int, root: str) ->
                 rows = rows[1:]  # the first put warms up
                 limits.append(local_limits(workload, scratch, (put_limit,))[put_limit])
                 limits = _remote_limit(side, medium, limits, nixl)
-                results[f"{side} {medium} put"] = summarise(nbytes, rows, limits)
+                results[f"ray {side} {medium} put"] = summarise(nbytes, rows, limits)
                 reader = writer
                 limits = [local_limits(workload, scratch, (limit_name,))[limit_name]]
                 rows = ray.get(reader.staged_restores.remote(sessions[-1], rounds))
@@ -84,7 +85,7 @@ def run_ray(pages: int, layers: int, page_bytes: int, rounds: int, root: str) ->
                 if side == "remote" and medium == "DRAM":
                     nixl.append(nixl_read_gbps(workload, None))
                 limits = _remote_limit(side, medium, limits, nixl)
-                results[f"{side} {medium} restore"] = summarise(nbytes, rows, limits)
+                results[f"ray {side} {medium} restore"] = summarise(nbytes, rows, limits)
     return results
 
 
