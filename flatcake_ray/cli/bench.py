@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import time
 from typing import Any
@@ -30,9 +29,8 @@ from flatcake_ray.cli.benchkit import (
     load_average,
     memcpy_gbps,
     odirect_read_gbps,
-    remove_arenas,
+    running_service,
     seeded_pages,
-    start_local_cluster,
     unfit_for_record,
 )
 from flatcake_ray.config import ServiceConfig, parse_size
@@ -280,30 +278,16 @@ def _measure(benches: list[Any], by_node: dict[int, Any], args: argparse.Namespa
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from flatcake_ray.client import deploy as service
-
     if args.nodes < 2:
         raise ValueError("--nodes must be at least 2 (a remote path needs a second node)")
     session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
     config = _service_config(args, session_bytes)
-    cluster = None if args.address else start_local_cluster(args.nodes, "fcbench")
-    address = args.address if cluster is None else cluster.address
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     started, load_before = time.perf_counter(), load_average()
-    try:
-        targets = service.service_nodes(None if args.address else "fcbench")[: args.nodes]
-        service.start(config, nodes=targets)
+    with running_service(config, args.address, args.nodes, "fcbench", args.root) as targets:
         benches = _bench_actors(targets)
         wheres = ray.get([b.where.remote() for b in benches])
         by_node = {w["node_id"]: b for w, b in zip(wheres, benches, strict=True)}
         results = _measure(benches, by_node, args)
-    finally:
-        service.stop(NAMESPACE)
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(args.root, ignore_errors=True)
-        remove_arenas(args.root)
     placed = results.pop("_placed")
     return {
         "config": {

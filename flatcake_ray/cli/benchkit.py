@@ -9,9 +9,11 @@ store, the restore engine or the transports, so a rewrite of those leaves this m
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,33 @@ def start_local_cluster(nodes: int, resource: str) -> Any:
         cluster.add_node(num_cpus=1, resources={resource: 1})
     cluster.wait_for_nodes()
     return cluster
+
+
+@contextmanager
+def running_service(
+    config: ServiceConfig, address: str | None, nodes: int, resource: str, root: str
+) -> Iterator[list[str]]:
+    """The service started on the Ray cluster at ``address``, or on a local one of ``nodes``
+    nodes offering ``resource``; yields the Ray node ids it runs on (at most ``nodes``). On
+    exit the service, Ray and the local cluster stop, and ``root`` and its arenas go."""
+    import ray
+
+    from flatcake_ray.client import deploy as service
+
+    cluster = None if address else start_local_cluster(nodes, resource)
+    where = address if cluster is None else cluster.address
+    ray.init(address=where, namespace=config.namespace, log_to_driver=False)
+    try:
+        targets = service.service_nodes(None if address else resource)[:nodes]
+        service.start(config, nodes=targets)
+        yield targets
+    finally:
+        service.stop(config.namespace)
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+        remove_arenas(root)
 
 
 def bench_service_config(

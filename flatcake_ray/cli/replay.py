@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from flatcake_ray.cli.replay_live import add_live_arguments
 from flatcake_ray.errors import ConfigError
 
 HELP = """\
@@ -29,6 +30,8 @@ examples:
   flatcake-ray replay --sweep context --values 8192,16384,32768,65536,131072
   flatcake-ray replay --list            (profiles and systems)
   flatcake-ray replay --measure         (this machine's memcpy and O_DIRECT numbers)
+  flatcake-ray replay TRACE --live --limit 2000 --time-scale 0.25 --measure
+                                        (against a local 2-node service, beside the model)
 """
 
 
@@ -63,7 +66,9 @@ def add_replay_commands(subparsers: Any) -> None:
     runs = parser.add_argument_group("runs")
     runs.add_argument("--qps", type=_floats, default=[None], help="e.g. 0.1,0.5,1 ('trace')")
     runs.add_argument("--seeds", type=_ints, default=[0])
-    runs.add_argument("--arrivals", default="jitter", choices=("jitter", "scaled", "poisson"))
+    runs.add_argument(
+        "--arrivals", default="jitter", choices=("jitter", "scaled", "poisson", "spread")
+    )
     runs.add_argument("--sweep", default="qps", choices=("qps", "context", "tau", "l-agent"))
     runs.add_argument("--values", type=_ints, help="x values of a context/tau/l-agent sweep")
     runs.add_argument("--limit", type=int, help="replay only the first N requests")
@@ -73,6 +78,7 @@ def add_replay_commands(subparsers: Any) -> None:
     output.add_argument("--no-progress", action="store_true")
     parser.add_argument("--list", action="store_true", help="list profiles and systems")
     parser.add_argument("--measure", action="store_true", help="measure this machine")
+    add_live_arguments(parser)
     parser.set_defaults(handler=replay_command)
 
 
@@ -141,6 +147,10 @@ def replay_command(args: argparse.Namespace) -> int:
     from flatcake_ray.replay import PROFILES, SYSTEMS, markdown_table, write_outputs
     from flatcake_ray.replay.profiles import measure_this_machine
 
+    if args.live:
+        from flatcake_ray.cli.replay_live import live_command
+
+        return live_command(args, _trace(args))
     if args.list:
         for name, profile in PROFILES.items():
             print(f"profile {name}: {profile.source}")

@@ -46,7 +46,8 @@ class PutResult:
 
 @dataclass(frozen=True)
 class Probe:
-    """Consecutive hits from the first key, and whether any of them lies on SSD."""
+    """Consecutive hits from the first key, and whether reading them touches SSD (a page
+    that also has a DRAM read replica is read from DRAM, so it does not)."""
 
     hits: int
     on_ssd: bool

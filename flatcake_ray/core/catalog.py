@@ -127,6 +127,15 @@ class Catalog(AllocationMixin):
         hits = int(misses[0]) if misses.size else len(digests)
         return unpack_location(values[:hits])
 
+    def reads_ssd(self, segment_ids: np.ndarray) -> bool:
+        """Whether a read of these segments touches SSD: a segment with a live DRAM replica
+        is read from the replica (as :meth:`lease` hands it out)."""
+        for segment_id in np.unique(segment_ids).tolist():
+            segment = self.segments[segment_id]
+            if (segment.replica or segment).medium is Medium.SSD:
+                return True
+        return False
+
     def lease(self, digests: np.ndarray) -> Lease:
         segment_ids, pages = self.prefix(digests)
         segments: dict[int, Segment] = {}

@@ -56,18 +56,29 @@ class PipelinedRestore:
         self.restored = self.handle.wait_for_layer(layer, self._timeout)
         self.waited.append(layer)
 
+    def finish(self) -> None:
+        """Wait for the whole restore to end: every layer in place, the lease released and
+        the reads counted (the last layer can be in place a moment before that)."""
+        self.restored = self.handle.wait(self._timeout)
+
 
 @dataclass(frozen=True)
 class RestoreSettings:
     """The worker's restore options (``kv_connector_extra_config``): ``load_timeout_s``, the
-    longest a layer waits for its pages. The pipeline's own knobs (windows, slot bytes) are
-    the store's: ``store_restore_windows`` / ``ray_restore_windows`` and so on."""
+    longest a layer waits for its pages; ``idle_wait_s``, the longest a step that scheduled
+    no tokens blocks on the async loads in flight before vLLM steps again (it returns as
+    soon as one is done; see ``WorkerSide.finished_loads``). The pipeline's own knobs
+    (windows, slot bytes) are the store's: ``store_restore_windows`` and so on."""
 
     load_timeout_s: float = 300.0
+    idle_wait_s: float = 0.01
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> RestoreSettings:
         timeout = float(options.get("load_timeout_s", cls.load_timeout_s))
         if not timeout > 0:
             raise ConfigError(f"load_timeout_s must be > 0, not {timeout!r}")
-        return cls(load_timeout_s=timeout)
+        idle_wait = float(options.get("idle_wait_s", cls.idle_wait_s))
+        if not idle_wait >= 0:
+            raise ConfigError(f"idle_wait_s must be >= 0, not {idle_wait!r}")
+        return cls(load_timeout_s=timeout, idle_wait_s=idle_wait)

@@ -69,6 +69,9 @@ class _Tracked:
 class StepPlan:
     loads: tuple[LoadSpec, ...]
     saves: tuple[SaveSpec, ...]
+    # No tokens scheduled: the engine only polls its transfers this step (and, idle, would
+    # poll again at once), so a worker may block on its async loads instead of spinning.
+    idle: bool = False
 
 
 class SchedulerSide:
@@ -111,6 +114,7 @@ class SchedulerSide:
             "async_loads": 0,
             "saved_blocks": 0,
             "held_lookups": 0,  # lookups answered "later": an older request brings the blocks
+            "idle_steps": 0,  # steps that scheduled no tokens (waiting for async loads, ...)
         }
 
     # ---- keys ------------------------------------------------------------------------------
@@ -223,7 +227,9 @@ class SchedulerSide:
                 continue
             self._follow_blocks(tracked, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
             self._step_done(tracked, cached.num_computed_tokens[i] + scheduled[req_id], saves)
-        return StepPlan(loads, tuple(_drop_repeated_keys(saves)))
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        self.counters["idle_steps"] += int(idle)
+        return StepPlan(loads, tuple(_drop_repeated_keys(saves)), idle)
 
     def _step_done(self, tracked: _Tracked, tokens_after_step: int, saves: list[SaveSpec]) -> None:
         request = tracked.request

@@ -39,7 +39,7 @@ import torch
 from flatcake_ray.config import StoreConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import Catalog, Lease, PutHints, Scope
-from flatcake_ray.core.gva import SSD_FLOOR, Medium
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import (
     KeyLike,
@@ -245,9 +245,16 @@ class FlatCakeStore:
     def probe(
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
     ) -> Probe:
-        found = self.gvas(keys, namespace=namespace, tenant=tenant)
-        self.metrics.probed(tenant, len(keys), len(found))
-        return Probe(len(found), bool(len(found)) and int(found.max()) >= SSD_FLOOR)
+        """The hits, and whether reading them touches SSD: where a lease would read them
+        (a DRAM read replica of an SSD segment is a DRAM hit), so an engine's choice between
+        loading inside the step and in the background follows the read, not the home."""
+        digests = self._digests(keys, namespace)
+        with self._lock:
+            catalog = self.tenancy.catalog(tenant)
+            segment_ids, _ = catalog.prefix(digests)
+            on_ssd = catalog.reads_ssd(segment_ids)
+        self.metrics.probed(tenant, len(keys), len(segment_ids))
+        return Probe(len(segment_ids), on_ssd)
 
     def lease(
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT

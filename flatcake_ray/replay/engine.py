@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.config import PlacementConfig
+from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.core.scheduler import Scheduler, SchedulerConfig
 from flatcake_ray.replay.devices import Link, SsdWorkers, StagingPool
 from flatcake_ray.replay.flat_store import FlatStorage
@@ -77,13 +77,19 @@ class Replay:
         profile: Profile,
         spec: SystemSpec,
         placement: PlacementConfig | None = None,
+        store_config: StoreConfig | None = None,
     ) -> None:
+        """``store_config``: a live node's store config for flat storage's catalog (its
+        placement wins over ``placement``): the live replay predicts a running node."""
         self.pages, self.arrivals, self.profile, self.spec = pages, arrivals, profile, spec
+        placement = store_config.placement if store_config else placement
         placement = placement or PlacementConfig(page_tokens=profile.page_tokens)
         if spec.dram_policy is not None:
             placement = dataclasses.replace(placement, dram_policy=spec.dram_policy)
+        if store_config is not None:
+            store_config = dataclasses.replace(store_config, placement=placement)
         self.storage: Storage = (
-            FlatStorage(profile, spec, pages, placement, arrivals)
+            FlatStorage(profile, spec, pages, placement, arrivals, store_config)
             if spec.storage == "flat"
             else TieredStorage(profile, spec, pages)
         )
@@ -109,6 +115,7 @@ class Replay:
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "ssd_read_bytes_restore",
+                "ssd_read_commands_restore",
                 "ssd_read_bytes_promotion",
                 "ssd_bytes_delivered",
                 "ssd_read_bytes_hbm_covered",  # restored pages a sibling's prefill brought
@@ -194,6 +201,8 @@ class Replay:
             flight.restored = np.union1d(flight.restored, read)
         flight.prefetch_start = now
         self.counters["ssd_read_bytes_restore"] += int(lengths.sum())
+        self.counters["ssd_read_commands_restore"] += len(lengths)
+        self.records.ssd_commands[flight.request] += len(lengths)
         self._push(self.ssd.submit(now, lengths), PREFETCH_DONE, flight.request)
 
     def _revoke(self, flight: Flight, now: float) -> None:
@@ -251,13 +260,17 @@ class Replay:
         copy = self.h2d.seconds(h2d_bytes)
         self.h2d.submit(now, h2d_bytes)
         service = max(compute, copy) + copy / self.profile.layers  # layer-pipelined load
+        service += self.profile.restore_overhead_ms / 1e3 if dram_hits + ssd_hits else 0.0
         self._gpu_busy = True
         self.records.dispatch[request] = now
         self.records.compute_s[request] = compute
         self._push(now + service, PREFILL_DONE, request)
         if self.storage.saves_during_prefill:  # layer-wise puts: each layer saved as computed
-            digests = self.pages.digests_for(request)
-            self._run_transfers(self.storage.store(request, digests, now), now, now + service)
+            # The restore has ended: its lease goes before the put is planned, as the live
+            # pipeline releases it (else the put could not drop the prefix's DRAM replica).
+            transfers = self.storage.release(request, flight.located, used)
+            transfers += self.storage.store(request, self.pages.digests_for(request), now)
+            self._run_transfers(transfers, now, now + service)
         if flight.staged_bytes:
             self._push(now + copy, STAGING_FREE, flight.staged_bytes)
 
@@ -359,10 +372,9 @@ class Replay:
             for scheduled in released:
                 self._look_again(self._flights[scheduled.request_id], now)
             self._start_prefetches(now)
-        transfers = self.storage.release(request, flight.located, flight.used)
-        if not self.storage.saves_during_prefill:
-            transfers += self.storage.store(request, digests, now)
-        self._run_transfers(transfers, now)
+        if not self.storage.saves_during_prefill:  # else released as the prefill started
+            transfers = self.storage.release(request, flight.located, flight.used)
+            self._run_transfers(transfers + self.storage.store(request, digests, now), now)
         self.records.done[request] = now
         self.records.arrival[request] = flight.arrival
         self._dispatch(now)

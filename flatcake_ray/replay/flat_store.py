@@ -1,12 +1,13 @@
 """FlatCake storage in the model: the live :class:`Catalog` with modelled devices.
 
-The catalog's bytes never exist: a put is :meth:`Catalog.plan_put` when the prefill ends and
-:meth:`Catalog.publish` when the modelled write completes (the live store's order: address
-first, key visible only after the write). A lookup is :meth:`Catalog.lease`, held until the
-request's prefill ends. SSD reads are those of the live restore pipeline's own plan
-(:class:`~flatcake_ray.core.plan.RestorePlan`: the wanted checksum blocks of each layer,
-coalesced group by group, reads capped at a staging slot); a read longer than a slot is cut
-into slot-sized commands, as the pipeline streams it.
+The catalog's bytes never exist: a put is :meth:`Catalog.plan_put` when the prefill starts
+(layer-wise saves) and :meth:`Catalog.publish` when the modelled write completes (the live
+store's order: address first, key visible only after the write). A lookup is
+:meth:`Catalog.lease`, held until the request's restore ends (its prefill starts, before its
+put is planned), as the live pipeline releases it. SSD reads are those of the live restore
+pipeline's own plan (:class:`~flatcake_ray.core.plan.RestorePlan`: the wanted checksum blocks
+of each layer, coalesced group by group, reads capped at a staging slot); a read longer than
+a slot is cut into slot-sized commands, as the pipeline streams it.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.config import ALIGN, PlacementConfig, StoreConfig
-from flatcake_ray.core.catalog import Catalog, PutHints
+from flatcake_ray.core.catalog import Catalog
 from flatcake_ray.core.gva import MEDIA_SHIFT, Medium
 from flatcake_ray.core.parts import LeasePart, lease_parts
 from flatcake_ray.core.placement import Placement, PlacementInputs, PlacementPolicy
 from flatcake_ray.core.plan import MediumAccess, RestorePlan
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.errors import MediumFullError
-from flatcake_ray.replay.pages import TracePages
+from flatcake_ray.replay.pages import TracePages, put_hints
 from flatcake_ray.replay.profiles import Profile
 from flatcake_ray.replay.systems import Located, StorageCounters, SystemSpec, Transfer
 
@@ -80,12 +81,15 @@ class FlatStorage:
         pages: TracePages,
         placement: PlacementConfig,
         arrivals: np.ndarray,
+        config: StoreConfig | None = None,
     ) -> None:
         self.profile = profile
         self.spec = spec
         self.pages = pages
         self.arrivals = arrivals
-        self.config = store_config_for(profile, placement, pages)
+        # ``config``: a given node's store (the live replay compares against one); by
+        # default one sized from the profile.
+        self.config = config or store_config_for(profile, placement, pages)
         self.oracle = OraclePlacement(placement) if spec.oracle else None
         self.catalog = Catalog(self.config, policy=self.oracle)
         self.counters = StorageCounters()
@@ -148,9 +152,8 @@ class FlatStorage:
             if not len(digests):
                 return []
         try:
-            plan = self.catalog.plan_put(
-                digests, session_id=self.pages.session_of(request), hints=self._hints(request)
-            )
+            session, hints = self.pages.session_of(request), put_hints(self.pages, request)
+            plan = self.catalog.plan_put(digests, session_id=session, hints=hints)
         except MediumFullError:
             self.counters.add("puts_failed")
             return []
@@ -175,13 +178,6 @@ class FlatStorage:
         self.counters.add("puts_published")
         self.counters.add(f"pages_to_{plan.segment.medium.name.lower()}", len(plan.new_positions))
         self.media_at_publish[plan.segment.segment_id] = (plan.segment.medium, plan.segment.offset)
-
-    def _hints(self, request: int) -> PutHints | None:
-        turn = int(self.pages.turns[request])
-        if turn < 1:
-            return None
-        reply = int(self.pages.prior_reply[request])
-        return PutHints(turn=turn, prior_reply_tokens=reply if reply >= 0 else None)
 
     def _oracle_choice(self, request: int, digests: np.ndarray, now: float) -> np.ndarray:
         first = self.pages.offsets[request]

@@ -44,6 +44,7 @@ class RequestRecords:
         self.compute_s, self.prefetch_wait, self.prefetch_io = times(), times(), times()
         self.hbm, self.dram, self.ssd, self.miss, self.late = (pages() for _ in range(5))
         self.revoked = np.zeros(count, dtype=bool)
+        self.ssd_commands = pages()  # SSD read commands of its restores
 
     @property
     def ttft(self) -> np.ndarray:

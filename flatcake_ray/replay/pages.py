@@ -19,11 +19,13 @@ prefix an infinite prefix cache delivers). ``next_use`` is the next request hold
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from flatcake_ray.core.keys import DIGEST_DTYPE, HI_MARK
+from flatcake_ray.core.records import PutHints
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.traces.records import NO_VALUE, Trace
 
@@ -163,3 +165,41 @@ def _prior_reply(sessions: np.ndarray, outputs: np.ndarray) -> np.ndarray:
     same = sessions[order][1:] == sessions[order][:-1]
     previous[order[1:][same]] = outputs[order[:-1][same]]
     return previous
+
+
+def put_hints(pages: TracePages, request: int) -> PutHints | None:
+    """The placement hints a serving engine gives with ``request``'s put: its turn and its
+    session's previous reply length, where the trace knows them. The model's storage and the
+    live replay (``cli/replay_live.py``) both put with these."""
+    turn = int(pages.turns[request])
+    if turn < 1:
+        return None
+    reply = int(pages.prior_reply[request])
+    return PutHints(turn=turn, prior_reply_tokens=reply if reply >= 0 else None)
+
+
+def select_requests(pages: TracePages, requests: np.ndarray) -> TracePages:
+    """The pages of ``requests`` (ascending trace indices) as a trace of their own: one node's
+    share of a trace. Reuse (``reusable``, ``next_use``) is among the chosen requests only."""
+    counts = np.diff(pages.offsets)[requests]
+    offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    starts = np.repeat(pages.offsets[:-1][requests], counts)
+    flat = starts + np.arange(offsets[-1]) - np.repeat(offsets[:-1], counts)
+    request_of_page = np.repeat(np.arange(len(requests)), counts)
+    next_use, seen = _reuse_links(pages.keys[flat], request_of_page)
+    base = pages.base_arrival[requests]
+    return dataclasses.replace(
+        pages,
+        offsets=offsets,
+        keys=pages.keys[flat],
+        digests=pages.digests[flat],
+        next_use=next_use,
+        reusable=_leading_true(seen, offsets),
+        prompt_tokens=pages.prompt_tokens[requests],
+        output_tokens=pages.output_tokens[requests],
+        sessions=pages.sessions[requests],
+        turns=pages.turns[requests],
+        prior_reply=pages.prior_reply[requests],
+        base_arrival=base - (base[0] if len(base) else 0.0),
+    )

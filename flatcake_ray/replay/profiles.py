@@ -58,6 +58,9 @@ class Profile:
     prefill_tokens_per_s: float  # linear (weights) part of prefill
     attention_pairs_per_s: float  # (query token, context token) pairs per second
     prefill_overhead_ms: float  # per dispatched request
+    # Fixed cost of a restore that hits (lookup, lease, release, the pipeline's hand-offs),
+    # on the request's way to its prefill; 0: not modelled (the live replay measures it).
+    restore_overhead_ms: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:

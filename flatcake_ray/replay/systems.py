@@ -204,7 +204,9 @@ class StorageCounters:
 
 class Storage(Protocol):
     counters: StorageCounters
-    saves_during_prefill: bool  # store() is called as the prefill starts, not as it ends
+    # store() (and release() of the request's lookup) is called as the prefill starts, not
+    # as it ends
+    saves_during_prefill: bool
     # Restored pages land in the request's own KV slots and stay there if the request goes
     # back to the scheduler (FlatCake's GPU windows); False: they sit in host staging, which
     # is given back, so a second prefetch reads them again (tiered systems).

@@ -7,6 +7,9 @@ Arrival modes (``qps`` is the target mean rate; the request *order* never change
   bursts, and seeds differ.
 - ``scaled``: the trace's gaps rescaled, nothing random (seeds give identical runs).
 - ``poisson``: exponential gaps at ``qps``, ignoring the trace's timing.
+- ``spread``: ``scaled``, with requests that share a timestamp spread evenly over the gap to
+  the next one (a trace whose clock ticks coarser than its requests arrive: the Mooncake
+  traces' timestamps are 3 s apart); the last tick's requests get the mean gap.
 
 A trace whose span is zero (all at one instant) is replayed as ``poisson`` at ``qps``.
 """
@@ -24,7 +27,7 @@ from flatcake_ray.traces.infer import with_inferred_sessions
 from flatcake_ray.traces.readers import load_trace
 from flatcake_ray.traces.records import NO_VALUE, Trace, TraceRequest, frozen_blocks
 
-ARRIVAL_MODES = ("jitter", "scaled", "poisson")
+ARRIVAL_MODES = ("jitter", "scaled", "poisson", "spread")
 
 
 def as_trace(
@@ -63,10 +66,21 @@ def arrivals_for(
         gaps[0] = 0.0
         return np.cumsum(gaps)
     scale = 1.0 if qps is None or span <= 0 else (count - 1) / span / qps
+    if mode == "spread":
+        return spread_ties(base) * scale
     gaps = np.diff(base, prepend=0.0) * scale
     if mode == "jitter":
         gaps *= rng.gamma(4.0, 0.25, count)
     return np.cumsum(gaps)
+
+
+def spread_ties(times: np.ndarray) -> np.ndarray:
+    """Sorted ``times`` with each run of equal values spread evenly over the gap to the next
+    distinct value (the last run over the mean gap between distinct values)."""
+    ticks, first, counts = np.unique(times, return_index=True, return_counts=True)
+    gaps = np.diff(ticks, append=ticks[-1] + (np.diff(ticks).mean() if len(ticks) > 1 else 0))
+    rank = np.arange(len(times)) - np.repeat(first, counts)
+    return times + rank * np.repeat(gaps / counts, counts)
 
 
 def context_length_trace(

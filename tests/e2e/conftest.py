@@ -191,17 +191,20 @@ def _start_head(head_args: dict, attempts: int = 3):
     raise AssertionError("unreachable")
 
 
-def service_config(root: Path, namespace: str):
+def service_config(root: Path, namespace: str, shape=None, store_bytes: int = 16 << 20):
+    """The service for ``shape`` (default: the tiny model), ``store_bytes`` of DRAM and per
+    SSD file on each node."""
     from flatcake_ray.config import ServiceConfig
-    from tests.e2e.tiny_model import HEAD_DIM, KV_HEADS, LAYERS
+    from tests.e2e.tiny_model import TINY
 
+    shape = shape or TINY
     return ServiceConfig(
         namespace=namespace,
         root=str(root / "{node}"),
-        layers=LAYERS,
-        page_bytes=2 * 32 * KV_HEADS * HEAD_DIM * 2,  # one vLLM block of one layer, bf16
-        dram_bytes=16 << 20,
-        ssd_file_bytes=16 << 20,
+        layers=shape.layers,
+        page_bytes=shape.page_bytes(32),  # one vLLM block of one layer, bf16
+        dram_bytes=store_bytes,
+        ssd_file_bytes=store_bytes,
         ssd_files_per_dir=2,
         fsync=False,
         ship_bytes=4 << 20,

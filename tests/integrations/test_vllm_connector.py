@@ -103,6 +103,20 @@ def test_second_turn_restores_from_ssd_asynchronously(base_model, store_options)
     assert view["rules"].get("one-shot", 0) >= 1 and view["ssd_bytes_read"] > 0
 
 
+def test_an_async_load_ends_inside_the_idle_step_that_started_it(base_model, store_options):
+    """With nothing else to run, the worker waits for the load in that idle step instead of
+    returning to vLLM's busy loop (which starves the loader threads of the GIL): the request
+    waits one step, then prefills. ``idle_wait_s`` is far above any load here: counts hold."""
+    options = {**store_options, "idle_wait_s": 600}
+    reply = first_turn(base_model, options)
+    engine, tokens = second_turn(base_model, options, reply)
+
+    counters = engine.connector.scheduler_side.counters
+    assert (counters["async_loads"], counters["idle_steps"]) == (1, 1)
+    assert engine.events.count("waiting_for_remote_kvs:turn-2") == 1
+    assert_restored_exactly(engine, tokens)
+
+
 def test_synchronous_load_feeds_the_same_step(base_model, store_options):
     options = {**store_options, "load_async": "never"}
     reply = first_turn(base_model, options)
