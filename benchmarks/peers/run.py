@@ -24,6 +24,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 from benchmarks.peers.report import markdown, write_section
 from benchmarks.peers.workload import Workload
+from flatcake_ray.cli.benchkit import load_average, unfit_for_record
 from flatcake_ray.config import parse_size
 
 SYSTEMS = ("limits", "flatcake", "flatcake_tcp", "mooncake", "lmcache")
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             "scale_pages": args.scale_pages,
             "clients": clients,
             "versions": versions(),
-            "load_before": round(os.getloadavg()[0], 2),
+            "load_before": load_average(),
         },
         "phase_seconds": {},
     }
@@ -139,12 +140,30 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         results["config"]["wall_seconds"] = round(time.perf_counter() - started, 1)
-        results["config"]["load_after"] = round(os.getloadavg()[0], 2)
-        _write(results, args)
-    return status
+        results["config"]["load_after"] = load_average()
+        refused = _write(results, args)
+    return status or (2 if refused else 0)
 
 
-def _write(results: dict[str, Any], args: argparse.Namespace) -> None:
+def row_limits(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Every row's limits sampled beside it: ``"<column> <op> <path>" -> {name: GB/s}``."""
+    rows = {}
+    for column in ("flatcake", "flatcake_tcp"):
+        for op in ("restore", "put"):
+            for path, row in (results.get(column) or {}).get(op, {}).items():
+                if row.get("limits"):
+                    rows[f"{column} {op} {path}"] = row["limits"]
+    return rows
+
+
+def refusal(results: dict[str, Any]) -> list[str]:
+    """Why this run must not be written into BENCHMARKS.md (empty: it may)."""
+    config = results["config"]
+    return unfit_for_record(config["load_before"], row_limits(results), results.get("limits"))
+
+
+def _write(results: dict[str, Any], args: argparse.Namespace) -> bool:
+    """Write the JSON and the tables; True when ``--write-md`` was refused."""
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump(results, fh, indent=2, default=str)
@@ -153,11 +172,21 @@ def _write(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"[bench-peers] failed: {results.get('error')}; partial JSON in {args.json}",
             file=sys.stderr,
         )
-        return
+        return False
     text = markdown(results)
     os.makedirs(os.path.dirname(args.md) or ".", exist_ok=True)
     with open(args.md, "w") as fh:
         fh.write(text)
-    if args.write_md:
-        write_section(args.write_md, text)
     print(text)
+    if not args.write_md:
+        return False
+    reasons = refusal(results)
+    if reasons:
+        print(
+            f"[bench-peers] NOT writing {args.write_md}: rerun on a quiet machine.", file=sys.stderr
+        )
+        for reason in reasons:
+            print(f"[bench-peers]   {reason}", file=sys.stderr)
+        return True
+    write_section(args.write_md, text)
+    return False

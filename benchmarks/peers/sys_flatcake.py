@@ -125,6 +125,8 @@ class FlatCakeWorker:
 class FlatCakeBench:
     """The cluster, the service and the workers of one pass (one UCX setting)."""
 
+    worker_class: type = FlatCakeWorker  # benchmarks/stages_ray.py times stages in a subclass
+
     def __init__(self, workload: Workload, root: str, scale_pages: int) -> None:
         self.workload, self.root, self.scale_pages = workload, root, scale_pages
         self.cluster: Any = None
@@ -155,7 +157,7 @@ class FlatCakeBench:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         actor = (
-            ray.remote(FlatCakeWorker)
+            ray.remote(self.worker_class)
             .options(
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node, False)
             )

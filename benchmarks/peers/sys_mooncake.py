@@ -35,6 +35,7 @@ from benchmarks.peers.workload import Workload, gbps, median
 # SSD leases are short: DRAM replicas clear only once leases lapse, and a get of a disk-only
 # object that still holds a lease (even its reader's own, from the last get) fails with
 # OBJECT_HAS_LEASE, so each SSD get waits for the last lease to lapse (untimed).
+LOOPBACK = "127.0.0.1"  # every listener and peer address of this bench
 LEASE_TTL_MS = {"dram": 60_000, "ssd": 5_000}
 MAX_BUCKET_KEYS = 500
 
@@ -73,6 +74,9 @@ class MooncakeCluster:
             "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": lanes,
             "GLOG_minloglevel": "2",
             "MC_STORE_CLIENT_METRIC": "0",
+            # The transfer engine's TCP transport listens on the machine's external
+            # interface unless told: every system of the bench talks over loopback only.
+            "MC_TCP_BIND_ADDRESS": LOOPBACK,
         }
         if self.ssd:
             env["MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"] = str(bucket_keys(self.workload.pages))
@@ -84,8 +88,9 @@ class MooncakeCluster:
         args = [
             mooncake_bin(),
             f"--rpc_port={self.master_port}",
+            f"--rpc_address={LOOPBACK}",
             "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_host={LOOPBACK}",
             f"--http_metadata_server_port={self.meta_port}",
             f"--metrics_port={free_port()}",
             f"--default_kv_lease_ttl={self.lease_ms}",

@@ -26,10 +26,12 @@ import numpy as np
 from flatcake_ray.cli.benchkit import (
     bench_service_config,
     best_gbps,
+    load_average,
     memcpy_gbps,
     odirect_read_gbps,
     running_service,
     seeded_pages,
+    unfit_for_record,
 )
 from flatcake_ray.config import ServiceConfig, parse_size
 from flatcake_ray.core.catalog import PutHints
@@ -280,7 +282,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--nodes must be at least 2 (a remote path needs a second node)")
     session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
     config = _service_config(args, session_bytes)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), load_average()
     with running_service(config, args.address, args.nodes, "fcbench", args.root) as targets:
         benches = _bench_actors(targets)
         wheres = ray.get([b.where.remote() for b in benches])
@@ -298,6 +300,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "placed": placed,
             "units": "gbps = 1e9 bytes/s; seconds = best of repeats, lookup to last byte",
             "wall_seconds": round(time.perf_counter() - started, 1),
+            "load_before": load_before,
+            "load_after": load_average(),
         },
         "paths": {k: v for k, v in results.items() if k not in ("control_plane", "window")},
         "control_plane": results["control_plane"],
@@ -331,6 +335,11 @@ def format_results(results: dict[str, Any]) -> str:
             f"{window['short_high_water'] >> 20} MiB (1/16 of the context), "
             f"{window['long_high_water'] >> 20} MiB (all of it)"
         )
+    config = results["config"]
+    lines.append(f"load average {config['load_before']} before, {config['load_after']} after")
+    reasons = refusal(results)
+    verdict = "yes" if not reasons else "no: " + "; ".join(reasons)
+    lines.append(f"fit for BENCHMARKS.md: {verdict}")
     control = results["control_plane"]
     lines.append(
         f"control plane, {control['pages']}-page request: "
@@ -338,6 +347,19 @@ def format_results(results: dict[str, Any]) -> str:
         f"{control['cold_seconds'] * 1e3:.2f} ms / {control['cold_actor_calls']} calls (cold)"
     )
     return "\n".join(lines)
+
+
+LIMIT_NAMES = {"local_dram": "memcpy", "remote_dram": "nixl", "local_ssd": "odirect_read"}
+
+
+def refusal(results: dict[str, Any]) -> list[str]:
+    """Why these figures must not be recorded (``benchkit.unfit_for_record``); empty: fit."""
+    rows = {
+        path: {LIMIT_NAMES[path]: row["limit_gbps"]}
+        for path, row in results["paths"].items()
+        if path in LIMIT_NAMES
+    }
+    return unfit_for_record(results["config"]["load_before"], rows)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -194,3 +194,51 @@ def remove_arenas(root: str) -> None:
     slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
     for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
         path.unlink(missing_ok=True)
+
+
+# ---- when a run's figures may go into BENCHMARKS.md -------------------------------------------
+MAX_START_LOAD = 1.5  # a run that starts above this load average measured the neighbours
+MAX_LIMIT_SAG = 0.20  # a limit sampled beside a row this far below the run's best: contended
+
+
+def load_average() -> float:
+    """The 1-minute load average, rounded (recorded before and after every run)."""
+    return round(os.getloadavg()[0], 2)
+
+
+def best_limits(samples: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Per limit name, the best value sampled anywhere in the run."""
+    best: dict[str, float] = {}
+    for sample in samples:
+        for name, value in sample.items():
+            best[name] = max(best.get(name, 0.0), float(value))
+    return best
+
+
+def unfit_for_record(
+    load_before: float,
+    row_limits: dict[str, dict[str, float]],
+    run_limits: dict[str, float] | None = None,
+    *,
+    max_load: float = MAX_START_LOAD,
+    max_sag: float = MAX_LIMIT_SAG,
+) -> list[str]:
+    """Why a run's figures must not be written into BENCHMARKS.md; empty when they may.
+
+    ``row_limits``: per row, the limits (GB/s by name) measured beside it; ``run_limits``: any
+    measured elsewhere in the run (its start). A row is set against a limit sampled beside it,
+    so a limit that sagged there (the machine was busy with something else) makes the row's
+    fraction meaningless, and a run that began above ``max_load`` measured its neighbours."""
+    reasons = []
+    if load_before > max_load:
+        reasons.append(f"the run started at load average {load_before:.2f} (> {max_load})")
+    best = best_limits([*row_limits.values(), *([run_limits] if run_limits else [])])
+    for row, limits in row_limits.items():
+        for name, value in sorted(limits.items()):
+            if best.get(name) and value < (1 - max_sag) * best[name]:
+                sag = 1 - value / best[name]
+                reasons.append(
+                    f"{row}: {name} beside it was {value:.2f} GB/s, {sag:.0%} below the run's "
+                    f"best {best[name]:.2f}"
+                )
+    return reasons

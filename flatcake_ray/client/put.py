@@ -28,6 +28,7 @@ from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.keys import KeyLike, PageKey
+from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.errors import ServiceError, ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
 
@@ -137,7 +138,7 @@ class RemotePut:
         memory = self._route.targets.mapped(target.path, target.nbytes)
         into = memory[offset : offset + count * self._page_bytes].reshape(count, -1)
         if positions is None:
-            into[:] = data
+            copy_into(into, data)
         else:
             np.take(data, positions, axis=0, out=into)
 

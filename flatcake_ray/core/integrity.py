@@ -28,15 +28,31 @@ def layer_checksums(extent: np.ndarray, layout: SegmentLayout) -> np.ndarray:
 
 
 class StreamingCheck:
-    """The checksum of one block fed in order, possibly across several staging chunks."""
+    """The checksum of one block fed in order, possibly across several staging chunks.
+
+    A restore makes one per block it reads (thousands), and most blocks arrive in one piece:
+    the hash state is made only for a block fed in several (``feed`` of a whole block is one
+    call)."""
+
+    __slots__ = ("_hash", "expected", "scope_id")
 
     def __init__(self, expected: int, scope_id: int) -> None:
         self.expected = expected
         self.scope_id = scope_id
-        self._hash = xxhash.xxh3_64()
+        self._hash: xxhash.xxh3_64 | None = None
 
     def update(self, data: np.ndarray) -> None:
+        if self._hash is None:
+            self._hash = xxhash.xxh3_64()
         self._hash.update(memoryview(data))
 
     def matches(self) -> bool:
-        return self._hash.intdigest() == self.expected
+        digest = xxhash.xxh3_64_intdigest(b"") if self._hash is None else self._hash.intdigest()
+        return digest == self.expected
+
+    def feed(self, data: np.ndarray, last: bool) -> bool:
+        """Feed the next span; returns False only when ``last`` and the block's sum is wrong."""
+        if last and self._hash is None:  # the whole block in one span
+            return xxhash.xxh3_64_intdigest(memoryview(data)) == self.expected
+        self.update(data)
+        return not last or self.matches()

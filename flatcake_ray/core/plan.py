@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -67,8 +68,7 @@ class SlotRead:
     slot_offset: int
 
 
-@dataclass(frozen=True)
-class HashSpan:
+class HashSpan(NamedTuple):  # a tuple: a restore makes one per checksum block
     layer: int
     check: StreamingCheck
     offset: int  # bytes into the chunk's source (its slot, or the mapped medium)
@@ -293,10 +293,18 @@ class RestorePlan:
         checks = []
         if checked:
             assert part.checksums is not None  # a live segment: written with its sums
-            for block in range(first // layout.check_pages, -(-end // layout.check_pages)):
-                b_first, b_end = layout.block_pages(block)
-                check = StreamingCheck(int(part.checksums[layer, block]), part.scope_id)
-                checks.append((b_first * layout.page_bytes, b_end * layout.page_bytes, check))
+            # Per block: [start, end) bytes and its streaming check, built in bulk (a long
+            # range holds thousands of blocks).
+            step = layout.check_pages
+            blocks = np.arange(first // step, -(-end // step), dtype=np.int64)
+            starts = (blocks * step * layout.page_bytes).tolist()
+            ends = (np.minimum((blocks + 1) * step, layout.pages) * layout.page_bytes).tolist()
+            sums = part.checksums[layer, blocks].tolist()
+            scope = part.scope_id
+            checks = [
+                (lo_b, hi_b, StreamingCheck(int(sum_), scope))
+                for lo_b, hi_b, sum_ in zip(starts, ends, sums, strict=True)
+            ]
         return _Range(
             part, layer, lo, hi, part.src_pages[inside], part.dst_positions[inside], checks
         )
@@ -369,24 +377,20 @@ def _piece(chunk: LayerChunk, member: _Range, end: int, base: int, cut: int | No
 
 
 def _feed_checks(chunk: LayerChunk, member: _Range, end: int, base: int) -> None:
-    """Hash spans of ``member``'s blocks from where hashing stopped up to read byte ``end``."""
+    """Hash spans of ``member``'s blocks from where hashing stopped up to read byte ``end``.
+
+    One span per block (thousands a restore): the loop keeps its state in locals."""
     stop = min(end - member.skip, member.hi - member.lo)  # range-relative
-    while member.next_check < len(member.checks) and member.hashed < stop:
-        b_start, b_end, check = member.checks[member.next_check]
-        b_start, b_end = b_start - member.lo, b_end - member.lo
-        span_end = min(b_end, stop)
-        span_start = max(b_start, member.hashed)
-        chunk.hashes.append(
-            HashSpan(
-                member.layer,
-                check,
-                base + member.skip + span_start,
-                span_end - span_start,
-                span_end == b_end,
-            )
-        )
-        member.hashed = span_end
-        if span_end == b_end:
-            member.next_check += 1
+    checks, lo, at = member.checks, member.lo, base + member.skip
+    index, hashed, count = member.next_check, member.hashed, len(member.checks)
+    layer, spans = member.layer, chunk.hashes
+    while index < count and hashed < stop:
+        b_start, b_end, check = checks[index]
+        start, b_end = max(b_start - lo, hashed), b_end - lo
+        if b_end <= stop:  # the block's last bytes: its check is decided on this span
+            spans.append(HashSpan(layer, check, at + start, b_end - start, True))
+            hashed, index = b_end, index + 1
         else:
-            break
+            spans.append(HashSpan(layer, check, at + start, stop - start, False))
+            hashed = stop
+    member.next_check, member.hashed = index, hashed

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.media.log import log_once
 
@@ -107,7 +108,7 @@ class DramArena:
 
     def write(self, offset: int, data: np.ndarray) -> None:
         flat = data.reshape(-1).view(np.uint8)
-        self.view[offset : offset + flat.size] = flat
+        copy_into(self.view[offset : offset + flat.size], flat)
 
     def close(self) -> None:
         if self.cuda_registered:

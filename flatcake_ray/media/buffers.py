@@ -7,6 +7,7 @@ passes numpy never pays for torch, and nobody pays for CUDA initialisation.
 from __future__ import annotations
 
 import mmap
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,39 @@ class AlignedBuffer:
         # the last view goes (mmap.close() would raise BufferError while views exist).
         self.array = np.zeros(0, dtype=np.uint8)
         self._map = None
+
+
+class StagingBuffers:
+    """Aligned buffers kept for reuse: a fresh one costs a page fault per 4 KiB on its first
+    fill (measured: the SSD put's staging copy ran at 0.5 GB/s against 3+ for a reused one).
+    ``take`` a buffer of at least ``nbytes``, ``give`` it back; at most ``keep_bytes`` are
+    kept between uses (the rest are unmapped). Thread-safe."""
+
+    def __init__(self, keep_bytes: int = 256 << 20) -> None:
+        self.keep_bytes = keep_bytes
+        self._spare: list[AlignedBuffer] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> AlignedBuffer:
+        with self._lock:
+            fits = [b for b in self._spare if b.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda b: b.nbytes)
+                self._spare.remove(best)
+                return best
+        return AlignedBuffer(nbytes)
+
+    def give(self, buffer: AlignedBuffer) -> None:
+        with self._lock:
+            self._spare.append(buffer)
+            self._spare.sort(key=lambda b: -b.nbytes)
+            while sum(b.nbytes for b in self._spare) > self.keep_bytes:
+                self._spare.pop(0).close()  # the biggest goes first
+
+    def close(self) -> None:
+        with self._lock:
+            while self._spare:
+                self._spare.pop().close()
 
 
 def _is_torch(value: Any) -> bool:

@@ -30,11 +30,12 @@ import numpy as np
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.integrity import layer_checksums
+from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena
-from flatcake_ray.media.buffers import AlignedBuffer
+from flatcake_ray.media.buffers import AlignedBuffer, StagingBuffers
 from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.node.checksums import parallel_layer_checksums
 from flatcake_ray.node.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class SegmentWriter:
         self.counters = counters
         self.fsync = fsync
         self._check_open = check_open
+        self._staging = StagingBuffers()
 
     def start(self, plan: PutPlan, catalog: Catalog, keys: int) -> WriteState:
         layers = plan.segment.layout.layers
@@ -92,7 +94,11 @@ class SegmentWriter:
         lo, hi = np.searchsorted(positions, [first, first + len(pages)])
         if lo == hi:
             return
-        chosen = pages[positions[lo:hi] - first]
+        picked = positions[lo:hi] - first
+        if picked[-1] - picked[0] == hi - lo - 1:  # consecutive keys: a view, no copy
+            chosen = pages[picked[0] : picked[-1] + 1]
+        else:
+            chosen = pages[picked]
         failpoint("store.write_layer", layer=layer, medium=state.plan.segment.medium)
         with state.lock:
             self._place(state, layer, int(lo), chosen)
@@ -122,15 +128,15 @@ class SegmentWriter:
             return
         assert source is not None
         aligned = source.nbytes >= layout.layer_stride and source.ctypes.data % ALIGN == 0
-        staging = None if aligned else AlignedBuffer(layout.layer_stride)
+        staging = None if aligned else self._staging.take(layout.layer_stride)
         block = source[: layout.layer_stride] if staging is None else staging.array
         try:
             if staging is not None:  # bytes of a call: O_DIRECT needs an aligned buffer
-                block[: layout.layer_bytes] = source[: layout.layer_bytes]
-            self._write_ssd_layer(state, layer, block)
+                copy_into(block[: layout.layer_bytes], source[: layout.layer_bytes])
+            self._write_ssd_layer(state, layer, block[: layout.layer_stride])
         finally:
             if staging is not None:
-                staging.close()
+                self._staging.give(staging)
 
     def _place(self, state: WriteState, layer: int, first_new: int, pages: np.ndarray) -> None:
         """Put new pages ``[first_new, first_new + n)`` of ``layer`` where they belong."""
@@ -141,9 +147,9 @@ class SegmentWriter:
             self.arena.write(start, pages)
             return
         if layer not in state.staging:
-            state.staging[layer] = AlignedBuffer(layout.layer_stride)
+            state.staging[layer] = self._staging.take(layout.layer_stride)
         at = first_new * layout.page_bytes
-        state.staging[layer].array[at : at + pages.nbytes] = pages.reshape(-1)
+        copy_into(state.staging[layer].array[at : at + pages.nbytes], pages.reshape(-1))
 
     def _finish_layer(self, state: WriteState, layer: int) -> None:
         if state.plan.segment.medium is Medium.DRAM:
@@ -151,16 +157,17 @@ class SegmentWriter:
             return
         staging = state.staging.pop(layer)
         try:
-            self._write_ssd_layer(state, layer, staging.array)
+            stride = state.plan.segment.layout.layer_stride
+            self._write_ssd_layer(state, layer, staging.array[:stride])
         finally:
-            staging.close()
+            self._staging.give(staging)
 
     def _finish_dram_layer(self, state: WriteState, layer: int) -> None:
         """The layer's new pages are in the arena: their checksums."""
         layout = state.plan.segment.layout
         start = self.layer_extent(state, layer)
         extent = self.arena.view[start : start + layout.layer_bytes]
-        state.checksums[layer] = layer_checksums(extent, layout)
+        state.checksums[layer] = parallel_layer_checksums(extent, layout)
         self._count(dram_bytes_written=layout.layer_bytes)
 
     def _write_ssd_layer(self, state: WriteState, layer: int, block: np.ndarray) -> None:
@@ -169,7 +176,7 @@ class SegmentWriter:
         layout = state.plan.segment.layout
         replica = state.plan.replica  # a DRAM read replica of the same bytes (placement.py)
         block[layout.layer_bytes : layout.layer_stride] = 0
-        state.checksums[layer] = layer_checksums(block, layout)
+        state.checksums[layer] = parallel_layer_checksums(block, layout)
         self.pool.write(self.layer_extent(state, layer), block[: layout.layer_stride])
         self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
         if replica is not None:
@@ -229,7 +236,7 @@ class SegmentWriter:
     def abort(self, state: WriteState) -> None:
         with state.lock:
             for staging in state.staging.values():
-                staging.close()
+                self._staging.give(staging)
             state.staging.clear()
         with self._lock:
             state.catalog.abort(state.plan)

@@ -72,8 +72,7 @@ class ChunkDelivery:
 
     def _check(self, job: Job, spans: list[HashSpan], source: np.ndarray) -> None:
         for span in spans:
-            span.check.update(source[span.offset : span.offset + span.length])
-            if span.last and not span.check.matches():
+            if not span.check.feed(source[span.offset : span.offset + span.length], span.last):
                 job.outcome.bad_scopes.add(span.check.scope_id)
                 job.handle._shrink(job.plan.scope_first[span.check.scope_id])
 

@@ -1,0 +1,134 @@
+"""Host memory copies split over a few threads: every big copy of the data path goes here.
+
+One core's memcpy does not reach the memory bus's rate, and numpy releases the GIL while it
+copies, so a copy of megabytes is cut into pieces that a small pool of threads copies at once
+(measured here: 1.2-1.7x a single ``np.copyto`` with two cores; ``benchmarks/stages.py``).
+Small copies stay on the caller's thread: below ``SPLIT_BYTES`` a handoff costs more than
+it saves. So do all copies while the machine has no idle core (the load average, read at most
+once a second, is at least the cores): a handoff then waits for a core, and measured 0.1-0.8x
+of one thread's copy at load 26 on 2 cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+SPLIT_BYTES = 4 << 20  # a copy smaller than this runs on the caller's thread, whole
+PIECE_BYTES = 2 << 20  # a big copy is cut into pieces of about this size
+MAX_THREADS = 4
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+_idle = (0.0, 1)  # (when read, threads worth using then)
+
+
+def copy_threads() -> int:
+    """Threads a big copy is split over: the cores this process may use, at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_THREADS, cores))
+
+
+def idle_threads() -> int:
+    """Copy threads worth using now: the cores not taken by the load average (at least 1,
+    at most ``copy_threads()``), read at most once a second."""
+    global _idle
+    now = time.monotonic()
+    when, threads = _idle
+    if now - when > 1.0:
+        idle = copy_threads() - int(os.getloadavg()[0])
+        threads = max(1, min(copy_threads(), idle + 1))
+        _idle = (now, threads)
+    return threads
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(copy_threads(), thread_name_prefix="flatcake-copy")
+        return _pool
+
+
+def _flat(array: np.ndarray) -> np.ndarray | None:
+    """A 1-D uint8 view of a C-contiguous array, else None."""
+    if not array.flags.c_contiguous:
+        return None
+    return array.reshape(-1).view(np.uint8)
+
+
+def _pieces(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(dst, src)`` cut into pieces of about ``PIECE_BYTES`` (flat when both are contiguous,
+    else along the first axis)."""
+    flat_dst, flat_src = _flat(dst), _flat(src)
+    if flat_dst is not None and flat_src is not None:
+        count = max(1, flat_dst.size // PIECE_BYTES)
+        bounds = np.linspace(0, flat_dst.size, count + 1, dtype=np.int64).tolist()
+        return [(flat_dst[a:b], flat_src[a:b]) for a, b in itertools.pairwise(bounds)]
+    if dst.ndim == 0 or dst.shape[0] < 2:
+        return [(dst, src)]
+    row_bytes = max(1, dst.nbytes // dst.shape[0])
+    step = max(1, PIECE_BYTES // row_bytes)
+    return [(dst[a : a + step], src[a : a + step]) for a in range(0, dst.shape[0], step)]
+
+
+def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """``np.copyto(dst, src)`` for every ``(dst, src)`` pair (same shapes, no overlaps between
+    pairs), the bytes spread over the copy threads when there are enough of them."""
+    total = sum(dst.nbytes for dst, _ in pairs)
+    threads = idle_threads() if total >= SPLIT_BYTES else 1
+    if threads == 1:
+        for dst, src in pairs:
+            np.copyto(dst, src)
+        return
+    pieces = [piece for dst, src in pairs for piece in _pieces(dst, src)]
+    share = -(-total // threads)
+    groups: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
+    filled = 0
+    for piece in pieces:
+        if filled >= share and len(groups) < threads:
+            groups.append([])
+            filled = 0
+        groups[-1].append(piece)
+        filled += piece[0].nbytes
+    run_split([functools.partial(_copy_group, group) for group in groups])
+
+
+def run_split(tasks: Sequence[Callable[[], None]]) -> None:
+    """Run ``tasks`` at once on the copy threads, the first on the caller's (one handoff
+    fewer); returns when all are done, raising the first error after all ended."""
+    futures = [_executor().submit(task) for task in tasks[1:]]
+    try:
+        if tasks:
+            tasks[0]()
+    finally:
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:  # raised below, once every task has ended
+                errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)``, split over the copy threads when big."""
+    copy_many([(dst, src)])
+
+
+def _copy_group(group: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for dst, src in group:
+        np.copyto(dst, src)

@@ -1,0 +1,73 @@
+"""The data path's host copies and put checksums split over threads: the same bytes and the
+same sums as one thread's, whatever the split (``cuda_ext/host_copy.py``,
+``node/checksums.py``), and the SSD reads cut for queue depth (``transports/local_ssd.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flatcake_ray.core.integrity import layer_checksums
+from flatcake_ray.core.layout import SegmentLayout
+from flatcake_ray.cuda_ext import host_copy
+from flatcake_ray.node import checksums
+from flatcake_ray.transports.base import ReadBatch
+from flatcake_ray.transports.local_ssd import PIECE_BYTES, depth_pieces
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-threads")
+def threads(request, monkeypatch) -> int:
+    monkeypatch.setattr(host_copy, "idle_threads", lambda: request.param)
+    monkeypatch.setattr(checksums, "idle_threads", lambda: request.param)
+    monkeypatch.setattr(host_copy, "PIECE_BYTES", 1 << 16)  # many pieces from small arrays
+    monkeypatch.setattr(host_copy, "SPLIT_BYTES", 1 << 16)
+    monkeypatch.setattr(checksums, "SPLIT_BYTES", 1 << 16)
+    return request.param
+
+
+def test_copy_many_moves_every_byte_of_every_pair(threads: int) -> None:
+    rng = np.random.default_rng(threads)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in (1, 70_000, 300_001)]
+    targets = [np.zeros_like(source) for source in sources]
+    host_copy.copy_many(list(zip(targets, sources, strict=True)))
+    for target, source in zip(targets, sources, strict=True):
+        assert np.array_equal(target, source)
+
+
+def test_copy_into_a_strided_destination_copies_row_by_row(threads: int) -> None:
+    source = np.arange(40 * 8192, dtype=np.uint32).reshape(40, 8192)
+    pool = np.zeros((80, 8192), dtype=np.uint32)
+    host_copy.copy_into(pool[::2], source)  # every other row: not contiguous
+    assert np.array_equal(pool[::2], source) and not pool[1::2].any()
+
+
+def test_run_split_raises_the_first_error_after_every_task_ended() -> None:
+    ran: list[int] = []
+
+    def fail() -> None:
+        ran.append(1)
+        raise ValueError("task failed")
+
+    with pytest.raises(ValueError, match="task failed"):
+        host_copy.run_split([lambda: ran.append(0), fail, lambda: ran.append(2)])
+    assert sorted(ran) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("pages", [1, 5, 37])
+def test_put_checksums_equal_the_readers_whatever_the_split(threads: int, pages: int) -> None:
+    layout = SegmentLayout(pages=pages, layers=1, page_bytes=4096, check_pages=4)
+    extent = np.random.default_rng(pages).integers(0, 256, layout.layer_bytes, dtype=np.uint8)
+    assert np.array_equal(
+        checksums.parallel_layer_checksums(extent, layout), layer_checksums(extent, layout)
+    )
+
+
+def test_ssd_reads_are_cut_into_pieces_that_cover_each_range_once() -> None:
+    long, short = 3 * PIECE_BYTES + 4096, 8192
+    batch = ReadBatch([0, 10 * PIECE_BYTES], [long, short], [1 << 30, 0])
+    commands = depth_pieces(batch)
+    assert commands[-1] == (10 * PIECE_BYTES, short, 0)  # a short range stays whole
+    pieces = commands[:-1]
+    assert [n for _, n, _ in pieces] == [PIECE_BYTES] * 3 + [4096]
+    assert [src for src, _, _ in pieces] == [i * PIECE_BYTES for i in range(4)]
+    assert all(dst - src == 1 << 30 for src, _, dst in pieces)  # each lands where its bytes go
