@@ -237,7 +237,7 @@ class FlatCakeStore:
         """The hits, and whether reading them touches SSD: where a lease would read them
         (a DRAM read replica of an SSD segment is a DRAM hit), so an engine's choice between
         loading inside the step and in the background follows the read, not the home."""
-        digests = self._digests(keys, namespace)
+        digests = key_digests(keys, namespace)
         with self._lock:
             catalog = self.tenancy.catalog(tenant)
             segment_ids, _ = catalog.prefix(digests)
