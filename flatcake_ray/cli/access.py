@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import subprocess
 
-from flatcake_ray.cli.connect import DEFAULT_CONNECT_TIMEOUT_S, ray_binary
+from flatcake_ray.cli.connect import DEFAULT_CONNECT_TIMEOUT_S
 from flatcake_ray.config import secret_path
 from flatcake_ray.errors import ServiceError
 
@@ -69,10 +68,17 @@ def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = F
         address = local.address
         if AUTH_MODE not in os.environ:
             set_auth_mode(local.auth_mode)
-    elif address is None and may_start and not _ray_running(args.connect_timeout):
-        local_ray.use_loopback()
-        address = local_ray.start(args.local_cpus).address
-        started = True
+    elif address is None:
+        address = _this_machines_cluster(args.connect_timeout)
+        if address is None and not may_start:
+            raise ServiceError(
+                "no Ray cluster to connect to: give --address (or RAY_ADDRESS), or let "
+                "`flatcake-ray start` start a local one"
+            )
+        if address is None:
+            local_ray.use_loopback()
+            address = local_ray.start(args.local_cpus).address
+            started = True
     try:
         connect(address, namespace, args.connect_timeout)
     except BaseException:
@@ -97,15 +103,13 @@ def stop_local_ray() -> None:
     local_ray.stop(local)
 
 
-def _ray_running(timeout_s: float) -> bool:
-    try:
-        result = subprocess.run(
-            [ray_binary(), "status"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        raise ServiceError(f"`ray status` did not answer within {timeout_s:g} s") from None
-    return result.returncode == 0
+def _this_machines_cluster(timeout_s: float) -> str | None:
+    """The cluster the last ``ray start`` here made, if it still answers (in the token mode
+    Ray gives a local cluster found without an address)."""
+    from flatcake_ray.cli.connect import align_auth_mode, answers, last_ray_start
+
+    address = last_ray_start()
+    if address is None or not answers(address, timeout_s):
+        return None
+    align_auth_mode()
+    return address

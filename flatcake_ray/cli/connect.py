@@ -70,6 +70,29 @@ def resolve_address(address: str | None) -> str:
         raise ServiceError(f"no Ray cluster to connect to ({address or 'auto'}): {exc}") from None
 
 
+def last_ray_start() -> str | None:
+    """``host:port`` of the last ``ray start`` on this machine, from the file Ray records it
+    in (under ``RAY_TMPDIR``, ``TMPDIR`` or /tmp, as Ray places it; read here because
+    importing Ray fixes settings the CLI sets first), or None. Unlike Ray's own resolution,
+    never a cluster found by listing processes: another user's or a test's ``ray.init``
+    cluster on the same machine is not one to deploy on."""
+    root = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    try:
+        text = (Path(root) / "ray" / "ray_current_cluster").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
+
+
+def answers(host_port: str, timeout_s: float) -> bool:
+    """Whether something accepts connections at ``host:port``."""
+    try:
+        probe(host_port, timeout_s)
+    except ServiceError:
+        return False
+    return True
+
+
 def probe(host_port: str, timeout_s: float) -> None:
     """Open (and close) a TCP connection to ``host:port``, or raise ServiceError."""
     host, sep, port = host_port.rpartition(":")
