@@ -356,9 +356,6 @@ class FlatCakeClient:
     def stats(self, *, nodes: bool = True) -> dict[str, Any]:
         """This client's counters and per-path tallies; with ``nodes``, each node's stats
         (one call per node: control plane, not for the serving loop)."""
-        import ray
-        from ray.exceptions import RayError
-
         with self._lock:
             out: dict[str, Any] = {
                 "client": {**self.counters, "fanouts": self._locator.fanouts},
@@ -368,17 +365,7 @@ class FlatCakeClient:
             }
         out["metrics"] = self.metrics.snapshot()
         if nodes:
-            links = self.nodes.up()
-            refs = [link.handle.stats.remote() for link in links]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.rpc_timeout_s)
-            out["nodes"] = {}
-            for link, ref in zip(links, refs, strict=True):
-                if ref not in ready:
-                    continue
-                try:
-                    out["nodes"][link.node_id] = ray.get(ref)
-                except RayError as exc:
-                    self.nodes.mark_down(link, f"stats failed: {exc}")
+            out["nodes"] = self.nodes.stats(self.config.rpc_timeout_s)
         return out
 
     def close(self) -> None:

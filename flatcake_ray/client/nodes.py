@@ -253,6 +253,25 @@ class NodeTable:
             names = [name for name, node_id in self._names.items() if node_id == link.node_id]
             self._describe_all(set(names), self.config.rpc_timeout_s if self.config else 10.0)
 
+    def stats(self, timeout_s: float) -> dict[int, Any]:
+        """Each live node's stats, asked at once; a node that fails to answer is marked
+        down, one that answers late is left out."""
+        import ray
+        from ray.exceptions import RayError
+
+        links = self.up()
+        refs = [link.handle.stats.remote() for link in links]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        found: dict[int, Any] = {}
+        for link, ref in zip(links, refs, strict=True):
+            if ref not in ready:
+                continue
+            try:
+                found[link.node_id] = ray.get(ref)
+            except RayError as exc:
+                self.mark_down(link, f"stats failed: {exc}")
+        return found
+
     def up(self) -> list[NodeLink]:
         now = time.monotonic()
         return [link for link in list(self.links.values()) if link.is_up(now)]

@@ -31,7 +31,6 @@ import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,33 +39,17 @@ from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.core.scheduler import Scheduler, SchedulerConfig
 from flatcake_ray.replay.devices import Link, SsdWorkers, StagingPool
 from flatcake_ray.replay.flat_store import FlatStorage
+from flatcake_ray.replay.flight import Flight
 from flatcake_ray.replay.metrics import RequestRecords
 from flatcake_ray.replay.pages import TracePages
 from flatcake_ray.replay.profiles import Profile
-from flatcake_ray.replay.systems import Located, Storage, SystemSpec, Transfer
+from flatcake_ray.replay.systems import Storage, SystemSpec, Transfer
 from flatcake_ray.replay.tiered_store import TieredStorage
 from flatcake_ray.replay.tiers import KeyMap, PageLru
 
 # Event kinds, in the order they run at equal times: data lands before it is asked for.
 TRANSFER_DONE, PREFETCH_DONE, STAGING_FREE, PREFILL_DONE, ARRIVE = range(5)
 UNBOUNDED = 1 << 30
-
-
-@dataclass
-class Flight:
-    request: int
-    arrival: float
-    hbm_prefix: int
-    hbm_slots: np.ndarray
-    located: Located
-    usable: int  # storage pages usable from the HBM prefix on (cut short by a revoke)
-    staged_bytes: int = 0
-    prefetch_start: float = math.nan
-    resubmitted: bool = False
-    used: slice = field(default_factory=lambda: slice(0, 0))
-    # Request positions of the pages its prefetches read into its own KV slots (storage
-    # that keeps restored pages only): a second prefetch does not read them again.
-    restored: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class Replay:
