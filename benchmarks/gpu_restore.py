@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.stages import GPU_STAGES, RESTORE_STAGES, StageClock, medians
+from benchmarks.stage_clock import GPU_STAGES, RESTORE_STAGES, StageClock, medians
 
 BLOCK_TOKENS, KV_HEADS, HEAD_DIM = 16, 8, 128  # vLLM's default block; Llama-8B-like heads
 PAGE_SHAPE = (2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)  # K and V of one block, bf16

@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks.peers.limits import local_limits, nixl_read_gbps
 from benchmarks.peers.sys_flatcake import FlatCakeBench, FlatCakeWorker, seed_of
 from benchmarks.peers.workload import Workload, check_bytes
-from benchmarks.stages import StageClock, summarise
+from benchmarks.stage_clock import StageClock, summarise
 
 
 class StageWorker(FlatCakeWorker):

@@ -11,7 +11,7 @@ import argparse
 from benchmarks.peers import run as peers_run
 from benchmarks.peers.sys_mooncake import LOOPBACK, MooncakeCluster
 from benchmarks.peers.workload import Workload
-from benchmarks.stages import StageClock, medians, summarise
+from benchmarks.stage_clock import StageClock, medians, summarise
 from flatcake_ray.cli.bench import refusal as restore_refusal
 from flatcake_ray.cli.benchkit import MAX_START_LOAD, best_limits, unfit_for_record
 
