@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +63,7 @@ from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
 from flatcake_ray.errors import ServiceError, ShapeError
 from flatcake_ray.failpoints import failpoint
+from flatcake_ray.node.root_slot import RootSlot
 from flatcake_ray.node.store import FlatCakeStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class StorageNode:
         import ray
 
         self.config = config
-        self.ray_node_id = ray.get_runtime_context().get_node_id()
+        self.ray_node_id = ray_node_id = ray.get_runtime_context().get_node_id()
         self.started_at = time.time()
         open_default = default_tenant(config.layers, config.page_bytes)
         self.gate = Gate(
@@ -90,10 +90,11 @@ class StorageNode:
         self.membership = Membership(
             config, service_secret, self.ray_node_id, name, self.started_at
         )
-        # The store's own root (FLATCAKE_ROOT may move it) also keeps this node's NodeID.
-        wanted = config.store_config(self.ray_node_id, 1)
-        root = Path(wanted.root)
-        root.mkdir(parents=True, exist_ok=True)
+        # The store's own root (FLATCAKE_ROOT may move it) also keeps this node's NodeID; its
+        # {slot} is the first one of this machine no other storage node holds.
+        self.slot = RootSlot.claim(lambda slot: config.store_config(ray_node_id, 1, slot=slot).root)
+        wanted = config.store_config(ray_node_id, 1, slot=self.slot.index)
+        root = self.slot.root
         self.node_id = self.membership.join(root)
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
         self.store.metrics.count_requests = False  # its clients count the requests they make
@@ -228,6 +229,7 @@ class StorageNode:
             **self.supervision.stats(),
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
+            "root": str(self.slot.root),
             "leases_held": len(self.leases),
             "ship_regions_held": self.ship_buffer.regions.held,
             "nixl": self.exports.nixl_reason or "ok",
@@ -394,3 +396,4 @@ class StorageNode:
         self.ship_buffer.close()
         self.exports.close_agent()
         self.store.close()
+        self.slot.close()

@@ -7,13 +7,19 @@ Every field of :class:`StoreConfig` (and of its :class:`PlacementConfig`) and of
 ``FLATCAKE_SSD_DIRS=/mnt/nvme0/fc:/mnt/nvme1/fc``, ``FLATCAKE_TAU_TOKENS=2048``.
 Sizes (fields named ``*_bytes``) accept ``K/M/G/T`` (powers of 1024, ``KiB`` and ``KB``
 alike); booleans accept ``1/0/true/false/yes/no/on/off``; lists of folders are
-``:``-separated. ``{node}`` in ``root`` and ``ssd_dirs`` of a service config becomes the Ray
-node id, after every override (a ``FLATCAKE_ROOT`` with ``{node}`` too).
+``:``-separated. In ``root`` and ``ssd_dirs`` of a service config, after every override (a
+``FLATCAKE_ROOT`` with them too): ``{host}`` becomes the machine's host name, ``{slot}`` the
+smallest slot index of that root no other storage node on the machine holds (a lock taken by
+the storage node, ``flatcake_ray/node/root_slot.py``), ``{namespace}`` the service's
+namespace and ``{node}`` the Ray node id (new for every Ray node: a restarted node finds a
+fresh folder, so keep it out of roots meant to survive).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -215,6 +221,17 @@ class StoreConfig:
         return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
 
+def path_component(text: str) -> str:
+    """``text`` as one safe path component (no separators, never ``.`` or ``..``)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text)
+    return cleaned if cleaned.strip(".") else "_" + cleaned
+
+
+def host_name() -> str:
+    """This machine's host name as one path component (``{host}`` in a root)."""
+    return path_component(socket.gethostname())
+
+
 def secret_path(namespace: str, secret_file: str = "") -> str:
     """Where the service secret of ``namespace`` is kept (see ``ServiceConfig.secret_file``)."""
     chosen = secret_file or os.environ.get("FLATCAKE_SECRET_FILE") or DEFAULT_SECRET_FILE
@@ -227,7 +244,9 @@ class ServiceConfig:
     ``FLATCAKE_*`` variables override them again for its own store), and service timings."""
 
     namespace: str = "flatcake"  # the Ray namespace of the coordinator and storage nodes
-    root: str = "/var/tmp/flatcake/{node}"  # {node}: the Ray node id (one machine, many nodes)
+    # Stable for a machine: a node restarted there finds its NodeID and SSD scopes again;
+    # {slot} keeps several storage nodes of one machine (and namespace) apart.
+    root: str = "/var/tmp/flatcake/{namespace}/{host}-{slot}"
     layers: int = 32
     page_bytes: int = 64 << 10
     dram_bytes: int = 1 << 30
@@ -282,11 +301,15 @@ class ServiceConfig:
         return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
     def store_config(
-        self, ray_node_id: str, node_id: int, environ: Mapping[str, str] | None = None
+        self,
+        ray_node_id: str,
+        node_id: int,
+        environ: Mapping[str, str] | None = None,
+        slot: int = 0,
     ) -> StoreConfig:
         """This node's store: the service values, then the node's own ``FLATCAKE_*``; then
-        ``{node}`` in ``root`` and ``ssd_dirs`` becomes the node id (so an overridden root
-        with ``{node}`` still gives each node its own pool)."""
+        the templates in ``root`` and ``ssd_dirs`` are expanded (module docstring), ``{slot}``
+        to ``slot`` (so an overridden root with them still gives each node its own pool)."""
         service = {name: getattr(self, name) for name in STORE_FIELDS}
         return build_config(
             StoreConfig,
@@ -295,7 +318,12 @@ class ServiceConfig:
                 name="service config",
             ),
             Source.environment(StoreConfig, environ),
-            node=ray_node_id[:16],
+            templates={
+                "{node}": ray_node_id[:16],
+                "{host}": host_name(),
+                "{slot}": str(slot),
+                "{namespace}": path_component(self.namespace),
+            },
         )
 
     def check_same_geometry(self, running: Mapping[str, Any]) -> None:

@@ -102,7 +102,11 @@ def _add_start(subparsers: Any) -> None:
     start = subparsers.add_parser("start", help="deploy the coordinator and storage nodes")
     _add_connection_flags(start)
     start.add_argument("--config", help="JSON or TOML file of ServiceConfig fields")
-    start.add_argument("--root", help="per-node folder; {node} becomes the Ray node id")
+    start.add_argument(
+        "--root",
+        help="per-node folder (default /var/tmp/flatcake/{namespace}/{host}-{slot}); "
+        "{node} becomes the Ray node id",
+    )
     start.add_argument("--layers", help="model layers (the geometry every node shares)")
     start.add_argument("--page-bytes", dest="page_bytes", help="bytes of a page of one layer")
     start.add_argument("--ssd-dirs", dest="ssd_dirs", help="colon-separated SSD folders")
