@@ -269,8 +269,17 @@ class ServiceConfig:
     nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
     node_concurrency: int = 16  # concurrent RPCs a storage node serves
     # A client without a tenant secret is the default tenant (the service's geometry, no
-    # quota); False: every client presents a tenant's secret (docs/security.md).
+    # quota) while no named tenant exists; False: every client presents a tenant's secret
+    # (docs/security.md). default_beside_tenants keeps it open beside named tenants too
+    # (every Ray job then reads and writes the default tenant's pages).
     open_default: bool = True
+    default_beside_tenants: bool = False
+    # Per tenant and node (actors/tenant_limits.py): calls a second (0: no limit) and the
+    # burst above that rate, leases held at once, puts open at once.
+    tenant_calls_per_s: float = 20000.0
+    tenant_call_burst: int = 5000
+    tenant_leases: int = 4096
+    tenant_puts: int = 256
     # The service secret (made on the first start, mode 0600); {namespace} is expanded.
     # Empty: FLATCAKE_SECRET_FILE of the process, else ~/.flatcake/{namespace}.secret.
     secret_file: str = ""
@@ -288,6 +297,13 @@ class ServiceConfig:
         for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
             _require(getattr(self, name) > 0, f"{name} must be positive", name)
         _require(self.node_down_s >= 0, "node_down_s must be >= 0", "node_down_s")
+        _require(
+            self.tenant_calls_per_s >= 0,
+            "tenant_calls_per_s must be >= 0 (0: no limit)",
+            "tenant_calls_per_s",
+        )
+        for name in ("tenant_call_burst", "tenant_leases", "tenant_puts"):
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1", name)
         _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0", "ramp_seconds")
         _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]", "ramp_floor")
         _require(

@@ -50,6 +50,12 @@ class QuotaExceededError(FlatCakeError):
     unreferenced scopes; nothing was evicted from other tenants, nothing was written."""
 
 
+class TenantLimitError(FlatCakeError):
+    """A tenant is over one of a node's per-tenant limits (call rate, open leases, open
+    puts); the call was refused before it took or changed anything: retry later, or release,
+    commit or abort what it holds."""
+
+
 class StoreInUseError(FlatCakeError):
     """Another store (in this process or another) has the store root open."""
 
