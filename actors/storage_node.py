@@ -355,12 +355,17 @@ class StorageNode:
         options = {"namespace": namespace, "session_id": session_id, "parent": parent}
         return self.puts.begin(tenant, keys, {**options, "hints": hints})
 
-    def land(self, secret: object, put_id: object, layer: object, inline: Any = None) -> None:
-        """Layer ``layer`` of an SSD put is in its landing slot (or ``inline``)."""
-        self.puts.land(self._tenant(secret).name, put_id, layer, inline)
+    def land(
+        self, secret: object, put_id: object, layer: object, inline: Any = None, sums: Any = None
+    ) -> None:
+        """Layer ``layer`` of an SSD put is in its landing slot (``sums``: its checksums, as
+        its writer computed them) or ``inline``."""
+        self.puts.land(self._tenant(secret).name, put_id, layer, inline, sums)
 
-    def commit_put(self, secret: object, put_id: object, in_place: Any = ()) -> PutResult:
-        return self.puts.commit(self._tenant(secret).name, put_id, in_place)
+    def commit_put(
+        self, secret: object, put_id: object, in_place: Any = (), sums: Any = ()
+    ) -> PutResult:
+        return self.puts.commit(self._tenant(secret).name, put_id, in_place, sums)
 
     def abort_put(self, secret: object, put_id: object) -> None:
         self.puts.abort(self._tenant(secret, metered=False).name, put_id)

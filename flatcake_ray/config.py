@@ -118,7 +118,10 @@ class StoreConfig:
     ssd_low_watermark: float = 1.0
     hugepages: str = "auto"  # auto | off | require
     fsync: bool = True  # data reaches the drive before its manifest record does
-    verify_dram: bool = False  # checksums are always checked on SSD reads
+    # Readers check DRAM blocks too (SSD blocks always): DRAM pages are written in place by
+    # clients into shared memory, so a check is what keeps another writer's bytes from being
+    # delivered (docs/security.md). Off: trust every writer of the arena.
+    verify_dram: bool = True
     check_bytes: int = 64 << 10  # a checksum block: whole pages, about this many bytes
     restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
     restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two

@@ -64,6 +64,11 @@ class StoreWriteError(FlatCakeError):
     """Writing a segment failed; nothing of it was published."""
 
 
+class TamperedWriteError(StoreWriteError):
+    """A layer a client wrote into the owner's memory is not, at landing, what the client
+    says it wrote (its checksums): someone else wrote there. The put was aborted."""
+
+
 class ConfigError(FlatCakeError, ValueError):
     """A configuration value (argument, file, FLATCAKE_* variable or flag) is invalid.
 

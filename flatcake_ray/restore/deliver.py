@@ -11,6 +11,8 @@ last has landed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -59,10 +61,11 @@ class ChunkDelivery:
 
     def _source_bytes(
         self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
-    ) -> np.ndarray:
-        """Where a chunk's bytes are: the mapped medium, or its slot's host bytes."""
+    ) -> Any:
+        """Where a chunk's bytes are: the mapped medium (a private copy when checked), or its
+        slot's host bytes."""
         if chunk.mapped:
-            return job.mapped[chunk.medium].view
+            return _checked_copy(job.mapped[chunk.medium].view, chunk, self.page_bytes)
         assert slot is not None and slot.host is not None
         if stats is not None and stats.on_device:  # GDS: checksums are taken on the host
             with torch.cuda.stream(slot.stream):
@@ -130,3 +133,27 @@ class ChunkDelivery:
         if chunk.mapped:
             tally.reads += len(runs)
             tally.bytes += nbytes
+
+
+class _Rebased:
+    """Bytes ``[base, base + len(data))`` of a medium, sliced by medium offsets."""
+
+    def __init__(self, data: np.ndarray, base: int) -> None:
+        self.data = data
+        self.base = base
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        return self.data[span.start - self.base : span.stop - self.base]
+
+
+def _checked_copy(view: np.ndarray, chunk: LayerChunk, page_bytes: int) -> Any:
+    """A mapped chunk's bytes to check and deliver. Checked ones are copied out first: the
+    mapped memory is shared (a put's writer maps it writable), so bytes checked in place could
+    change before they are scattered; a private copy is what is checked and what is
+    delivered. Unchecked ones are read in place."""
+    if not chunk.hashes:
+        return view
+    ends = [(span.offset, span.offset + span.length) for span in chunk.hashes]
+    ends += [(run.offset, run.offset + len(run.positions) * page_bytes) for run in chunk.runs]
+    lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
+    return _Rebased(view[lo:hi].copy(), lo)
