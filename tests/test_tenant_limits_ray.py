@@ -54,7 +54,7 @@ def client_of(secret: str | None):
 def add(name: str) -> str:
     from flatcake_ray.client import tenants
 
-    return tenants.add_tenant(NAMESPACE, name, layers=LAYERS, page_bytes=PAGE_BYTES)
+    return tenants.add_tenant(NAMESPACE, name, layers=LAYERS, page_bytes=PAGE_BYTES, timeout_s=60.0)
 
 
 def node_of(client):
