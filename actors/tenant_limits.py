@@ -48,20 +48,19 @@ class TenantLimits:
 
     def lease(self, tenant: str, held: int) -> None:
         """Refuse a new lease of ``tenant``, which holds ``held`` here, at its limit."""
-        if held >= self.max_leases:
-            self.counters["leases_limited"] += 1
-            raise TenantLimitError(
-                f"tenant {tenant} holds {held} leases on this node, its limit "
-                f"(tenant_leases={self.max_leases}): release some first"
-            )
+        self._below(tenant, held, self.max_leases, ("leases", "holds", "release"))
 
     def put(self, tenant: str, open_puts: int) -> None:
         """Refuse a new put of ``tenant``, which has ``open_puts`` open here, at its limit."""
-        if open_puts >= self.max_puts:
-            self.counters["puts_limited"] += 1
+        self._below(tenant, open_puts, self.max_puts, ("puts", "has open", "commit or abort"))
+
+    def _below(self, tenant: str, count: int, limit: int, words: tuple[str, str, str]) -> None:
+        what, verb, remedy = words
+        if count >= limit:
+            self.counters[f"{what}_limited"] += 1
             raise TenantLimitError(
-                f"tenant {tenant} has {open_puts} puts open on this node, its limit "
-                f"(tenant_puts={self.max_puts}): commit or abort some first"
+                f"tenant {tenant} {verb} {count} {what} on this node, its limit "
+                f"(tenant_{what}={limit}): {remedy} some first"
             )
 
     def drop_tenant(self, tenant: str) -> None:

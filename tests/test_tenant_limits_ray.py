@@ -11,6 +11,8 @@ import pytest
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.errors import AccessDeniedError, TenantLimitError
 from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
+from tests.conftest import random_kv as kv
+from tests.test_tenant_service import keys
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -18,15 +20,6 @@ ray = pytest.importorskip("ray")
 NAMESPACE = "fc-tenant-limits"
 SSD = PutHints(turn=1)
 BURST = 60  # calls each tenant may make here, ever (the rate refills one in 1000 s)
-
-
-def kv(pages: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (LAYERS, pages, PAGE_BYTES), dtype=np.uint8)
-
-
-def keys(prefix: str, pages: int) -> list[str]:
-    return [f"{prefix}/{i}" for i in range(pages)]
 
 
 @pytest.fixture(scope="module")
