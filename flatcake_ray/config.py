@@ -51,7 +51,7 @@ DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
 GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
 STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
-STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync")
+STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync", "verify_dram")
 
 
 def _require(condition: bool, message: str, *names: str) -> None:
@@ -118,10 +118,9 @@ class StoreConfig:
     ssd_low_watermark: float = 1.0
     hugepages: str = "auto"  # auto | off | require
     fsync: bool = True  # data reaches the drive before its manifest record does
-    # Readers check DRAM blocks too (SSD blocks always): DRAM pages are written in place by
-    # clients into shared memory, so a check is what keeps another writer's bytes from being
-    # delivered (docs/security.md). Off: trust every writer of the arena.
-    verify_dram: bool = True
+    # Readers check DRAM blocks too (SSD blocks always). Off for a store only its own process
+    # writes; a service's nodes turn it on (ServiceConfig.verify_dram).
+    verify_dram: bool = False
     check_bytes: int = 64 << 10  # a checksum block: whole pages, about this many bytes
     restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
     restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two
@@ -258,6 +257,10 @@ class ServiceConfig:
     ssd_file_bytes: int = 1 << 30
     hugepages: str = "auto"
     fsync: bool = True
+    # Readers check DRAM blocks too: clients write puts in place into a node's shared memory,
+    # so the check keeps another writer's bytes from being delivered (docs/security.md).
+    # Off: faster local DRAM reads, trusting every writer of the arena.
+    verify_dram: bool = True
     ship_bytes: int = 64 << 20  # each node's NIXL bounce buffer for shipped SSD reads
     # Node memory clients write a put's SSD layers into (two layers per put in flight), which
     # the node writes to its drive: a put that finds it full sends its bytes in the call.

@@ -91,3 +91,14 @@ def test_pages_overwritten_after_their_commit_are_a_miss_never_bytes(make_store,
         assert count == 0 and not out.any()
     else:
         assert count == 6 and not np.array_equal(out, kv)  # the wrong bytes, as a hit
+
+
+def test_a_services_nodes_check_dram_reads_unless_told_not_to():
+    from flatcake_ray.config import ServiceConfig, StoreConfig
+
+    assert ServiceConfig().store_config("a" * 16, 1, {}).verify_dram is True
+    assert (
+        ServiceConfig().store_config("a" * 16, 1, {"FLATCAKE_VERIFY_DRAM": "0"}).verify_dram
+        is False
+    )
+    assert StoreConfig(root="/tmp/x", layers=1, page_bytes=4096).verify_dram is False  # one writer
