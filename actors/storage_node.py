@@ -88,8 +88,7 @@ class StorageNode:
         self.membership = Membership(
             config, service_secret, self.ray_node_id, name, self.started_at
         )
-        # The store's own root (FLATCAKE_ROOT may move it) also keeps this node's NodeID; its
-        # {slot} is the first one of this machine no other storage node holds.
+        # The store's root (FLATCAKE_ROOT may move it) keeps the NodeID too; {slot}: root_slot.py
         self.slot = RootSlot.claim(lambda slot: config.store_config(ray_node_id, 1, slot=slot).root)
         wanted = config.store_config(ray_node_id, 1, slot=self.slot.index)
         root = self.slot.root
@@ -358,8 +357,7 @@ class StorageNode:
     def land(
         self, secret: object, put_id: object, layer: object, inline: Any = None, sums: Any = None
     ) -> None:
-        """Layer ``layer`` of an SSD put is in its landing slot (``sums``: its checksums, as
-        its writer computed them) or ``inline``."""
+        """Layer ``layer`` of an SSD put is in its slot (``sums``: its writer's) or ``inline``."""
         self.puts.land(self._tenant(secret).name, put_id, layer, inline, sums)
 
     def commit_put(

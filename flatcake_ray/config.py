@@ -7,12 +7,10 @@ Every field of :class:`StoreConfig` (and of its :class:`PlacementConfig`) and of
 ``FLATCAKE_SSD_DIRS=/mnt/nvme0/fc:/mnt/nvme1/fc``, ``FLATCAKE_TAU_TOKENS=2048``.
 Sizes (fields named ``*_bytes``) accept ``K/M/G/T`` (powers of 1024, ``KiB`` and ``KB``
 alike); booleans accept ``1/0/true/false/yes/no/on/off``; lists of folders are
-``:``-separated. In ``root`` and ``ssd_dirs`` of a service config, after every override (a
-``FLATCAKE_ROOT`` with them too): ``{host}`` becomes the machine's host name, ``{slot}`` the
-smallest slot index of that root no other storage node on the machine holds (a lock taken by
-the storage node, ``flatcake_ray/node/root_slot.py``), ``{namespace}`` the service's
-namespace and ``{node}`` the Ray node id (new for every Ray node: a restarted node finds a
-fresh folder, so keep it out of roots meant to survive).
+``:``-separated. In a service's ``root`` and ``ssd_dirs``, after every override: ``{host}``
+is the host name, ``{slot}`` the smallest slot of that root no other storage node of the
+machine holds (``node/root_slot.py``), ``{namespace}`` the namespace, ``{node}`` the Ray node
+id (new for every Ray node: keep it out of roots meant to survive a restart).
 """
 
 from __future__ import annotations
@@ -257,9 +255,8 @@ class ServiceConfig:
     ssd_file_bytes: int = 1 << 30
     hugepages: str = "auto"
     fsync: bool = True
-    # Readers check DRAM blocks too: clients write puts in place into a node's shared memory,
-    # so the check keeps another writer's bytes from being delivered (docs/security.md).
-    # Off: faster local DRAM reads, trusting every writer of the arena.
+    # Readers check DRAM too: clients write puts into a node's shared memory, and the check
+    # keeps another writer's bytes from being delivered (off: trust every writer).
     verify_dram: bool = True
     ship_bytes: int = 64 << 20  # each node's NIXL bounce buffer for shipped SSD reads
     # Node memory clients write a put's SSD layers into (two layers per put in flight), which
