@@ -152,10 +152,9 @@ def _sums(sums: Any) -> np.ndarray | None:
     against the segment's blocks when the layer lands)."""
     if sums is None:
         return None
-    data = np.asarray(sums) if isinstance(sums, (np.ndarray, list, tuple)) else None
-    if data is None or data.dtype != np.uint64 or data.ndim != 1 or len(data) > 1 << 24:
+    if not isinstance(sums, np.ndarray) or sums.dtype != np.uint64 or sums.ndim != 1:
         raise ShapeError("a layer's checksums are a 1-D uint64 array")
-    return data
+    return sums
 
 
 def _layer_sums(sums: Any, layers: int) -> list[np.ndarray | None]:
