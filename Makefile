@@ -16,7 +16,7 @@ DIST ?= dist
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed
 
-.PHONY: demo test test-unit test-integrations test-e2e lint format bench bench-e2e bench-peers wheel clean
+.PHONY: demo test test-unit test-integrations test-e2e test-e2e-repeat lint format bench bench-e2e bench-peers wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -66,6 +66,12 @@ $(E2E_STAMP): pyproject.toml constraints.txt requirements-e2e.txt
 
 test-e2e: $(E2E_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(E2E)/bin/python -m pytest -q -rs -p no:cacheprovider tests/e2e
+
+# Before an e2e change is called done: the suite REPEAT times in a row (scripts/repeat.sh;
+# `scripts/repeat.sh --busy 1 make test` runs it with every core kept busy).
+REPEAT ?= 5
+test-e2e-repeat: $(E2E_STAMP)
+	scripts/repeat.sh $(REPEAT) $(MAKE) --no-print-directory test-e2e
 
 bench-e2e: $(E2E_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(E2E)/bin/python benchmarks/e2e_ttft.py --write-md BENCHMARKS.md

@@ -56,7 +56,7 @@ class KVEventSubscriber:
             "replay_endpoint": self.replay_endpoint,
         }
 
-    def wait_connected(self, timeout: float = 30.0) -> None:
+    def wait_connected(self, timeout: float = 120.0) -> None:
         """Wait until vLLM's publisher has connected, then hand it this socket's subscription."""
         from zmq.utils.monitor import recv_monitor_message
 
@@ -73,7 +73,7 @@ class KVEventSubscriber:
         """Every event received, in the publisher's order."""
         return [event for seq in sorted(self.batches) for event in self.batches[seq].events]
 
-    def receive(self, until: Callable[[list[Any]], bool], timeout: float = 30.0) -> list[Any]:
+    def receive(self, until: Callable[[list[Any]], bool], timeout: float = 120.0) -> list[Any]:
         """Events until ``until(events)`` holds (live, then replayed); fails after ``timeout``."""
         deadline = time.monotonic() + timeout
         while not until(self.events):

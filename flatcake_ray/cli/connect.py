@@ -10,6 +10,7 @@ it call ``ray.init``. Each step is bounded by the connect timeout.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,33 @@ from pathlib import Path
 from flatcake_ray.errors import ServiceError
 
 DEFAULT_CONNECT_TIMEOUT_S = 15.0
+AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def token_available() -> bool:
+    """Whether Ray would find an auth token here (its own order: variable, path, home)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return Path(path).expanduser().is_file()
+
+
+def align_auth_mode() -> None:
+    """For a local cluster found without an address, the mode ``ray start`` gave it: token
+    auth when a token exists (``ray.init`` with an explicit address never infers it, so it
+    would be refused). An explicit ``RAY_AUTH_MODE`` stays as the operator set it."""
+    if AUTH_MODE not in os.environ and token_available():
+        set_auth_mode("token")
+
+
+def set_auth_mode(mode: str) -> None:
+    """``RAY_AUTH_MODE`` for this process and its children. Ray reads it into its config when
+    first imported: a process that imported Ray already has it re-read, as Ray itself does."""
+    os.environ[AUTH_MODE] = mode
+    if "ray" in sys.modules:
+        from ray._raylet import Config  # type: ignore[attr-defined]  # a Cython module: no stubs name it
+
+        Config.initialize("")
 
 
 def ray_binary() -> str:
@@ -68,7 +96,17 @@ def health_check(host_port: str, timeout_s: float) -> None:
         ) from None
     if result.returncode != 0:
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ServiceError(f"no healthy Ray cluster at {host_port}: {last}")
+        raise ServiceError(f"no healthy Ray cluster at {host_port}: {last}{_auth_hint(last)}")
+
+
+def _auth_hint(message: str) -> str:
+    if "auth" not in message.lower():
+        return ""
+    return (
+        " (the cluster and this command disagree on token authentication: set RAY_AUTH_MODE"
+        " to the cluster's mode, `token` with its token in ~/.ray/auth_token or"
+        " RAY_AUTH_TOKEN_PATH)"
+    )
 
 
 def connect(address: str | None, namespace: str, timeout_s: float) -> None:
@@ -78,6 +116,8 @@ def connect(address: str | None, namespace: str, timeout_s: float) -> None:
 
     if ray.is_initialized():
         return
+    if address is None:
+        align_auth_mode()
     target = resolve_address(address)
     started = time.monotonic()
     probe(target, timeout_s)

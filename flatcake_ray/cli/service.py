@@ -7,7 +7,8 @@ and SSD folders come from a JSON or TOML config file (``--config``), then flags,
 node's ``FLATCAKE_*`` variables. Connecting gives up after ``--connect-timeout`` seconds
 (15 by default) when no cluster answers. ``start`` against a running service with another
 geometry (layers, page_bytes) is an error. ``stop`` shuts the storage nodes (SSD scopes
-stay on disk) and the coordinator down; ``--ray`` also stops the local Ray it runs on.
+stay on disk) and the coordinator down; ``--ray`` also stops the local Ray that ``start``
+started (that one only: other Ray clusters on the machine keep running).
 ``drain NODE`` stops placing new scopes on a storage node before it is removed (``undrain``
 reverses it).
 """
@@ -156,7 +157,9 @@ def _add_status_stop(subparsers: Any) -> None:
     status.set_defaults(handler=cmd_status)
     stop = subparsers.add_parser("stop", help="stop the storage nodes and the coordinator")
     _add_connection_flags(stop)
-    stop.add_argument("--ray", action="store_true", help="then `ray stop` on this machine")
+    stop.add_argument(
+        "--ray", action="store_true", help="then stop the local Ray that `start` started"
+    )
     stop.set_defaults(handler=cmd_stop)
 
 
@@ -206,13 +209,46 @@ def add_service_commands(subparsers: Any) -> None:
 
 
 # ---- handlers --------------------------------------------------------------------------------
-def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> None:
-    from flatcake_ray.cli.connect import connect
+def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = False) -> bool:
+    """Connect to the cluster the flags, ``RAY_ADDRESS`` or this machine name; with
+    ``may_start`` and none running, start a local one first. True when it started one."""
+    from flatcake_ray.cli import local_ray
+    from flatcake_ray.cli.connect import AUTH_MODE, connect, set_auth_mode
 
     address = args.address or os.environ.get("RAY_ADDRESS")
-    if address is None and may_start and not _ray_running(args.connect_timeout):
-        _start_local_ray(args.local_cpus)
-    connect(address, namespace, args.connect_timeout)
+    started = False
+    local = local_ray.recorded() if address is None else None
+    if local is not None and local_ray.session_alive(local.session_dir):
+        local_ray.use_loopback()
+        address = local.address
+        if AUTH_MODE not in os.environ:
+            set_auth_mode(local.auth_mode)
+    elif address is None and may_start and not _ray_running(args.connect_timeout):
+        local_ray.use_loopback()
+        address = local_ray.start(args.local_cpus).address
+        started = True
+    try:
+        connect(address, namespace, args.connect_timeout)
+    except BaseException:
+        if started:
+            _stop_local_ray()
+        raise
+    return started
+
+
+def _stop_local_ray() -> None:
+    import ray
+
+    from flatcake_ray.cli import local_ray
+
+    ray.shutdown()
+    local = local_ray.recorded()
+    if local is None:
+        raise ServiceError(
+            "no local Ray started by `flatcake-ray start` is recorded on this machine "
+            f"({local_ray.state_file()}); stop a Ray you started yourself with `ray stop`"
+        )
+    local_ray.stop(local)
 
 
 def _ray_running(timeout_s: float) -> bool:
@@ -227,12 +263,6 @@ def _ray_running(timeout_s: float) -> bool:
     except subprocess.TimeoutExpired:
         raise ServiceError(f"`ray status` did not answer within {timeout_s:g} s") from None
     return result.returncode == 0
-
-
-def _start_local_ray(cpus: int) -> None:
-    command = [ray_binary(), "start", "--head", f"--num-cpus={cpus}"]
-    command += ["--include-dashboard=false", "--disable-usage-stats"]
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
 
 
 def _print_status(info: dict[str, Any], as_json: bool) -> None:
@@ -251,8 +281,14 @@ def cmd_start(args: argparse.Namespace) -> int:
     from flatcake_ray.client.deploy import start
 
     config = config_from_args(args)
-    connect_cli(args, config.namespace, may_start=True)
-    _print_status(start(config, resource=args.resource), args.json)
+    started_ray = connect_cli(args, config.namespace, may_start=True)
+    try:
+        info = start(config, resource=args.resource)
+    except BaseException:
+        if started_ray:  # a failed start leaves nothing running that it started
+            _stop_local_ray()
+        raise
+    _print_status(info, args.json)
     return 0
 
 
@@ -270,16 +306,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    connect_cli(args, namespace_of(args))  # first: it may set what Ray reads on import
     import ray
 
     from flatcake_ray.client.deploy import stop
 
-    connect_cli(args, namespace_of(args))
     stopped = stop(namespace_of(args), operator_secret(args))
     print(f"stopped {stopped} actors in namespace {namespace_of(args)!r}")
     ray.shutdown()
     if args.ray:
-        subprocess.run([ray_binary(), "stop"], check=False, timeout=120)
+        _stop_local_ray()
+        print("stopped the local Ray that `flatcake-ray start` started")
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +81,88 @@ def generate_together(
         use_tqdm=False,
     )
     return [completion_of(output) for output in outputs]
+
+
+# One engine step as the scheduler made it: (prompt index, tokens scheduled) for each request
+# that ran. Steps that ran no request (waiting on a load) are left out.
+Step = tuple[tuple[int, int], ...]
+
+
+@contextlib.contextmanager
+def recording_schedule(llm: Any) -> Iterator[list[dict[str, int]]]:
+    """Every step's ``num_scheduled_tokens`` (request id -> tokens) of an in-process engine
+    core, while the block runs."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    steps: list[dict[str, int]] = []
+    schedule = scheduler.schedule
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        output = schedule(*args, **kwargs)
+        steps.append(dict(output.num_scheduled_tokens))
+        return output
+
+    scheduler.schedule = recorded
+    try:
+        yield steps
+    finally:
+        del scheduler.schedule  # the instance attribute: the class's method shows again
+
+
+def schedule_of(steps: list[dict[str, int]], request_ids: list[str]) -> list[Step]:
+    """The steps that ran work, with vLLM's request ids replaced by the prompts' indexes
+    (the engine may add a suffix to the id it was given)."""
+
+    return [
+        tuple(sorted((_index(rid, request_ids), n) for rid, n in step.items()))
+        for step in steps
+        if step
+    ]
+
+
+def generate_together_scheduled(
+    llm: Any, prompts: list[list[int]], kv_params: dict[str, Any] | None = None
+) -> tuple[list[Completion], list[Step]]:
+    """:func:`generate_together`, and the schedule the engine ran it in."""
+    return generate_on_schedule(llm, prompts, [0] * len(prompts), kv_params)
+
+
+def generate_on_schedule(
+    llm: Any,
+    prompts: list[list[int]],
+    arrivals: list[int],
+    kv_params: dict[str, Any] | None = None,
+) -> tuple[list[Completion], list[Step]]:
+    """Each prompt submitted just before the engine's ``arrivals[i]``-th step that runs work
+    (0: before any), so a reference can be computed in the batches another run had: CPU
+    kernels are not batch-invariant, so only the same batches give the same bits."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    ids = [f"sched-{i}" for i in range(len(prompts))]
+    waiting = dict(enumerate(prompts))
+    done: dict[int, Completion] = {}
+    with recording_schedule(llm) as steps:
+        while len(done) < len(prompts):
+            ran = sum(1 for step in steps if step)
+            for i in [i for i in waiting if arrivals[i] <= ran]:
+                prompt = TokensPrompt(prompt_token_ids=waiting.pop(i))
+                engine.add_request(ids[i], prompt, sampling(kv_params))
+            for output in engine.step():
+                if output.finished:
+                    done[_index(output.request_id, ids)] = completion_of(output)
+    return [done[i] for i in range(len(prompts))], schedule_of(steps, ids)
+
+
+def _index(engine_id: str, request_ids: list[str]) -> int:
+    return next(i for i, rid in enumerate(request_ids) if engine_id.startswith(rid))
+
+
+def arrivals_of(schedule: list[Step], count: int) -> list[int]:
+    """For each prompt, the index of the first step of ``schedule`` that ran it."""
+    return [
+        next(n for n, step in enumerate(schedule) if any(i == prompt for i, _ in step))
+        for prompt in range(count)
+    ]
 
 
 def assert_same_completion(got: Completion, reference: Completion) -> None:

@@ -68,6 +68,13 @@ def _delta(after: dict, before: dict) -> dict:
     }
 
 
+# Two turns waiting together in C: the first loads the prefix from FlatCake's SSD and
+# prefills alone; the second is held until then, and joins the batch at the next step. The
+# reference is computed in these same batches (CPU kernels are not batch-invariant: another
+# batching gives other low bits), and C must have run exactly them.
+PAIR_ARRIVALS = [0, 1]
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model, one_process_engines, store):
     """A saves both prefixes and answers the prompts from its own prefix cache (reference);
@@ -85,14 +92,14 @@ def runs(tiny_model, one_process_engines, store):
             engines.generate(llm_a, prefix, hints)
             reference[placement] = engines.generate(llm_a, prompt, hints)
         engines.generate(llm_a, shared_prefix, PLACEMENTS["ssd"])
-        pair_reference = [engines.generate(llm_a, prompt) for prompt in pair]
+        pair_reference = engines.generate_on_schedule(llm_a, pair, PAIR_ARRIVALS)
     finally:
         engines.shutdown(llm_a)
     # C: a fresh engine with its prefix cache on, given both prompts at once.
     llm_c = LLM(**engines.engine_args(tiny_model, enable_prefix_caching=True, **common))
     try:
         before = _counters(llm_c, held)
-        pair_got = engines.generate_together(llm_c, pair)
+        pair_got = engines.generate_together_scheduled(llm_c, pair)
         pair_delta = [_delta(a, b) for a, b in zip(_counters(llm_c, held), before, strict=True)]
     finally:
         engines.shutdown(llm_c)
@@ -154,12 +161,15 @@ def test_prefix_placement_and_load_mode(runs):
 
 def test_two_prompts_waiting_together_read_their_ssd_prefix_once(runs):
     """The later prompt is held until the earlier one's prefill, then takes the prefix from
-    vLLM's own prefix cache: one SSD read of it, as many bytes as B's one SSD restore."""
-    got, reference, store_delta, scheduler, worker = runs["pair"]
+    vLLM's own prefix cache: one SSD read of it, as many bytes as B's one SSD restore; both
+    compute, bit for bit, what A computes from its prefix cache in the same batches."""
+    (got, schedule), (reference, reference_schedule), store_delta, scheduler, worker = runs["pair"]
     assert scheduler["held_lookups"] > 0
     assert scheduler["hit_blocks"] == worker["loaded_pages"] == PREFIX_BLOCKS
     assert store_delta["ssd_bytes_read"] == runs["restored"]["ssd"][1]["ssd_bytes_read"]
     assert [completion.cached_tokens for completion in got] == [PREFIX_TOKENS] * 2
+    assert engines.arrivals_of(schedule, 2) == PAIR_ARRIVALS, schedule
+    assert schedule == reference_schedule
     for completion, expected in zip(got, reference, strict=True):
         engines.assert_same_completion(completion, expected)
 
