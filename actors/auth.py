@@ -9,8 +9,8 @@
   an HMAC keyed by the service secret: a forged or altered table is refused, never used. It
   holds each tenant's name, geometry, quotas and the SHA-256 of its secret, never a secret.
 - A :class:`Gate` is one actor's check of a call: which tenant a presented secret belongs to
-  (the default tenant for no secret, when the service leaves it open), or
-  :class:`AccessDeniedError`, counted.
+  (the default tenant for no secret, when the service leaves it open: by default only while
+  no named tenant exists), or :class:`AccessDeniedError`, counted.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 import msgpack
 
+from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant, new_secret, secret_hash
 from flatcake_ray.errors import AccessDeniedError, ServiceError, TenantError
 
@@ -136,14 +137,22 @@ def write_table(namespace: str, tenants: dict[str, Tenant], service_secret: str)
 # ---- a call's check --------------------------------------------------------------------------
 class Gate:
     """An actor's check of who calls. ``default`` is the default tenant when the service
-    leaves it open (calls without a secret), None when every call needs a secret."""
+    leaves it open (calls without a secret), None when every call needs a secret; it closes
+    while the table names a tenant, unless ``default_beside_tenants``."""
 
     def __init__(
-        self, namespace: str, service_secret: str, default: Tenant | None, *, in_gcs: bool = True
+        self,
+        namespace: str,
+        service_secret: str,
+        default: Tenant | None,
+        *,
+        in_gcs: bool = True,
+        default_beside_tenants: bool = False,
     ) -> None:
         self.namespace = namespace
         self._service_secret = service_secret
         self.default = default
+        self.default_beside_tenants = default_beside_tenants
         self._in_gcs = in_gcs
         self._by_hash: dict[str, Tenant] = {}
         self.tenants: dict[str, Tenant] = {}
@@ -162,9 +171,7 @@ class Gate:
     def tenant(self, given: object) -> Tenant:
         """The tenant whose secret ``given`` is (None or "": the default tenant, if open)."""
         if given is None or (isinstance(given, str) and not given):
-            if self.default is None:
-                self._deny("this service has no open default tenant: present a tenant secret")
-            return self.default
+            return self._default()
         try:
             digest = secret_hash(given)
         except TenantError:
@@ -175,6 +182,18 @@ class Gate:
         if known is None:
             self._deny("no tenant has this secret")
         return known
+
+    def _default(self) -> Tenant:
+        if self.default is None:
+            self._deny("this service has no open default tenant: present a tenant secret")
+        if not self.tenants:
+            self.refresh(force=False)  # a tenant added since the last read closes it
+        if self.tenants and not self.default_beside_tenants:
+            self._deny(
+                "this service has named tenants, so its open default tenant is closed: "
+                "present a tenant secret"
+            )
+        return self.default
 
     def refresh(self, *, force: bool = True) -> bool:
         """Re-read the table (at most every ``REFRESH_FLOOR_S`` unless forced); True if read."""
@@ -205,6 +224,18 @@ class Gate:
     def _deny(self, why: str) -> NoReturn:
         self.counters["denied_calls"] += 1
         raise AccessDeniedError(why)
+
+
+def service_gate(config: ServiceConfig, service_secret: str, *, in_gcs: bool = True) -> Gate:
+    """The gate of a service actor (coordinator or storage node) as ``config`` sets it."""
+    default = default_tenant(config.layers, config.page_bytes) if config.open_default else None
+    return Gate(
+        config.namespace,
+        service_secret,
+        default,
+        in_gcs=in_gcs,
+        default_beside_tenants=config.default_beside_tenants,
+    )
 
 
 def default_tenant(layers: int, page_bytes: int) -> Tenant:

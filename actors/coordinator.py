@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from flatcake_ray.actors.auth import Gate, default_tenant
+from flatcake_ray.actors.auth import service_gate
 from flatcake_ray.actors.drain import read_drained, write_drained
 from flatcake_ray.actors.lost import forget_lost, read_lost, record_of, remember_lost
 from flatcake_ray.actors.node_records import NodeRecord, RayNodeWatch, check_registration, ramp
@@ -61,13 +61,7 @@ class CapacityCoordinator:
         Ray and keep the drained set and tenants there; False for a coordinator used as a
         plain object, without Ray."""
         self.config = config
-        default = default_tenant(config.layers, config.page_bytes)
-        self.gate = Gate(
-            config.namespace,
-            service_secret,
-            default if config.open_default else None,
-            in_gcs=rebuild,
-        )
+        self.gate = service_gate(config, service_secret, in_gcs=rebuild)
         self.tenants = TenantAdmin(self.gate, service_secret, in_gcs=rebuild)
         self._service_secret = service_secret
         self.nodes: dict[int, NodeRecord] = {}

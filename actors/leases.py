@@ -17,7 +17,7 @@ import bisect
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 from flatcake_ray.core.catalog import Lease
@@ -33,6 +33,7 @@ class LeaseTable:
         self.ttl_s = ttl_s
         self._held: OrderedDict[int, tuple[Lease, float]] = OrderedDict()
         self._lock = threading.Lock()
+        self._by_tenant: Counter[str] = Counter()
         self.counters = {"leases_expired": 0, "releases_unknown": 0, "releases_foreign": 0}
 
     def add(self, lease: Lease) -> int:
@@ -40,7 +41,19 @@ class LeaseTable:
         lease_id = secrets.randbits(63)
         with self._lock:
             self._held[lease_id] = (lease, time.monotonic() + self.ttl_s)
+            self._by_tenant[lease.tenant] += 1
         return lease_id
+
+    def held_by(self, tenant: str) -> int:
+        """How many leases ``tenant`` holds here."""
+        return self._by_tenant[tenant]
+
+    def _forget(self, lease_id: int) -> Lease:
+        lease = self._held.pop(lease_id)[0]
+        self._by_tenant[lease.tenant] -= 1
+        if not self._by_tenant[lease.tenant]:
+            del self._by_tenant[lease.tenant]
+        return lease
 
     def pop(self, lease_id: object, tenant: str) -> Lease | None:
         """The lease ``lease_id`` if ``tenant`` holds it (it is no longer held); else None,
@@ -53,18 +66,17 @@ class LeaseTable:
             if held[0].tenant != tenant:
                 self.counters["releases_foreign"] += 1
                 return None
-            del self._held[lease_id]
+            self._forget(lease_id)
         return held[0]
 
     def expire(self, now: float) -> list[Lease]:
         gone = []
         with self._lock:
             while self._held:
-                lease_id, (lease, deadline) = next(iter(self._held.items()))
+                lease_id, (_, deadline) = next(iter(self._held.items()))
                 if deadline >= now:
                     break
-                del self._held[lease_id]
-                gone.append(lease)
+                gone.append(self._forget(lease_id))
         self.counters["leases_expired"] += len(gone)
         return gone
 
@@ -72,7 +84,7 @@ class LeaseTable:
         """Forget every lease of ``tenant`` (it was removed); returns them."""
         with self._lock:
             ids = [i for i, (lease, _) in self._held.items() if lease.tenant == tenant]
-            return [self._held.pop(i)[0] for i in ids]
+            return [self._forget(i) for i in ids]
 
     def ranges(self, tenant: str, medium: Medium, runs_of: Ranges) -> LeasedRanges:
         """The medium ranges ``tenant``'s held leases cover (``runs_of`` lists a lease's)."""

@@ -58,6 +58,7 @@ class NodePuts:
             arena = self.store.arena
             where = {"path": arena.path, "nbytes": arena.nbytes, "peer": self.arena_peer}
             offsets = handle.arena_offsets()
+            where["check_pages"] = handle.check_pages
             return PutTarget(PutMemory.ARENA, offsets, handle.layer_bytes, positions, **where)
         taken = self._take_slots(handle, tenant)
         if taken is None:
@@ -68,6 +69,7 @@ class NodePuts:
         handle.slots = offsets
         landing = self.landing
         where = {"path": landing.path, "nbytes": landing.nbytes, "peer": landing.peer}
+        where["check_pages"] = handle.check_pages
         return PutTarget(PutMemory.LANDING, offsets, handle.layer_bytes, positions, **where)
 
     def _take_slots(self, handle: PutHandle, tenant: str) -> tuple[int, tuple[int, int]] | None:
@@ -81,12 +83,16 @@ class NodePuts:
                 return slots, taken
         return None
 
-    def land(self, tenant: str, put_id: object, layer: object, inline: Any) -> None:
-        """Layer ``layer`` is in its slot (or ``inline``): write it out. A failure aborts."""
+    def land(
+        self, tenant: str, put_id: object, layer: object, inline: Any, sums: Any = None
+    ) -> None:
+        """Layer ``layer`` is in its slot (or ``inline``): write it out. ``sums``: the
+        checksums of what the client wrote into the slot. A failure aborts."""
         handle = self.store.puts.get(put_id, tenant)
         number = _layer(layer)
         try:
-            handle.land_layer(number, self._source(handle, number, inline))
+            written = _sums(sums)
+            handle.land_layer(number, self._source(handle, number, inline), written)
         except BaseException:
             handle.abort()
             self.counters["puts_aborted"] += 1
@@ -103,13 +109,16 @@ class NodePuts:
         slot = handle.slots[layer % len(handle.slots)]
         return self.landing.view(slot, handle.layer_stride)
 
-    def commit(self, tenant: str, put_id: object, in_place: Any) -> PutResult:
+    def commit(self, tenant: str, put_id: object, in_place: Any, sums: Any = None) -> PutResult:
         """Land the layers ``in_place`` (written into the arena or their own landing slots,
-        with no ``land`` call), then publish."""
+        with no ``land`` call; ``sums``, one entry per layer there: the checksums of what the
+        client wrote), then publish."""
         handle = self.store.puts.get(put_id, tenant)
         try:
-            for layer in _layers(in_place):
-                handle.land_layer(layer, self._source(handle, layer, None))
+            layers = _layers(in_place)
+            written = _layer_sums(sums, len(layers))
+            for layer, layer_sums in zip(layers, written, strict=True):
+                handle.land_layer(layer, self._source(handle, layer, None), layer_sums)
             result = handle.commit()
         except BaseException:
             handle.abort()
@@ -136,3 +145,22 @@ def _layers(in_place: Any) -> list[int]:
     if not isinstance(in_place, (list, tuple)) or len(in_place) > 1 << 16:
         raise ShapeError("in_place must be a list of layer numbers")
     return [_layer(layer) for layer in in_place]
+
+
+def _sums(sums: Any) -> np.ndarray | None:
+    """A writer's checksums of one layer: None, or a 1-D uint64 array (its length is checked
+    against the segment's blocks when the layer lands)."""
+    if sums is None:
+        return None
+    if not isinstance(sums, np.ndarray) or sums.dtype != np.uint64 or sums.ndim != 1:
+        raise ShapeError("a layer's checksums are a 1-D uint64 array")
+    return sums
+
+
+def _layer_sums(sums: Any, layers: int) -> list[np.ndarray | None]:
+    """One writer's checksums per in-place layer (``sums`` None or empty: none sent)."""
+    if sums is None or (isinstance(sums, (list, tuple)) and not sums):
+        return [None] * layers
+    if not isinstance(sums, (list, tuple)) or len(sums) != layers:
+        raise ShapeError("sums must be a list with one entry per in_place layer")
+    return [_sums(entry) for entry in sums]

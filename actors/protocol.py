@@ -124,7 +124,7 @@ class PutTarget:
     layer, landed at commit), ``INLINE`` (LAST RESORT, the landing area was full: each
     layer's bytes in its ``land`` call) or ``NONE`` (every key is stored already). A client
     on the owner's node maps ``path`` (``nbytes``) shared and writable; one on another node
-    WRITEs to ``peer`` over NIXL.
+    WRITEs to ``peer`` over NIXL, and sends the checksums of what it wrote (``check_pages``).
     Only the put's new pages are written, in key order: ``new_positions`` of the put's keys.
     """
 
@@ -135,6 +135,9 @@ class PutTarget:
     path: str = ""
     nbytes: int = 0
     peer: Any = None
+    # Pages per checksum block: a client that writes in place sends each layer's block
+    # checksums with its land or commit call (``core/integrity.py`` ``block_checksums``).
+    check_pages: int = 1
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,12 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from flatcake_ray import failpoints
-from flatcake_ray.actors.auth import Gate, default_tenant
+from flatcake_ray.actors.auth import service_gate
 from flatcake_ray.actors.homes import HomeCalls, HomeDirectory
 from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.leased_bytes import LeasedBytes
@@ -57,6 +56,7 @@ from flatcake_ray.actors.protocol import (
 )
 from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
 from flatcake_ray.actors.supervision import DramHeld, Supervision
+from flatcake_ray.actors.tenant_limits import TenantLimits
 from flatcake_ray.actors.wire import check_request, scope_ids
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
@@ -65,6 +65,7 @@ from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
 from flatcake_ray.errors import ServiceError
 from flatcake_ray.failpoints import failpoint
+from flatcake_ray.node.root_slot import RootSlot
 from flatcake_ray.node.store import FlatCakeStore
 
 log = logging.getLogger(__name__)
@@ -80,21 +81,18 @@ class StorageNode(HomeCalls):
         import ray
 
         self.config = config
-        self.ray_node_id = ray.get_runtime_context().get_node_id()
+        self.ray_node_id = ray_node_id = ray.get_runtime_context().get_node_id()
         self.started_at = time.time()
-        open_default = default_tenant(config.layers, config.page_bytes)
-        self.gate = Gate(
-            config.namespace, service_secret, open_default if config.open_default else None
-        )
+        self.gate = service_gate(config, service_secret)
         self.gate.refresh()
         name = node_actor_name(self.ray_node_id)
         self.membership = Membership(
             config, service_secret, self.ray_node_id, name, self.started_at
         )
-        # The store's own root (FLATCAKE_ROOT may move it) also keeps this node's NodeID.
-        wanted = config.store_config(self.ray_node_id, 1)
-        root = Path(wanted.root)
-        root.mkdir(parents=True, exist_ok=True)
+        # The store's root (FLATCAKE_ROOT may move it) keeps the NodeID too; {slot}: root_slot.py
+        self.slot = RootSlot.claim(lambda slot: config.store_config(ray_node_id, 1, slot=slot).root)
+        wanted = config.store_config(ray_node_id, 1, slot=self.slot.index)
+        root = self.slot.root
         self.node_id = self.membership.join(root)
         self.store = FlatCakeStore(dataclasses.replace(wanted, node_id=self.node_id))
         self.store.metrics.count_requests = False  # its clients count the requests they make
@@ -105,6 +103,7 @@ class StorageNode(HomeCalls):
         self._sync_lock = threading.Lock()
         self._sync_tenants()
         self.leases = LeaseTable(config.lease_ttl_s)
+        self.limits = TenantLimits(config)
         self.homes = HomeDirectory(root / "homes.log")  # chains this node is home to
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self.counters = dict.fromkeys(_COUNTERS, 0)
@@ -124,11 +123,14 @@ class StorageNode(HomeCalls):
         self._reporter.start()
 
     # ---- who calls -------------------------------------------------------------------------
-    def _tenant(self, secret: object) -> Tenant:
-        """The caller's tenant (registered with the store on first sight), or refused."""
+    def _tenant(self, secret: object, *, metered: bool = True) -> Tenant:
+        """The caller's tenant (registered with the store on first sight), or refused; a
+        ``metered`` call counts against the tenant's call rate (``TenantLimits``)."""
         tenant = self.gate.tenant(secret)
         if self._tenants.get(tenant.name) != tenant:
             self._sync_tenants()
+        if metered:
+            self.limits.call(tenant.name)
         return tenant
 
     def _sync_tenants(self) -> None:
@@ -143,6 +145,7 @@ class StorageNode(HomeCalls):
         for name in set(self._tenants) - set(table):
             self.leases.drop_tenant(name)
             self.homes.drop_tenant(name)
+            self.limits.drop_tenant(name)
             self.store.remove_tenant(name)
             self.counters["tenants_removed"] += 1
             log.info("tenant %s removed from the service: its pages here are freed", name)
@@ -226,9 +229,11 @@ class StorageNode(HomeCalls):
             **self.ship_buffer.counters,
             **self.leases.counters,
             **self.gate.counters,
+            **self.limits.counters,
             **self.supervision.stats(),
             "node_id": self.node_id,
             "ray_node_id": self.ray_node_id,
+            "root": str(self.slot.root),
             "leases_held": len(self.leases),
             "ship_regions_held": self.ship_buffer.regions.held,
             "nixl": self.exports.nixl_reason or "ok",
@@ -268,6 +273,7 @@ class StorageNode(HomeCalls):
         tenant = self._tenant(secret).name
         check_request(keys, namespace)
         self._expire_leases()
+        self.limits.lease(tenant, self.leases.held_by(tenant))
         self.counters["lookups"] += 1
         lease = self.store.lease(keys, namespace=namespace, tenant=tenant)
         if lease.hits == 0:
@@ -299,7 +305,7 @@ class StorageNode(HomeCalls):
         """True when the caller's tenant held this lease and every scope it pinned is intact:
         what its reader read is good. Anything else (unknown, expired, another tenant's) is
         False, counted, and changes nothing."""
-        tenant = self._tenant(secret).name
+        tenant = self._tenant(secret, metered=False).name
         failpoint("node.release", lease_id=lease_id)
         self.counters["releases"] += 1
         lease = self.leases.pop(lease_id, tenant)
@@ -334,25 +340,30 @@ class StorageNode(HomeCalls):
         """Plan a layer-wise put; the ticket says where its bytes go."""
         tenant = self._tenant(secret).name
         check_request(keys, namespace, hints)
+        self.limits.put(tenant, self.store.puts.open_of(tenant))
         options = {"namespace": namespace, "session_id": session_id, "parent": parent}
         return self.puts.begin(tenant, keys, {**options, "hints": hints})
 
-    def land(self, secret: object, put_id: object, layer: object, inline: Any = None) -> None:
-        """Layer ``layer`` of an SSD put is in its landing slot (or ``inline``)."""
-        self.puts.land(self._tenant(secret).name, put_id, layer, inline)
+    def land(
+        self, secret: object, put_id: object, layer: object, inline: Any = None, sums: Any = None
+    ) -> None:
+        """Layer ``layer`` of an SSD put is in its slot (``sums``: its writer's) or ``inline``."""
+        self.puts.land(self._tenant(secret).name, put_id, layer, inline, sums)
 
-    def commit_put(self, secret: object, put_id: object, in_place: Any = ()) -> PutResult:
-        return self.puts.commit(self._tenant(secret).name, put_id, in_place)
+    def commit_put(
+        self, secret: object, put_id: object, in_place: Any = (), sums: Any = ()
+    ) -> PutResult:
+        return self.puts.commit(self._tenant(secret).name, put_id, in_place, sums)
 
     def abort_put(self, secret: object, put_id: object) -> None:
-        self.puts.abort(self._tenant(secret).name, put_id)
+        self.puts.abort(self._tenant(secret, metered=False).name, put_id)
 
     # ---- bytes of leased ranges: shipped SSD reads and the object-store fallback ------------
     def ship(self, secret: object, src_offsets: Any, lengths: Any) -> ShipReply:
         return self.leased_bytes.ship(self._tenant(secret).name, src_offsets, lengths)
 
     def unship(self, secret: object, region_id: object) -> bool:
-        return self.ship_buffer.unship(region_id, self._tenant(secret).name)
+        return self.ship_buffer.unship(region_id, self._tenant(secret, metered=False).name)
 
     def ship_stream(
         self, secret: object, stream_id: object, src_offsets: Any, lengths: Any, counts: Any
@@ -363,7 +374,7 @@ class StorageNode(HomeCalls):
         yield from self.leased_bytes.stream(tenant, stream_id, src_offsets, lengths, counts)
 
     def ship_stop(self, secret: object, stream_id: object) -> None:
-        tenant = self._tenant(secret).name
+        tenant = self._tenant(secret, metered=False).name
         if isinstance(stream_id, int) and not isinstance(stream_id, bool):
             self.ship_buffer.stop(tenant, stream_id)
 
@@ -385,3 +396,4 @@ class StorageNode(HomeCalls):
         self.exports.close_agent()
         self.store.close()
         self.homes.close()
+        self.slot.close()

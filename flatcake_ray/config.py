@@ -1,19 +1,22 @@
-"""Configuration: frozen dataclasses, every field type-checked and range-checked
-(:class:`ConfigError`) whatever the source (``config_sources.py`` has the rules).
-
-Every field of :class:`StoreConfig` (and of its :class:`PlacementConfig`) and of
-:class:`ServiceConfig` can be overridden by an environment variable named
+"""Configuration: frozen dataclasses, every field type- and range-checked (:class:`ConfigError`)
+whatever the source (``config_sources.py`` has the rules). Every field of :class:`StoreConfig`
+(and of its :class:`PlacementConfig`) and of :class:`ServiceConfig` can be overridden by an
+environment variable named
 ``FLATCAKE_<FIELD>`` (upper case), e.g. ``FLATCAKE_DRAM_BYTES=4GiB``,
 ``FLATCAKE_SSD_DIRS=/mnt/nvme0/fc:/mnt/nvme1/fc``, ``FLATCAKE_TAU_TOKENS=2048``.
 Sizes (fields named ``*_bytes``) accept ``K/M/G/T`` (powers of 1024, ``KiB`` and ``KB``
 alike); booleans accept ``1/0/true/false/yes/no/on/off``; lists of folders are
-``:``-separated. ``{node}`` in ``root`` and ``ssd_dirs`` of a service config becomes the Ray
-node id, after every override (a ``FLATCAKE_ROOT`` with ``{node}`` too).
+``:``-separated. In a service's ``root`` and ``ssd_dirs``, after every override: ``{host}``
+is the host name, ``{slot}`` the smallest slot of that root no other storage node of the
+machine holds (``node/root_slot.py``), ``{namespace}`` the namespace, ``{node}`` the Ray node
+id (new for every Ray node: keep it out of roots meant to survive a restart).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -45,7 +48,7 @@ DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
 GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
 STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
-STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync")
+STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync", "verify_dram")
 
 
 def _require(condition: bool, message: str, *names: str) -> None:
@@ -112,7 +115,9 @@ class StoreConfig:
     ssd_low_watermark: float = 1.0
     hugepages: str = "auto"  # auto | off | require
     fsync: bool = True  # data reaches the drive before its manifest record does
-    verify_dram: bool = False  # checksums are always checked on SSD reads
+    # Readers check DRAM blocks too (SSD blocks always). Off for a store only its own process
+    # writes; a service's nodes turn it on (ServiceConfig.verify_dram).
+    verify_dram: bool = False
     check_bytes: int = 64 << 10  # a checksum block: whole pages, about this many bytes
     restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
     restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two
@@ -215,6 +220,17 @@ class StoreConfig:
         return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
 
+def path_component(text: str) -> str:
+    """``text`` as one safe path component (no separators, never ``.`` or ``..``)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", text)
+    return cleaned if cleaned.strip(".") else "_" + cleaned
+
+
+def host_name() -> str:
+    """This machine's host name as one path component (``{host}`` in a root)."""
+    return path_component(socket.gethostname())
+
+
 def secret_path(namespace: str, secret_file: str = "") -> str:
     """Where the service secret of ``namespace`` is kept (see ``ServiceConfig.secret_file``)."""
     chosen = secret_file or os.environ.get("FLATCAKE_SECRET_FILE") or DEFAULT_SECRET_FILE
@@ -227,7 +243,9 @@ class ServiceConfig:
     ``FLATCAKE_*`` variables override them again for its own store), and service timings."""
 
     namespace: str = "flatcake"  # the Ray namespace of the coordinator and storage nodes
-    root: str = "/var/tmp/flatcake/{node}"  # {node}: the Ray node id (one machine, many nodes)
+    # Stable for a machine: a node restarted there finds its NodeID and SSD scopes again;
+    # {slot} keeps several storage nodes of one machine (and namespace) apart.
+    root: str = "/var/tmp/flatcake/{namespace}/{host}-{slot}"
     layers: int = 32
     page_bytes: int = 64 << 10
     dram_bytes: int = 1 << 30
@@ -236,6 +254,9 @@ class ServiceConfig:
     ssd_file_bytes: int = 1 << 30
     hugepages: str = "auto"
     fsync: bool = True
+    # Readers check DRAM too: clients write puts into a node's shared memory, and the check
+    # keeps another writer's bytes from being delivered (off: trust every writer).
+    verify_dram: bool = True
     ship_bytes: int = 64 << 20  # each node's NIXL bounce buffer for shipped SSD reads
     # Node memory clients write a put's SSD layers into (two layers per put in flight), which
     # the node writes to its drive: a put that finds it full sends its bytes in the call.
@@ -250,8 +271,17 @@ class ServiceConfig:
     nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
     node_concurrency: int = 16  # concurrent RPCs a storage node serves
     # A client without a tenant secret is the default tenant (the service's geometry, no
-    # quota); False: every client presents a tenant's secret (docs/security.md).
+    # quota) while no named tenant exists; False: every client presents a tenant's secret
+    # (docs/security.md). default_beside_tenants keeps it open beside named tenants too
+    # (every Ray job then reads and writes the default tenant's pages).
     open_default: bool = True
+    default_beside_tenants: bool = False
+    # Per tenant and node (actors/tenant_limits.py): calls a second (0: no limit) and the
+    # burst above that rate, leases held at once, puts open at once.
+    tenant_calls_per_s: float = 20000.0
+    tenant_call_burst: int = 5000
+    tenant_leases: int = 4096
+    tenant_puts: int = 256
     # The service secret (made on the first start, mode 0600); {namespace} is expanded.
     # Empty: FLATCAKE_SECRET_FILE of the process, else ~/.flatcake/{namespace}.secret.
     secret_file: str = ""
@@ -269,6 +299,13 @@ class ServiceConfig:
         for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
             _require(getattr(self, name) > 0, f"{name} must be positive", name)
         _require(self.node_down_s >= 0, "node_down_s must be >= 0", "node_down_s")
+        _require(
+            self.tenant_calls_per_s >= 0,
+            "tenant_calls_per_s must be >= 0 (0: no limit)",
+            "tenant_calls_per_s",
+        )
+        for name in ("tenant_call_burst", "tenant_leases", "tenant_puts"):
+            _require(getattr(self, name) >= 1, f"{name} must be at least 1", name)
         _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0", "ramp_seconds")
         _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]", "ramp_floor")
         _require(
@@ -282,11 +319,15 @@ class ServiceConfig:
         return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
     def store_config(
-        self, ray_node_id: str, node_id: int, environ: Mapping[str, str] | None = None
+        self,
+        ray_node_id: str,
+        node_id: int,
+        environ: Mapping[str, str] | None = None,
+        slot: int = 0,
     ) -> StoreConfig:
         """This node's store: the service values, then the node's own ``FLATCAKE_*``; then
-        ``{node}`` in ``root`` and ``ssd_dirs`` becomes the node id (so an overridden root
-        with ``{node}`` still gives each node its own pool)."""
+        the templates in ``root`` and ``ssd_dirs`` are expanded (module docstring), ``{slot}``
+        to ``slot`` (so an overridden root with them still gives each node its own pool)."""
         service = {name: getattr(self, name) for name in STORE_FIELDS}
         return build_config(
             StoreConfig,
@@ -295,7 +336,12 @@ class ServiceConfig:
                 name="service config",
             ),
             Source.environment(StoreConfig, environ),
-            node=ray_node_id[:16],
+            templates={
+                "{node}": ray_node_id[:16],
+                "{host}": host_name(),
+                "{slot}": str(slot),
+                "{namespace}": path_component(self.namespace),
+            },
         )
 
     def check_same_geometry(self, running: Mapping[str, Any]) -> None:

@@ -6,9 +6,9 @@ A config dataclass's fields are typed ``int``, ``float``, ``bool``, ``str``,
 for error messages, and says whether its values are text (environment variables, command-line
 flags: parsed) or typed values (constructor arguments, a JSON/TOML file: checked, never
 guessed). :func:`build_config` merges sources in order (later ones win), reads each value by
-its field's type, expands ``{node}`` in ``root`` and ``ssd_dirs`` after the last override,
-and builds the config; every mistake is a :class:`ConfigError` naming the field and the
-source it came from:
+its field's type, expands the templates (``{node}``, ``{host}``, ``{slot}``, ``{namespace}``)
+in ``root`` and ``ssd_dirs`` after the last override, and builds the config; every mistake
+is a :class:`ConfigError` naming the field and the source it came from:
 
 - an int is an int: not a bool, not ``2.5``, not ``"3"`` in a file (text sources parse
   ``"3"``); a float is an int or a finite float; a bool is a bool (text: 1/0, true/false,
@@ -319,13 +319,18 @@ def _clip(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _expand(merged: _Merged, node: str) -> None:
+def _expand(merged: _Merged, templates: Mapping[str, str]) -> None:
+    def expand(text: str) -> str:
+        for template, value in templates.items():
+            text = text.replace(template, value)
+        return text
+
     for name in TEMPLATED_FIELDS:
         value = merged.values.get(name)
         if isinstance(value, str):
-            merged.values[name] = value.replace(NODE_TEMPLATE, node)
+            merged.values[name] = expand(value)
         elif isinstance(value, tuple):
-            merged.values[name] = tuple(v.replace(NODE_TEMPLATE, node) for v in value)
+            merged.values[name] = tuple(expand(v) for v in value)
 
 
 def _construct(cls: type[T], merged: _Merged) -> T:
@@ -348,10 +353,11 @@ def _required(item: dataclasses.Field) -> bool:
     return item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING
 
 
-def build_config(cls: type[T], *sources: Source, node: str | None = None) -> T:
+def build_config(cls: type[T], *sources: Source, templates: Mapping[str, str] | None = None) -> T:
     """``cls`` from ``sources`` (later ones override earlier ones), each value read by its
-    field's type; ``{node}`` in ``root`` and ``ssd_dirs`` becomes ``node`` after the last
-    override. Every mistake is a :class:`ConfigError` naming the field and its source."""
+    field's type; each of ``templates`` (``{"{node}": ...}``) in ``root`` and ``ssd_dirs``
+    becomes its value after the last override. Every mistake is a :class:`ConfigError`
+    naming the field and its source."""
     failpoint("config.build", cls=cls)
     merged = _Merged()
     for source in sources:
@@ -361,6 +367,6 @@ def build_config(cls: type[T], *sources: Source, node: str | None = None) -> T:
             if not isinstance(name, str):
                 raise ConfigError(f"{source.name}: field names are strings, got {name!r}")
             _take(cls, merged, source, name, value)
-    if node is not None:
-        _expand(merged, node)
+    if templates:
+        _expand(merged, templates)
     return _construct(cls, merged)

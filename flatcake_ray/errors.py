@@ -50,12 +50,23 @@ class QuotaExceededError(FlatCakeError):
     unreferenced scopes; nothing was evicted from other tenants, nothing was written."""
 
 
+class TenantLimitError(FlatCakeError):
+    """A tenant is over one of a node's per-tenant limits (call rate, open leases, open
+    puts); the call was refused before it took or changed anything: retry later, or release,
+    commit or abort what it holds."""
+
+
 class StoreInUseError(FlatCakeError):
     """Another store (in this process or another) has the store root open."""
 
 
 class StoreWriteError(FlatCakeError):
     """Writing a segment failed; nothing of it was published."""
+
+
+class TamperedWriteError(StoreWriteError):
+    """A layer a client wrote into the owner's memory is not, at landing, what the client
+    says it wrote (its checksums): someone else wrote there. The put was aborted."""
 
 
 class ConfigError(FlatCakeError, ValueError):

@@ -52,6 +52,7 @@ def service(ray_service):
         lease_ttl_s=20.0,
         report_interval_s=0.5,
         ramp_seconds=0.0,
+        default_beside_tenants=True,  # the default tenant is one of the tenants here
     ).config
     secrets = {
         "alpha": tenants.add_tenant(

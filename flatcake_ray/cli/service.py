@@ -46,7 +46,14 @@ _CONFIG_FLAGS: tuple[str, ...] = (
     "ssd_dirs",
     "ssd_files_per_dir",
 )
-_CONFIG_FLAGS += ("secret_file", "open_default")
+_CONFIG_FLAGS += ("secret_file", "open_default", "default_beside_tenants")
+_LIMIT_FLAGS = {
+    "tenant_calls_per_s": "calls a second each tenant may make of each node (0: no limit)",
+    "tenant_call_burst": "calls a tenant may make at once above that rate",
+    "tenant_leases": "leases each tenant may hold on each node",
+    "tenant_puts": "puts each tenant may have open on each node",
+}
+_CONFIG_FLAGS += tuple(_LIMIT_FLAGS)
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -68,12 +75,16 @@ def _add_start(subparsers: Any) -> None:
     start = subparsers.add_parser("start", help="deploy the coordinator and storage nodes")
     add_connection_flags(start)
     start.add_argument("--config", help="JSON or TOML file of ServiceConfig fields")
-    start.add_argument("--root", help="per-node folder; {node} becomes the Ray node id")
+    start.add_argument(
+        "--root",
+        help="per-node folder (default /var/tmp/flatcake/{namespace}/{host}-{slot}); "
+        "{node} becomes the Ray node id",
+    )
     start.add_argument("--layers", help="model layers (the geometry every node shares)")
     start.add_argument("--page-bytes", dest="page_bytes", help="bytes of a page of one layer")
     start.add_argument("--ssd-dirs", dest="ssd_dirs", help="colon-separated SSD folders")
     start.add_argument("--ssd-files-per-dir", dest="ssd_files_per_dir")
-    for name, text in _SIZE_FLAGS.items():
+    for name, text in {**_SIZE_FLAGS, **_LIMIT_FLAGS}.items():
         start.add_argument(f"--{name.replace('_', '-')}", dest=name, help=text)
     start.add_argument(
         "--closed",
@@ -81,6 +92,14 @@ def _add_start(subparsers: Any) -> None:
         action="store_const",
         const=False,
         help="no open default tenant: every client presents a tenant secret",
+    )
+    start.add_argument(
+        "--default-beside-tenants",
+        dest="default_beside_tenants",
+        action="store_const",
+        const=True,
+        help="keep the open default tenant open when named tenants exist (trusts every Ray "
+        "job with the default tenant's pages)",
     )
     start.add_argument("--resource", help="only Ray nodes offering this custom resource")
     start.add_argument("--local-cpus", type=int, default=2, help="CPUs of a local Ray it starts")

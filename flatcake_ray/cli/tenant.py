@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from flatcake_ray.cli.access import (
@@ -88,6 +89,11 @@ def cmd_add(args: argparse.Namespace) -> int:
     print(f"tenant {args.name} added; its secret (shown once, give it to its clients as")
     print("FLATCAKE_TENANT_SECRET):")
     print(tenant_secret)
+    print(
+        "clients without a secret (the open default tenant) are refused from now on, unless "
+        "the service runs with default_beside_tenants",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -35,6 +35,7 @@ from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
 from flatcake_ray.core.homes import home_candidates
+from flatcake_ray.errors import TenantLimitError
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 
@@ -185,7 +186,7 @@ class Locator:
         """Each node's answer to ``method(*args)``, asked in parallel; a node that fails or
         does not answer in the RPC timeout is marked down and left out."""
         import ray
-        from ray.exceptions import RayError
+        from ray.exceptions import RayError, RayTaskError
 
         if not links:
             return []
@@ -195,13 +196,20 @@ class Locator:
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)
         for ref in late:  # a late lease runs out by its TTL
             self.nodes.mark_down(refs[ref], f"{method} took over {self.rpc_timeout_s}s")
-        answers = []
+        answers, limited = [], None
         for ref in ready:
             try:
                 answers.append((refs[ref], ray.get(ref)))
+            except TenantLimitError as exc:  # the node is up: this tenant is over its limit
+                limited = TenantLimitError(str(exc.cause if isinstance(exc, RayTaskError) else exc))
             except RayError as exc:
                 self.nodes.mark_down(refs[ref], f"{method} failed: {exc}")
                 report.failures.append(f"node {refs[ref].node_id}: {type(exc).__name__}")
+        if limited is not None:
+            for link, answer in answers:  # what the other nodes leased goes back at once
+                if isinstance(answer, LeaseReply) and answer.hits:
+                    self.release(link, answer, (), report)
+            raise limited
         return [answer for answer in answers if self._current(*answer, report)]
 
     def _current(self, link: NodeLink, answer: Any, report: RestoreReport) -> bool:

@@ -27,6 +27,7 @@ from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.core.api import PutResult
+from flatcake_ray.core.integrity import block_checksums
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.errors import ServiceError, ShapeError, StoreWriteError
@@ -72,6 +73,7 @@ class RemotePut:
         self._ticket: PutTicket | None = None
         self._landing: deque[tuple[Any, int]] = deque()  # land calls in flight, their bytes
         self._in_place: list[int] = []  # layers written into the owner's memory, not landed
+        self._in_place_sums: list[np.ndarray] = []  # their checksums, as written
         self._written: set[int] = set()
         self._done = False
         self.inline_layers = 0  # layers sent in the call (the last resort)
@@ -116,10 +118,15 @@ class RemotePut:
                 self._settle_oldest()  # the slot's previous layer is on the drive
         offset = target.offsets[layer % len(target.offsets)]
         self._place(target, reach, offset, data, positions)
+        # What this client wrote, from its own copy: the owner keeps these checksums, so a
+        # write by anyone else into that shared memory is a failed check, never our bytes.
+        written = data if positions is None else data[positions]
+        sums = block_checksums(written.reshape(-1), target.check_pages * self._page_bytes)
         if whole:
             self._in_place.append(layer)
+            self._in_place_sums.append(sums)
         else:
-            self._land(layer, None)
+            self._land(layer, None, sums)
 
     def _reach(self, target: PutTarget) -> Reach:
         if target.memory is PutMemory.INLINE:
@@ -142,14 +149,14 @@ class RemotePut:
         else:
             np.take(data, positions, axis=0, out=into)
 
-    def _land(self, layer: int, inline: np.ndarray | None) -> None:
+    def _land(self, layer: int, inline: np.ndarray | None, sums: np.ndarray | None = None) -> None:
         assert self._ticket is not None
         if inline is not None:
             while len(self._landing) >= IN_FLIGHT:
                 self._settle_oldest()
             inline = np.ascontiguousarray(inline).reshape(-1)
             self.inline_layers += 1
-        ref = self._link.handle.land.remote(self._ticket.put_id, layer, inline)
+        ref = self._link.handle.land.remote(self._ticket.put_id, layer, inline, sums)
         self._landing.append((ref, 0 if inline is None else inline.nbytes))
 
     # ---- completion ------------------------------------------------------------------------
@@ -163,7 +170,9 @@ class RemotePut:
             ticket = self._open()
             while self._landing:
                 self._settle_oldest()
-            ref = self._link.handle.commit_put.remote(ticket.put_id, tuple(self._in_place))
+            ref = self._link.handle.commit_put.remote(
+                ticket.put_id, tuple(self._in_place), tuple(self._in_place_sums)
+            )
             result = self._call(ref)
         except BaseException:
             self.abort()

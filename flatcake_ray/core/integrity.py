@@ -19,11 +19,16 @@ def checksum(data: np.ndarray) -> int:
 
 def layer_checksums(extent: np.ndarray, layout: SegmentLayout) -> np.ndarray:
     """One checksum per block of a layer extent (``layer_bytes`` bytes, pages back to back)."""
-    block_bytes = layout.check_pages * layout.page_bytes
-    sums = np.empty(layout.blocks, dtype=np.uint64)
-    for block in range(layout.blocks):
-        start = block * block_bytes
-        sums[block] = checksum(extent[start : min(start + block_bytes, layout.layer_bytes)])
+    return block_checksums(extent[: layout.layer_bytes], layout.check_pages * layout.page_bytes)
+
+
+def block_checksums(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    """One checksum per ``block_bytes`` of ``data`` (1-D bytes; the last block may be shorter):
+    what a writer sends with the layer it wrote into an owner's memory."""
+    blocks = -(-data.nbytes // block_bytes)
+    sums = np.empty(blocks, dtype=np.uint64)
+    for block in range(blocks):
+        sums[block] = checksum(data[block * block_bytes : (block + 1) * block_bytes])
     return sums
 
 

@@ -90,15 +90,23 @@ class PutHandle:
         assert self._state is not None and self.medium is Medium.DRAM
         return tuple(self._writer.layer_extent(self._state, n) for n in range(self._layers))
 
-    def land_layer(self, layer: int, source: np.ndarray | None) -> None:
+    def land_layer(
+        self, layer: int, source: np.ndarray | None, sums: np.ndarray | None = None
+    ) -> None:
         """Layer ``layer``'s new pages are complete: in place in the arena (``source`` None,
         a DRAM put) or in ``source`` (``layer_bytes`` bytes; for SSD an aligned buffer of
-        ``layer_stride``). A failure aborts the put."""
+        ``layer_stride``); ``sums``: the checksums its writer computed (``SegmentWriter``).
+        A failure aborts the put."""
         with self._lock:
-            self._land_layer(layer, source)
+            self._land_layer(layer, source, sums)
         self._table.touch(self.put_id)
 
-    def _land_layer(self, layer: int, source: np.ndarray | None) -> None:
+    @property
+    def check_pages(self) -> int:
+        """Pages per checksum block of the put's segment (a writer's ``sums`` are per block)."""
+        return 1 if self._state is None else self._state.plan.segment.layout.check_pages
+
+    def _land_layer(self, layer: int, source: np.ndarray | None, sums: np.ndarray | None) -> None:
         self._check_live()
         if not isinstance(layer, int) or not 0 <= layer < self._layers:
             raise ShapeError(f"layer {layer!r} outside 0..{self._layers - 1}")
@@ -111,7 +119,7 @@ class PutHandle:
         if source is not None and source.nbytes < self.layer_bytes:
             raise ShapeError(f"layer {layer}: {source.nbytes} bytes, want {self.layer_bytes}")
         try:
-            self._writer.land_layer(self._state, layer, source)
+            self._writer.land_layer(self._state, layer, source, sums)
         except OSError as exc:
             self._abort()
             raise StoreWriteError(f"writing layer {layer} failed: {exc}") from exc

@@ -44,6 +44,11 @@ class PutTable(Generic[PutHandle]):
             self._open[put_id] = (handle, time.monotonic() + self.ttl_s)
         return put_id
 
+    def open_of(self, tenant: str) -> int:
+        """How many puts ``tenant`` has open."""
+        with self._lock:
+            return sum(1 for handle, _ in self._open.values() if handle.tenant == tenant)
+
     def touch(self, put_id: int) -> None:
         """The writer is alive: push the put's deadline back."""
         with self._lock:

@@ -31,6 +31,7 @@ from flatcake_ray.config import ALIGN
 from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.errors import TamperedWriteError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.buffers import AlignedBuffer, StagingBuffers
@@ -112,9 +113,19 @@ class SegmentWriter:
         segment = state.plan.segment
         return segment.offset + segment.layout.layer_offset(layer)
 
-    def land_layer(self, state: WriteState, layer: int, source: np.ndarray | None) -> None:
+    def land_layer(
+        self,
+        state: WriteState,
+        layer: int,
+        source: np.ndarray | None,
+        sums: np.ndarray | None = None,
+    ) -> None:
         """Layer ``layer`` complete (see the module docstring); ``source``: at least
-        ``layer_bytes`` (SSD: ``layer_stride``, aligned) bytes, or None for in-place DRAM."""
+        ``layer_bytes`` (SSD: ``layer_stride``, aligned) bytes, or None for in-place DRAM.
+        ``sums``: the block checksums its writer computed from its own copy (a client that
+        wrote the owner's shared memory): bytes found otherwise are refused
+        (:class:`TamperedWriteError`), and the writer's checksums are the ones kept, so a
+        later write there is a checksum failure for every reader, never its bytes."""
         segment = state.plan.segment
         layout = segment.layout
         failpoint("store.write_layer", layer=layer, medium=segment.medium)
@@ -124,7 +135,7 @@ class SegmentWriter:
         if segment.medium is Medium.DRAM:
             if source is not None:
                 self.arena.write(self.layer_extent(state, layer), source[: layout.layer_bytes])
-            self._finish_dram_layer(state, layer)
+            self._finish_dram_layer(state, layer, sums)
             return
         assert source is not None
         aligned = source.nbytes >= layout.layer_stride and source.ctypes.data % ALIGN == 0
@@ -133,7 +144,7 @@ class SegmentWriter:
         try:
             if staging is not None:  # bytes of a call: O_DIRECT needs an aligned buffer
                 copy_into(block[: layout.layer_bytes], source[: layout.layer_bytes])
-            self._write_ssd_layer(state, layer, block[: layout.layer_stride])
+            self._write_ssd_layer(state, layer, block[: layout.layer_stride], sums)
         finally:
             if staging is not None:
                 self._staging.give(staging)
@@ -162,21 +173,25 @@ class SegmentWriter:
         finally:
             self._staging.give(staging)
 
-    def _finish_dram_layer(self, state: WriteState, layer: int) -> None:
+    def _finish_dram_layer(
+        self, state: WriteState, layer: int, sums: np.ndarray | None = None
+    ) -> None:
         """The layer's new pages are in the arena: their checksums."""
         layout = state.plan.segment.layout
         start = self.layer_extent(state, layer)
         extent = self.arena.view[start : start + layout.layer_bytes]
-        state.checksums[layer] = parallel_layer_checksums(extent, layout)
+        state.checksums[layer] = _as_written(parallel_layer_checksums(extent, layout), sums, layer)
         self._count(dram_bytes_written=layout.layer_bytes)
 
-    def _write_ssd_layer(self, state: WriteState, layer: int, block: np.ndarray) -> None:
+    def _write_ssd_layer(
+        self, state: WriteState, layer: int, block: np.ndarray, sums: np.ndarray | None = None
+    ) -> None:
         """``block`` (``layer_stride`` aligned bytes, the new pages first) to the drive with one
         O_DIRECT command, and to the segment's DRAM read replica if it has one."""
         layout = state.plan.segment.layout
         replica = state.plan.replica  # a DRAM read replica of the same bytes (placement.py)
         block[layout.layer_bytes : layout.layer_stride] = 0
-        state.checksums[layer] = parallel_layer_checksums(block, layout)
+        state.checksums[layer] = _as_written(parallel_layer_checksums(block, layout), sums, layer)
         self.pool.write(self.layer_extent(state, layer), block[: layout.layer_stride])
         self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
         if replica is not None:
@@ -246,3 +261,16 @@ class SegmentWriter:
         with self._lock:
             for name, delta in deltas.items():
                 self.counters[name] += delta
+
+
+def _as_written(found: np.ndarray, sums: np.ndarray | None, layer: int) -> np.ndarray:
+    """The checksums to keep for a layer: its writer's (``sums``), if they match ``found``
+    (computed from the memory it wrote); a mismatch is :class:`TamperedWriteError`."""
+    if sums is None:
+        return found
+    if sums.shape != found.shape or not np.array_equal(sums, found):
+        raise TamperedWriteError(
+            f"layer {layer} in this node's memory is not what its writer wrote: another "
+            "writer changed it; the put is aborted"
+        )
+    return sums

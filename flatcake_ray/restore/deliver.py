@@ -11,6 +11,9 @@ last has landed.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -24,6 +27,7 @@ class ChunkDelivery:
     def __init__(self, scatter: ScatterFn, page_bytes: int) -> None:
         self._scatter = scatter
         self.page_bytes = page_bytes
+        self._scratch = _Scratch()  # per scatter thread: checked copies of mapped bytes
 
     def deliver(
         self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
@@ -51,6 +55,23 @@ class ChunkDelivery:
         if chunk.done_layer is not None:
             job.handle._layer_done(chunk.done_layer)
 
+    def _checked_copy(self, view: np.ndarray, chunk: LayerChunk) -> Any:
+        """A mapped chunk's bytes to check and deliver. Checked ones are copied out first:
+        the mapped memory is shared (a put's writer maps it writable), so bytes checked in
+        place could change before they are scattered; a private copy is what is checked and
+        what is delivered. The copy goes into this thread's scratch buffer, reused (its
+        chunk is delivered before the next one is). Unchecked ones are read in place."""
+        if not chunk.hashes:
+            return view
+        ends = [(span.offset, span.offset + span.length) for span in chunk.hashes]
+        ends += [(r.offset, r.offset + len(r.positions) * self.page_bytes) for r in chunk.runs]
+        lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
+        scratch = self._scratch.buffer
+        if len(scratch) < hi - lo:
+            scratch = self._scratch.buffer = np.empty(hi - lo, dtype=np.uint8)
+        np.copyto(scratch[: hi - lo], view[lo:hi])
+        return _Rebased(scratch[: hi - lo], lo)
+
     def _kept(self, job: Job, runs: list[PageRun]) -> list[PageRun]:
         """The runs whose scopes have not failed a checksum or a transfer."""
         dropped = job.outcome.bad_scopes | job.outcome.lost_scopes
@@ -59,10 +80,11 @@ class ChunkDelivery:
 
     def _source_bytes(
         self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
-    ) -> np.ndarray:
-        """Where a chunk's bytes are: the mapped medium, or its slot's host bytes."""
+    ) -> Any:
+        """Where a chunk's bytes are: the mapped medium (a private copy when checked), or its
+        slot's host bytes."""
         if chunk.mapped:
-            return job.mapped[chunk.medium].view
+            return self._checked_copy(job.mapped[chunk.medium].view, chunk)
         assert slot is not None and slot.host is not None
         if stats is not None and stats.on_device:  # GDS: checksums are taken on the host
             with torch.cuda.stream(slot.stream):
@@ -129,3 +151,19 @@ class ChunkDelivery:
         if chunk.mapped:
             tally.reads += len(runs)
             tally.bytes += nbytes
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.buffer = np.empty(0, dtype=np.uint8)
+
+
+class _Rebased:
+    """Bytes ``[base, base + len(data))`` of a medium, sliced by medium offsets."""
+
+    def __init__(self, data: np.ndarray, base: int) -> None:
+        self.data = data
+        self.base = base
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        return self.data[span.start - self.base : span.stop - self.base]

@@ -1,0 +1,133 @@
+"""A chaos soak with one malicious tenant on the victim's node: it writes garbage into every
+byte of the node's memory and files it can reach (the DRAM arena and the landing area it was
+handed for its own puts, mapped shared and writable; the SSD pool files it was told of), all
+the time, while another tenant puts and restores DRAM and SSD pages. The victim gets 0 wrong
+bytes: its puts either commit or fail with ``TamperedWriteError``, and its restores deliver
+its own bytes or miss (bounded: ``ROUNDS`` rounds, at most ``SOAK_S`` seconds).
+
+What this does not show: the malicious tenant can still *read* those files and cost the
+victim misses and failed puts (``docs/security.md``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from flatcake_ray.actors.protocol import PutMemory
+from flatcake_ray.client.put_targets import map_shared
+from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.errors import TamperedWriteError
+from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
+
+pytestmark = pytest.mark.ray
+ray = pytest.importorskip("ray")
+
+NAMESPACE = "fc-malicious"
+DRAM = PutHints(turn=2, prior_reply_tokens=1)
+SSD = PutHints(turn=1)
+ROUNDS = 24
+SOAK_S = 120.0
+KEPT = 6  # rounds of the victim's pages read back each round
+
+
+def kv(pages: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (LAYERS, pages, PAGE_BYTES), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def service(ray_service):
+    from flatcake_ray.client import tenants
+    from flatcake_ray.client.client import FlatCakeClient
+    from flatcake_ray.config import ClientConfig
+
+    ray_service(NAMESPACE, local={}, **SMALL_SERVICE, landing_bytes=4 << 20, ramp_seconds=0.0)
+    clients = {
+        name: FlatCakeClient(
+            NAMESPACE,
+            config=ClientConfig(
+                tenant_secret=tenants.add_tenant(
+                    NAMESPACE, name, layers=LAYERS, page_bytes=PAGE_BYTES, timeout_s=60.0
+                )
+            ),
+        )
+        for name in ("victim", "mallory")
+    }
+    yield clients
+    for client in clients.values():
+        client.close()
+
+
+class Mallory:
+    """Garbage into everything the malicious tenant's client was handed, until stopped."""
+
+    def __init__(self, client) -> None:
+        description = client.nodes.links[1].description
+        ticket = client.nodes.links[1].handle.begin_put.remote(["m/0"], hints=SSD)
+        target = ray.get(ticket, timeout=30).target
+        assert target.memory is PutMemory.LANDING  # its own put hands out the landing area
+        self.maps = [
+            map_shared(description.arena_path, description.arena_bytes)[1],
+            map_shared(target.path, target.nbytes)[1],
+        ]
+        self.pools = [(path, description.pool_file_bytes) for path in description.pool_paths]
+        self.rng = np.random.default_rng(99)
+        self.writes = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            garbage = self.rng.integers(0, 256, int(self.rng.integers(1, 64 << 10)), np.uint8)
+            choice = int(self.rng.integers(0, len(self.maps) + len(self.pools)))
+            if choice < len(self.maps):
+                memory = self.maps[choice]
+                at = int(self.rng.integers(0, len(memory) - len(garbage)))
+                memory[at : at + len(garbage)] = garbage
+            else:
+                path, nbytes = self.pools[choice - len(self.maps)]
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.pwrite(
+                        fd, garbage.tobytes(), int(self.rng.integers(0, nbytes - len(garbage)))
+                    )
+                finally:
+                    os.close(fd)
+            self.writes += 1
+            time.sleep(0.0005)
+
+
+def test_a_malicious_tenant_writing_everywhere_delivers_no_wrong_byte(service):
+    mallory, client = Mallory(service["mallory"]), service["victim"]
+    mallory.thread.start()
+    stored: dict[str, np.ndarray] = {}
+    tally = {"wrong_bytes": 0, "tampered_puts": 0, "puts": 0, "misses": 0, "hits": 0}
+    deadline = time.monotonic() + SOAK_S
+    try:
+        for round_ in range(ROUNDS):
+            if time.monotonic() > deadline:
+                break
+            for name, pages, hints in ((f"d{round_}", 4, DRAM), (f"s{round_}", 8, SSD)):
+                data = kv(pages, round_ * 2 + pages)
+                try:
+                    client.put([f"{name}/{i}" for i in range(pages)], data, hints=hints)
+                    stored[name] = data
+                    tally["puts"] += 1
+                except TamperedWriteError:
+                    tally["tampered_puts"] += 1
+            for name in list(stored)[-2 * KEPT :]:
+                data = stored[name]
+                out = np.zeros_like(data)
+                count = client.get([f"{name}/{i}" for i in range(data.shape[1])], out)
+                tally["wrong_bytes"] += int((out[:, :count] != data[:, :count]).sum())
+                tally["hits" if count == data.shape[1] else "misses"] += 1
+    finally:
+        mallory.stop.set()
+        mallory.thread.join(timeout=30)
+    print("malicious soak:", tally, "garbage writes:", mallory.writes)
+    assert tally["wrong_bytes"] == 0
+    assert mallory.writes > 100 and tally["puts"] > 0
+    assert tally["tampered_puts"] + tally["misses"] > 0  # the garbage did land somewhere

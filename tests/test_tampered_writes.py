@@ -1,0 +1,104 @@
+"""A writer of an owner's shared memory cannot plant bytes in another's put or pages.
+
+Clients write puts in place (DRAM arena, SSD landing slots) and send the block checksums of
+what they wrote (``core/integrity.py`` ``block_checksums``); the owner refuses other bytes
+(:class:`TamperedWriteError`: nothing published, space back) and keeps the writer's
+checksums, and readers check DRAM too (``verify_dram``, on by default), on a private copy of
+what they map: a write there after the commit is a miss, never bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flatcake_ray.actors.protocol import PutMemory
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.integrity import block_checksums
+from flatcake_ray.errors import TamperedWriteError
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv
+from tests.test_node_puts import DRAM, SSD, owner, restore, write  # noqa: F401  (fixture)
+
+GARBAGE = 0xA5
+
+
+def sums_of(ticket, kv: np.ndarray, layer: int) -> np.ndarray:
+    pages = kv[layer][ticket.target.new_positions].reshape(-1)
+    return block_checksums(pages, ticket.target.check_pages * PAGE_BYTES)
+
+
+def scribble(memory: np.ndarray, ticket, layer: int, nbytes: int = 100) -> None:
+    """Another writer of the same memory, in this put's layer ``layer``."""
+    at = ticket.target.offsets[layer % len(ticket.target.offsets)] + PAGE_BYTES // 2
+    memory[at : at + nbytes] = GARBAGE
+
+
+def keys(name: str, pages: int) -> list[str]:
+    return [f"{name}{i}" for i in range(pages)]
+
+
+def test_a_dram_put_whose_memory_another_wrote_is_refused_and_publishes_nothing(owner):  # noqa: F811
+    store, puts, counters = owner(1 << 20)
+    kv = random_kv(6, seed=4)
+    ticket = puts.begin("default", keys("t", 6), {"hints": DRAM})
+    assert ticket.target.memory is PutMemory.ARENA
+    for layer in range(LAYERS):
+        write(puts, ticket, kv, layer)
+    scribble(store.arena.view, ticket, 1)
+    with pytest.raises(TamperedWriteError, match="layer 1"):
+        puts.commit(
+            "default",
+            ticket.put_id,
+            list(range(LAYERS)),
+            [sums_of(ticket, kv, n) for n in range(LAYERS)],
+        )
+    assert store.exists(keys("t", 6)) == 0 and counters["puts_aborted"] == 1
+    again = puts.begin("default", keys("t", 6), {"hints": DRAM})  # the space came back
+    for layer in range(LAYERS):
+        write(puts, again, kv, layer)
+    sums = [sums_of(again, kv, n) for n in range(LAYERS)]
+    assert puts.commit("default", again.put_id, list(range(LAYERS)), sums).pages_written == 6
+    count, out = restore(store, keys("t", 6))
+    assert count == 6 and np.array_equal(out, kv)
+
+
+def test_an_ssd_slot_another_wrote_is_refused_before_it_reaches_the_drive(owner):  # noqa: F811
+    store, puts, _ = owner(8 * 32 * PAGE_BYTES)
+    kv = random_kv(32, seed=5)
+    ticket = puts.begin("default", keys("s", 32), {"hints": SSD})
+    assert ticket.target.memory is PutMemory.LANDING
+    write(puts, ticket, kv, 0)
+    scribble(puts.landing.memory.view, ticket, 0)
+    with pytest.raises(TamperedWriteError):
+        puts.land("default", ticket.put_id, 0, None, sums_of(ticket, kv, 0))
+    assert store.exists(keys("s", 32)) == 0
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_pages_overwritten_after_their_commit_are_a_miss_never_bytes(make_store, verify):
+    """With ``verify_dram`` (the default) an overwrite of committed DRAM pages is a miss;
+    without it the reader gets the other writer's bytes: the check is what protects."""
+    store = make_store(verify_dram=verify)
+    kv = random_kv(6, seed=6)
+    store.put(keys("c", 6), kv, hints=DRAM)
+    lease = store.lease(keys("c", 6))
+    segment = next(iter(lease.segments.values()))
+    assert lease.hits == 6 and segment.medium is Medium.DRAM
+    offset = segment.offset  # its first layer's first page, in the arena
+    store.release(lease)
+    store.arena.view[offset + 10 : offset + 20] = GARBAGE
+    count, out = restore(store, keys("c", 6))
+    if verify:
+        assert count == 0 and not out.any()
+    else:
+        assert count == 6 and not np.array_equal(out, kv)  # the wrong bytes, as a hit
+
+
+def test_a_services_nodes_check_dram_reads_unless_told_not_to():
+    from flatcake_ray.config import ServiceConfig, StoreConfig
+
+    assert ServiceConfig().store_config("a" * 16, 1, {}).verify_dram is True
+    assert (
+        ServiceConfig().store_config("a" * 16, 1, {"FLATCAKE_VERIFY_DRAM": "0"}).verify_dram
+        is False
+    )
+    assert StoreConfig(root="/tmp/x", layers=1, page_bytes=4096).verify_dram is False  # one writer
