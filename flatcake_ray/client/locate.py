@@ -35,7 +35,7 @@ from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
 from flatcake_ray.core.homes import home_candidates
-from flatcake_ray.errors import TenantLimitError
+from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantLimitError
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 
@@ -196,12 +196,17 @@ class Locator:
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)
         for ref in late:  # a late lease runs out by its TTL
             self.nodes.mark_down(refs[ref], f"{method} took over {self.rpc_timeout_s}s")
-        answers, limited = [], None
+        answers: list[tuple[NodeLink, Any]] = []
+        limited: FlatCakeError | None = None
         for ref in ready:
             try:
                 answers.append((refs[ref], ray.get(ref)))
-            except TenantLimitError as exc:  # the node is up: this tenant is over its limit
-                limited = TenantLimitError(str(exc.cause if isinstance(exc, RayTaskError) else exc))
+            # The node is up and refuses this tenant (over a limit, or not let in): the
+            # caller's error, typed as the node raised it, not the node's failure.
+            except TenantLimitError as exc:
+                limited = TenantLimitError(_message(exc, RayTaskError))
+            except AccessDeniedError as exc:
+                limited = AccessDeniedError(_message(exc, RayTaskError))
             except RayError as exc:
                 self.nodes.mark_down(refs[ref], f"{method} failed: {exc}")
                 report.failures.append(f"node {refs[ref].node_id}: {type(exc).__name__}")
@@ -249,3 +254,8 @@ class Locator:
         except RayError as exc:
             report.failures.append(f"node {link.node_id}: release {type(exc).__name__}")
             return False
+
+
+def _message(exc: BaseException, wrapper: type) -> str:
+    """What the node said, without Ray's wrapping of a remote error."""
+    return str(exc.cause if isinstance(exc, wrapper) else exc)  # type: ignore[attr-defined]
