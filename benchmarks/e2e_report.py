@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks.ssd_layout import replace_section
 from tests.e2e.engines import BLOCK
 from tests.e2e.tiny_model import Shape
 
@@ -98,18 +99,6 @@ def report(config: str, summary: dict[str, dict], limit: dict[str, float]) -> li
             f"{row['median_ms'] / own:6.2f}x own{verdict}"
         )
     return lines
-
-
-def replace_section(path: str, heading: str, text: str) -> None:
-    """Rewrite one ``## `` section of a markdown file, keeping the others."""
-    target = Path(path)
-    old = target.read_text() if target.exists() else "# Benchmarks\n"
-    start = old.find(heading)
-    if start < 0:
-        target.write_text(old.rstrip() + "\n\n" + text)
-        return
-    end = old.find("\n## ", start + 1)
-    target.write_text(old[:start] + text + (old[end:] if end >= 0 else ""))
 
 
 ROW_LABELS = {

@@ -227,10 +227,10 @@ def write_markdown(path, result, command):
         "the per-segment key copies reclamation needs.",
         "",
     ]
-    _replace_section(path, "## SSD restore of one long session", "\n".join(lines))
+    replace_section(path, "## SSD restore of one long session", "\n".join(lines))
 
 
-def _replace_section(path, heading, text):
+def replace_section(path: str, heading: str, text: str) -> None:
     """Rewrite one ``## `` section of a markdown file, keeping the others."""
     target = Path(path)
     old = target.read_text() if target.exists() else "# Benchmarks\n"
