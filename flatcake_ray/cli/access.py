@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 from flatcake_ray.cli.connect import DEFAULT_CONNECT_TIMEOUT_S
 from flatcake_ray.config import secret_path
@@ -60,6 +61,8 @@ def connect_cli(args: argparse.Namespace, namespace: str, *, may_start: bool = F
     from flatcake_ray.cli import local_ray
     from flatcake_ray.cli.connect import AUTH_MODE, connect, set_auth_mode
 
+    if _connected():  # a process already on a cluster (a driver calling ``main``) stays there
+        return False
     address = args.address or os.environ.get("RAY_ADDRESS")
     started = False
     local = local_ray.recorded() if address is None else None
@@ -101,6 +104,13 @@ def stop_local_ray() -> None:
             f"({local_ray.state_file()}); stop a Ray you started yourself with `ray stop`"
         )
     local_ray.stop(local)
+
+
+def _connected() -> bool:
+    """Whether this process is on a cluster already; never imports Ray to find out (the
+    settings it reads on import may still be set)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def _this_machines_cluster(timeout_s: float) -> str | None:
