@@ -35,7 +35,10 @@ def check_request(keys: Any, namespace: Any, hints: Any = None) -> None:
 def _int_array(value: Any, what: str) -> np.ndarray:
     if not isinstance(value, np.ndarray | list | tuple):
         raise ReadRangeError(f"{what} are an array of ints, not {type(value).__name__}")
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:  # ragged, or bytes numpy decodes
+        raise ReadRangeError(f"{what} are a 1-D array of ints ({exc})") from None
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise ReadRangeError(f"{what} are a 1-D array of ints")
     return array.astype(np.int64)

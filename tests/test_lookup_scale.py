@@ -10,7 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from flatcake_ray.actors.protocol import node_actor_name  # noqa: E402
+from flatcake_ray.actors.protocol import COORDINATOR_NAME, node_actor_name  # noqa: E402
 from flatcake_ray.client import deploy  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.source import first_digest  # noqa: E402
@@ -42,13 +42,22 @@ def scale(ray_service):
         rpc_timeout_s=20.0,
         ramp_seconds=0.0,
     )
-    # The driver is on the head, which has no storage node: chains are placed over all 8.
+    # The driver is on the head, which has no storage node: chains are placed over all 8,
+    # once the coordinator has every node's first report (until then a node weighs one byte,
+    # and on a busy machine every chain would go to the first reporter and outgrow its DRAM).
+    wait_for("every storage node's first report", every_node_reported, timeout_s=180)
     writer = FlatCakeClient(NAMESPACE)
     kv = np.ones((LAYERS, PAGES, PAGE_BYTES), np.uint8)
     for i in range(CHAINS):
         writer.put(chain(f"c{i}"), kv, session_id=f"c{i}", hints=DRAM)
     yield {"service": started, "writer": writer}
     writer.close()
+
+
+def every_node_reported() -> bool:
+    coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+    rows = ray.get(coordinator.nodes_table.remote(deploy.operator_secret(NAMESPACE)), timeout=30)
+    return len(rows) == NODES and all(row["dram_capacity"] > 0 for row in rows)
 
 
 def lookups(expect_found: dict[str, bool]) -> dict[str, list]:
