@@ -55,9 +55,10 @@ class NodePuts:
         if handle.medium is None:
             return PutTarget(PutMemory.NONE, (), 0, positions)
         if handle.medium is Medium.DRAM:
-            arena = self.store.arena
-            where = {"path": arena.path, "nbytes": arena.nbytes, "peer": self.arena_peer}
             offsets = handle.arena_offsets()
+            chunk = self.store.arena.chunk(offsets[0] // self.store.arena.chunk_bytes)
+            where = {"path": chunk.path, "nbytes": chunk.nbytes, "path_offset": chunk.offset}
+            where["peer"] = self.arena_peer
             where["check_pages"] = handle.check_pages
             return PutTarget(PutMemory.ARENA, offsets, handle.layer_bytes, positions, **where)
         taken = self._take_slots(handle, tenant)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.core.parts import LeasePart
+from flatcake_ray.media.arena import ArenaChunk
 
 COORDINATOR_NAME = "flatcake-coordinator"
 NODE_NAME_PREFIX = "flatcake-node-"
@@ -35,7 +36,9 @@ class NodeDescription:
     actor_name: str
     layers: int
     page_bytes: int
-    arena_path: str
+    # The arena chunks the caller's tenant holds now (every chunk of an arena of one): the
+    # only arena files it is handed. A tenant that grows describes the node again.
+    arena_chunks: tuple[ArenaChunk, ...]
     arena_bytes: int
     pool_paths: tuple[str, ...]
     pool_file_bytes: int
@@ -123,8 +126,10 @@ class PutTarget:
     ``offsets[n % len(offsets)]`` of the owner's landing area, then ``land``; with a slot per
     layer, landed at commit), ``INLINE`` (LAST RESORT, the landing area was full: each
     layer's bytes in its ``land`` call) or ``NONE`` (every key is stored already). A client
-    on the owner's node maps ``path`` (``nbytes``) shared and writable; one on another node
-    WRITEs to ``peer`` over NIXL, and sends the checksums of what it wrote (``check_pages``).
+    on the owner's node maps ``path`` (``nbytes``) shared and writable (for ``ARENA``, the one
+    chunk of the arena the put's pages are in, whose byte 0 is arena offset ``path_offset``);
+    one on another node WRITEs to ``peer`` over NIXL, and sends the checksums of what it
+    wrote (``check_pages``).
     Only the put's new pages are written, in key order: ``new_positions`` of the put's keys.
     """
 
@@ -135,6 +140,7 @@ class PutTarget:
     path: str = ""
     nbytes: int = 0
     peer: Any = None
+    path_offset: int = 0
     # Pages per checksum block: a client that writes in place sends each layer's block
     # checksums with its land or commit call (``core/integrity.py`` ``block_checksums``).
     check_pages: int = 1

@@ -185,7 +185,7 @@ class StorageNode(HomeCalls):
             actor_name=self.membership.actor_name,
             layers=tenant.layers,
             page_bytes=tenant.page_bytes,
-            arena_path=store.arena.path,
+            arena_chunks=store.arena_chunks(tenant.name),
             arena_bytes=store.arena.nbytes,
             pool_paths=tuple(store.pool.paths),
             pool_file_bytes=store.pool.file_bytes,

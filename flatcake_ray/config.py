@@ -49,6 +49,8 @@ GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
 STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
 STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync", "verify_dram")
+STORE_FIELDS += ("dram_chunks",)
+MAX_DRAM_CHUNKS = 4096
 
 
 def _require(condition: bool, message: str, *names: str) -> None:
@@ -97,6 +99,9 @@ class StoreConfig:
     page_bytes: int  # bytes of one page of one layer
     node_id: int = 0
     dram_bytes: int = 256 << 20
+    # The arena in this many chunks, each its own file; more than one: each chunk holds one
+    # tenant's pages at a time (core/extents.py), and a DRAM segment fits one chunk.
+    dram_chunks: int = 1
     ssd_dirs: tuple[str, ...] = ()  # one folder per drive; empty: <root>/ssd
     ssd_files_per_dir: int = 4
     ssd_file_bytes: int = 256 << 20
@@ -139,6 +144,11 @@ class StoreConfig:
             "dram_bytes",
         )
         _require(
+            1 <= self.dram_chunks <= MAX_DRAM_CHUNKS,
+            f"dram_chunks must be in 1..{MAX_DRAM_CHUNKS}",
+            "dram_chunks",
+        )
+        _require(
             self.ssd_files_per_dir >= 1, "ssd_files_per_dir must be at least 1", "ssd_files_per_dir"
         )
         self._check_ssd_sizes()
@@ -165,6 +175,11 @@ class StoreConfig:
             "hugepages must be auto, off or require",
             "hugepages",
         )
+
+    @property
+    def dram_chunk_bytes(self) -> int:
+        """Bytes of one arena chunk (the last may be shorter); 0 without an arena."""
+        return _align_up(-(-self.dram_bytes // self.dram_chunks))
 
     def _check_ssd_sizes(self) -> None:
         _require(
@@ -249,6 +264,9 @@ class ServiceConfig:
     layers: int = 32
     page_bytes: int = 64 << 10
     dram_bytes: int = 1 << 30
+    # Each node's arena in chunks owned by one tenant at a time (StoreConfig.dram_chunks): a
+    # client is handed its own tenant's chunks only (docs/security.md).
+    dram_chunks: int = 8
     ssd_dirs: tuple[str, ...] = ()
     ssd_files_per_dir: int = 4
     ssd_file_bytes: int = 1 << 30

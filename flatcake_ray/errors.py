@@ -148,6 +148,11 @@ class TransferError(FlatCakeError):
     """A data transfer failed; the destination ranges of that read hold undefined bytes."""
 
 
+class ForeignMemoryError(TransferError, PermissionError):
+    """Memory not handed to the caller's tenant: an arena chunk another tenant holds, or an
+    offset past the chunks it was given. A read of it is a miss."""
+
+
 class TransferTimeoutError(TransferError, TimeoutError):
     """A transfer did not complete within its deadline; it was cancelled before this was raised."""
 

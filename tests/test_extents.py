@@ -58,3 +58,32 @@ def test_runs_never_overlap(steps):
         assert a + la <= b
     assert all(r.used <= r.length for s in scopes for r in s.runs)
     assert space.free_bytes + sum(s.reserved_bytes for s in scopes) == space.capacity
+
+
+def test_owned_regions_grow_and_shrink_a_region_at_a_time_without_moving_a_run():
+    space = MediumSpace(region_bytes=256 << 10, regions=4, min_run=4096, total=900 << 10, owned=True)
+    assert [a.capacity for a in space.allocators] == [256 << 10] * 3 + [132 << 10]
+    alpha = [ScopeRuns(owner="alpha") for _ in range(3)]
+    beta = ScopeRuns(owner="beta")
+    assert space.place(alpha[0], 200 << 10, reserve_ahead=False) is not None
+    assert space.place(beta, 100 << 10, reserve_ahead=False) is not None
+    assert space.regions_of("alpha") == [0] and space.regions_of("beta") == [1]
+    placed = space.place(alpha[1], 200 << 10, reserve_ahead=False)  # no room in its own: grows
+    assert placed is not None and space.regions_of("alpha") == [0, 2]
+    beta_runs = [(run.start, run.length) for run in beta.runs]
+    # Another's region is never open, even with room in it: the last region is too short.
+    assert space.place(alpha[2], 200 << 10, reserve_ahead=False) is None
+    assert space.largest_free_to("alpha") == 132 << 10 and space.largest_free_to("beta") > 150 << 10
+    space.release(alpha[0])  # region 0 emptied: back to no one, without touching any run
+    assert space.regions_of("alpha") == [2] and space.owners[0] is None
+    assert space.place(beta, 200 << 10, reserve_ahead=False) == 0  # beta grows into it
+    assert [(run.start, run.length) for run in beta.runs][:1] == beta_runs
+    assert space.regions_of("beta") == [0, 1]
+
+
+def test_an_unowned_medium_keeps_every_region_open_to_every_scope():
+    space = MediumSpace(region_bytes=64 << 10, regions=2, min_run=4096)
+    first, second = ScopeRuns(owner="a"), ScopeRuns(owner="b")
+    assert space.place(first, 48 << 10, reserve_ahead=False) == 0
+    assert space.place(second, 16 << 10, reserve_ahead=False) is not None
+    assert space.regions_of("a") == space.regions_of("b") == [0, 1]

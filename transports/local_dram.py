@@ -1,8 +1,11 @@
 """Local DRAM: memcpy from this node's DRAM arena, mapped read-only into the reader.
 
-The storage node owns the arena (a file in /dev/shm or on hugetlbfs); a client on the same
-node maps the same file read-only (:meth:`DramArena.attach`) and copies pages straight out
-of it. Nothing crosses a process boundary but the lease that says where the pages are.
+The storage node owns the arena (chunk files in /dev/shm or on hugetlbfs); a client on the
+same node maps the chunks its tenant was handed read-only, each at its arena offset in one
+reserved range (:class:`ChunkMap`), and copies pages straight out of them. A range outside
+them is :class:`ForeignMemoryError` (a miss), after one look for chunks its tenant took
+since (``refresh``). Nothing crosses a process boundary but the lease that says where the
+pages are.
 A copy to a GPU is the caller's torch copy on a stream (see ``flatcake_ray/buffers.py``).
 
 Also here: :func:`merge_contiguous`, shared by every transport, which folds ranges that are
@@ -11,12 +14,15 @@ back to back in both source and destination into one (one memcpy, one NIXL descr
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from flatcake_ray.errors import TransportClosedError
-from flatcake_ray.media.arena import DramArena
+from flatcake_ray.errors import ForeignMemoryError, TransportClosedError
+from flatcake_ray.media.arena import ArenaChunk
+from flatcake_ray.media.chunk_map import ChunkMap
 from flatcake_ray.transports.base import LOCAL_DRAM, ReadBatch, TransferStats, Transport
 
 
@@ -51,15 +57,49 @@ class LocalDramTransport(Transport):
 
     name = LOCAL_DRAM
 
-    def __init__(self, arena_view: np.ndarray, *, mapping: object = None) -> None:
+    def __init__(
+        self,
+        arena_view: np.ndarray,
+        *,
+        chunks: ChunkMap | None = None,
+        refresh: Callable[[], Iterable[ArenaChunk]] | None = None,
+    ) -> None:
         self._view: np.ndarray | None = arena_view
-        self._mapping = mapping  # keeps an attached mapping alive while the view is used
+        self._chunks = chunks  # None: the whole view is this process's to read
+        self._refresh = refresh
+        self._lock = threading.Lock()
 
     @classmethod
-    def attach(cls, arena_path: str, arena_bytes: int) -> LocalDramTransport:
-        """Map another process's arena read-only (the client's local-DRAM path)."""
-        mapping, view = DramArena.attach(arena_path, arena_bytes)
-        return cls(view, mapping=mapping)
+    def attach(
+        cls,
+        chunks: Iterable[ArenaChunk],
+        arena_bytes: int,
+        refresh: Callable[[], Iterable[ArenaChunk]] | None = None,
+    ) -> LocalDramTransport:
+        """Map the arena chunks another process handed this one, read-only (the client's
+        local-DRAM path); ``refresh`` answers the chunks handed now (its tenant grew)."""
+        mapped = ChunkMap(arena_bytes)
+        transport = cls(mapped.view, chunks=mapped, refresh=refresh)
+        transport._map(chunks)
+        return transport
+
+    def _map(self, chunks: Iterable[ArenaChunk]) -> None:
+        assert self._chunks is not None
+        for chunk in chunks:
+            if chunk.offset not in self._chunks.mapped:
+                self._chunks.place(chunk.offset, chunk.path, chunk.nbytes, shared=False)
+
+    def _check_handed(self, reads: ReadBatch) -> None:
+        """Raise :class:`ForeignMemoryError` unless every range lies in chunks handed to
+        this process (looking once for chunks handed since)."""
+        chunks = self._chunks
+        if chunks is None or chunks.covers(reads.src_offsets, reads.lengths):
+            return
+        with self._lock:
+            if self._refresh is not None:
+                self._map(self._refresh())
+            if not chunks.covers(reads.src_offsets, reads.lengths):
+                raise ForeignMemoryError("a range outside the arena chunks handed to this tenant")
 
     @classmethod
     def probe(cls) -> str | None:
@@ -73,6 +113,7 @@ class LocalDramTransport(Transport):
             raise TransportClosedError("local-dram transport is closed")
         reads.check_destination(dst)
         reads.check_source(self._view.size, "the local DRAM arena")
+        self._check_handed(reads)
         start = time.perf_counter()
         merged = merge_contiguous(reads)
         commands = copy_ranges(self._view, merged, dst)
@@ -82,4 +123,4 @@ class LocalDramTransport(Transport):
         # Dropping the view and the mapping object unmaps once no other view is alive;
         # mmap.close() would raise BufferError while a caller still holds a slice.
         self._view = None
-        self._mapping = None
+        self._chunks = None

@@ -52,6 +52,7 @@ _LIMIT_FLAGS = {
     "tenant_call_burst": "calls a tenant may make at once above that rate",
     "tenant_leases": "leases each tenant may hold on each node",
     "tenant_puts": "puts each tenant may have open on each node",
+    "dram_chunks": "chunks of each node's arena, each owned by one tenant at a time",
 }
 _CONFIG_FLAGS += tuple(_LIMIT_FLAGS)
 

@@ -106,7 +106,7 @@ class NodeLink:
         timeout = self.config.rpc_timeout_s
         pool_bytes = d.pool_file_bytes * len(d.pool_paths)
         if path == base.LOCAL_DRAM:
-            return LocalDramTransport.attach(d.arena_path, d.arena_bytes)
+            return LocalDramTransport.attach(d.arena_chunks, d.arena_bytes, self._chunks_now)
         if path == base.LOCAL_SSD:
             return LocalSsdTransport.open(d.pool_paths, d.pool_file_bytes)
         if path == base.LOCAL_SSD_GDS:
@@ -131,6 +131,14 @@ class NodeLink:
         if path == base.REMOTE_DRAM_RDMA:
             return self._rdma(timeout)
         raise ServiceError(f"no transport named {path!r}")
+
+    def _chunks_now(self) -> tuple[Any, ...]:
+        """The arena chunks this tenant holds on the node now (it took more since described)."""
+        import ray
+
+        handle = self.handle.describe.remote()
+        description = ray.get(handle, timeout=self.config.rpc_timeout_s)
+        return tuple(description.arena_chunks)
 
     def _rdma(self, timeout: float) -> Any:
         import ray

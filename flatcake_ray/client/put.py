@@ -143,7 +143,8 @@ class RemotePut:
             return
         count = len(data) if positions is None else len(positions)
         memory = self._route.targets.mapped(target.path, target.nbytes)
-        into = memory[offset : offset + count * self._page_bytes].reshape(count, -1)
+        start = offset - target.path_offset
+        into = memory[start : start + count * self._page_bytes].reshape(count, -1)
         if positions is None:
             copy_into(into, data)
         else:

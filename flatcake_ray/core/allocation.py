@@ -22,7 +22,8 @@ from flatcake_ray.core.usage import MediaUse
 
 class Allocation:
     """Allocates for one catalog: its ``scopes``, its ``use`` of the store's media (shared
-    space, its own quota), its ``reclamation``, and the store's id source ``ids``."""
+    space, its own quota), its ``reclamation``, and the store's id source ``ids``; its scopes'
+    runs come from ``owner``'s regions on an owned medium (``core/extents.py``)."""
 
     def __init__(
         self,
@@ -31,7 +32,9 @@ class Allocation:
         scopes: ScopeTable,
         reclamation: Reclamation,
         ids: Ids,
+        owner: str | None = None,
     ) -> None:
+        self._owner = owner
         self._config = config
         self._use = use
         self._scopes = scopes
@@ -110,7 +113,7 @@ class Allocation:
         """Whether ``nbytes`` fit now, or would once every unreferenced scope were freed."""
         space = self._use.space[medium]
         last = scope.runs.runs[-1] if scope.runs.runs else None
-        if space.largest_free >= nbytes or (last is not None and last.room >= nbytes):
+        if space.largest_free_to(scope.runs.owner) >= nbytes or (last is not None and last.room >= nbytes):
             return True
         freeable = self._scopes.freeable_runs(medium)
         return space.largest_obtainable(freeable, scope.runs) >= nbytes
@@ -120,6 +123,7 @@ class Allocation:
         if scope_id is not None and scope_id in self._scopes:
             return self._scopes[scope_id]
         scope = Scope(next(self._ids), session.session_id, medium)
+        scope.runs.owner = self._owner
         self._scopes.add(scope)
         session.scopes[medium] = scope.scope_id
         return scope

@@ -76,9 +76,17 @@ def media_spaces(config: StoreConfig) -> dict[Medium, MediumSpace]:
     """A store's two media, as allocation spaces (shared by its tenants' catalogs)."""
     files = config.ssd_files_per_dir * len(config.ssd_folders)
     return {
-        Medium.DRAM: MediumSpace(config.dram_bytes, 1 if config.dram_bytes else 0, 4096),
+        Medium.DRAM: dram_space(config),
         Medium.SSD: MediumSpace(config.ssd_file_bytes, files, config.ssd_min_run_bytes),
     }
+
+
+def dram_space(config: StoreConfig) -> MediumSpace:
+    """The arena as ``config.dram_chunks`` regions; more than one: owned, a region (a chunk,
+    its own file) holding one tenant's pages at a time (``media/arena.py``)."""
+    chunk = config.dram_chunk_bytes
+    count = -(-config.dram_bytes // chunk) if chunk else 0
+    return MediumSpace(chunk, count, 4096, total=config.dram_bytes, owned=count > 1)
 
 
 class Catalog:
@@ -113,13 +121,13 @@ class Catalog:
         self.use = MediaUse(space if space is not None else media_spaces(config), quota)
         self.scope_table = ScopeTable(self.sessions)
         self.replicas = Replicas(
-            config, self.use.space[Medium.DRAM], self.scope_table, self.segments, self._ids
+            config, self.use.space[Medium.DRAM], self.scope_table, self.segments, self._ids, tenant
         )
         self.reclamation = Reclamation(
             self.use, self.scope_table, self.segments, self.index, self.replicas, on_free
         )
         self.allocation = Allocation(
-            config, self.use, self.scope_table, self.reclamation, self._ids
+            config, self.use, self.scope_table, self.reclamation, self._ids, tenant
         )
 
     # ---- what the parts hold, as the store and the replay model read it ------------------

@@ -11,6 +11,14 @@ bytes into what it allocates.
   reserves a run of ``max(2 x first segment, min_run)`` (exactly the segment when the
   caller expects no continuation); later segments fill the run, then grow it in place if
   the bytes after it are free, else chain a new run of ``max(2 x segment, min_run)``.
+
+A medium may be *owned* (``owned=True``: the DRAM arena of a service, split into chunks, one
+region each): a region then belongs to at most one owner (a tenant) at a time, and a scope's
+runs are taken only from its owner's regions or from a free one, which becomes its owner's.
+A region whose last run is freed belongs to no one again. So an owner's share grows a
+region at a time and shrinks a region at a time, and no byte is ever copied to do either:
+a region changes hands only when it is empty. Which owner gets how much is still decided by
+quotas and reclamation (``core/allocation.py``), not by a fixed partition.
 """
 
 from __future__ import annotations
@@ -110,9 +118,11 @@ class Run:
 
 @dataclass
 class ScopeRuns:
-    """The runs a scope holds on its medium; the last one is being filled."""
+    """The runs a scope holds on its medium; the last one is being filled. ``owner``: whose
+    regions they come from, on an owned medium (see :class:`MediumSpace`)."""
 
     runs: list[Run] = field(default_factory=list)
+    owner: str | None = None
 
     @property
     def reserved_bytes(self) -> int:
@@ -126,15 +136,46 @@ class ScopeRuns:
 class MediumSpace:
     """All allocators of one medium, laid end to end in one medium-local offset space."""
 
-    def __init__(self, region_bytes: int, regions: int, min_run: int) -> None:
+    def __init__(
+        self,
+        region_bytes: int,
+        regions: int,
+        min_run: int,
+        *,
+        total: int | None = None,
+        owned: bool = False,
+    ) -> None:
+        """``regions`` of ``region_bytes`` each, the last one cut short at ``total`` bytes
+        when given; ``owned``: each region belongs to at most one owner at a time."""
         self.region_bytes = region_bytes
-        self.allocators = [ExtentAllocator(i * region_bytes, region_bytes) for i in range(regions)]
+        total = region_bytes * regions if total is None else total
+        self.allocators = [
+            ExtentAllocator(i * region_bytes, min(region_bytes, total - i * region_bytes))
+            for i in range(regions)
+        ]
         self.min_run = min_run
+        self.owned = owned
+        self.owners: list[str | None] = [None] * regions
         self._next_region = 0  # new scopes rotate over regions (files, hence drives)
 
     @property
     def capacity(self) -> int:
-        return self.region_bytes * len(self.allocators)
+        return sum(a.capacity for a in self.allocators)
+
+    def regions_of(self, owner: str | None) -> list[int]:
+        """The regions ``owner`` may read and write: its own, or every one when unowned."""
+        if not self.owned:
+            return list(range(len(self.allocators)))
+        return [region for region, holder in enumerate(self.owners) if holder == owner]
+
+    def _open_to(self, region: int, owner: str | None) -> bool:
+        return not self.owned or self.owners[region] in (None, owner)
+
+    def _settle(self, region: int) -> None:
+        """An owned region with nothing left in it belongs to no one again (shrinking)."""
+        allocator = self.allocators[region]
+        if self.owned and allocator.free_bytes == allocator.capacity:
+            self.owners[region] = None
 
     @property
     def free_bytes(self) -> int:
@@ -168,38 +209,54 @@ class MediumSpace:
         # 106 GiB of 451 GiB reserved in the Mooncake replay were never written.)
         wants = (max(2 * nbytes, self.min_run), nbytes) if reserve_ahead else (nbytes,)
         for want in wants:
-            run = self._new_run(min(align_up(want), self.region_bytes))
+            run = self._new_run(min(align_up(want), self.region_bytes), scope.owner)
             if run is not None and run.length >= nbytes:
                 run.used = nbytes
                 scope.runs.append(run)
                 return run.start
             if run is not None:
                 self.allocators[run.allocator].free(run.start, run.length)
+                self._settle(run.allocator)
         return None
 
-    def _new_run(self, nbytes: int) -> Run | None:
+    def _new_run(self, nbytes: int, owner: str | None) -> Run | None:
+        """A run in one of ``owner``'s regions, else in a free region it then takes (so an
+        owner fills what it holds before it grows)."""
         count = len(self.allocators)
-        for step in range(count):
-            region = (self._next_region + step) % count
+        order = [(self._next_region + step) % count for step in range(count)]
+        if self.owned:
+            order.sort(key=lambda region: self.owners[region] != owner)
+        for region in order:
+            if not self._open_to(region, owner):
+                continue
             start = self.allocators[region].allocate(nbytes)
             if start is not None:
                 self._next_region = (region + 1) % count
+                if self.owned:
+                    self.owners[region] = owner
                 return Run(region, start, nbytes)
         return None
 
-    @property
-    def largest_free(self) -> int:
-        return max((a.largest_free for a in self.allocators), default=0)
+    def largest_free_to(self, owner: str | None) -> int:
+        """The largest free extent ``owner`` may take (its regions' and free regions')."""
+        return max(
+            (a.largest_free for r, a in enumerate(self.allocators) if self._open_to(r, owner)),
+            default=0,
+        )
 
     def largest_obtainable(self, freeable: Iterable[ScopeRuns], growing: ScopeRuns) -> int:
         """The most bytes one new segment of ``growing`` could get if every scope in
-        ``freeable`` were freed: a new run anywhere, or the room left in ``growing``'s last
-        run plus the free bytes right after it. No state changes."""
+        ``freeable`` (``growing``'s owner's) were freed: a new run in a region open to its
+        owner, or the room left in ``growing``'s last run plus the free bytes right after
+        it. No state changes."""
         extents: list[list[tuple[int, int]]] = [a.free_extents() for a in self.allocators]
         for runs in freeable:
             for run in runs.runs:
                 extents[run.allocator].append((run.start, run.length))
-        merged = [dict(_merge(region)) for region in extents]
+        merged = [  # another owner's regions stay its own whatever is freed here
+            dict(_merge(region)) if self._open_to(r, growing.owner) else {}
+            for r, region in enumerate(extents)
+        ]
         best = max((max(region.values(), default=0) for region in merged), default=0)
         if growing.runs:  # a run never crosses its region, so only its own region can extend it
             last = growing.runs[-1]
@@ -208,17 +265,23 @@ class MediumSpace:
         return best
 
     def release(self, scope: ScopeRuns) -> int:
-        """Free every run of a scope at once; returns the bytes freed."""
+        """Free every run of a scope at once; returns the bytes freed. An owned region left
+        empty goes back to no one."""
         freed = 0
         for run in scope.runs:
             self.allocators[run.allocator].free(run.start, run.length)
+            self._settle(run.allocator)
             freed += run.length
         scope.runs.clear()
         return freed
 
     def reserve(self, scope: ScopeRuns, start: int, length: int, used: int) -> None:
         region = self.region_of(start)
+        if not self._open_to(region, scope.owner):
+            raise ValueError(f"run {start}+{length} is in a region another owner holds")
         self.allocators[region].reserve(start, length)
+        if self.owned:
+            self.owners[region] = scope.owner
         scope.runs.append(Run(region, start, length, used))
 
 

@@ -33,7 +33,9 @@ class Replicas:
         scopes: ScopeTable,
         segments: dict[int, Segment],
         ids: Ids,
+        owner: str | None = None,
     ) -> None:
+        self._owner = owner  # whose DRAM regions replicas take, on an owned arena
         self._high_watermark = config.high_watermark
         self._dram = dram
         self._scopes = scopes
@@ -59,6 +61,7 @@ class Replicas:
             self.counters["replicas_refused"] += 1
             return None
         scope = Scope(next(self._ids), home.session_id, Medium.DRAM, replica_of=home.scope_id)
+        scope.runs.owner = self._owner
         self._scopes.add(scope)
         scope.refs += 1  # not dropped while we make room for it
         try:

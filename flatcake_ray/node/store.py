@@ -54,7 +54,7 @@ from flatcake_ray.core.put_checks import check_hints
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ShapeError, StoreClosedError
-from flatcake_ray.media.arena import DramArena
+from flatcake_ray.media.arena import ArenaChunk, DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.metrics.record import Metrics
@@ -90,8 +90,9 @@ class FlatCakeStore:
             self._lock_fd = lock_root(Path(config.root))
             undo.callback(os.close, self._lock_fd)
             root_slug = Path(config.root).resolve().as_posix().strip("/").replace("/", "-")
+            chunk = config.dram_chunk_bytes if config.dram_chunks > 1 else 0
             self.arena = DramArena(
-                config.dram_bytes, f"{root_slug}-{config.node_id}", config.hugepages
+                config.dram_bytes, f"{root_slug}-{config.node_id}", config.hugepages, chunk
             )
             undo.callback(self.arena.close)
             self.pool = SsdPool(config.ssd_folders, config.ssd_files_per_dir, config.ssd_file_bytes)
@@ -123,6 +124,13 @@ class FlatCakeStore:
     def source(self) -> NodeSource:
         """The default tenant's restore source (see :meth:`source_for`)."""
         return self.source_for(DEFAULT_TENANT)
+
+    def arena_chunks(self, tenant: str) -> tuple[ArenaChunk, ...]:
+        """The arena chunks ``tenant``'s pages may be in now: the chunks it holds on a
+        partitioned arena, the whole arena on one of a single chunk."""
+        with self._lock:
+            regions = self.tenancy.space[Medium.DRAM].regions_of(tenant)
+            return tuple(self.arena.chunk(region) for region in regions)
 
     def source_for(self, tenant: str) -> NodeSource:
         with self._lock:

@@ -1,0 +1,92 @@
+"""Files mapped side by side into one reserved range of address space, by ``MAP_FIXED``.
+
+The arena of a node is several files (its chunks, ``media/arena.py``), but everything that
+reads or writes it (the writer, the readers, the NIXL and RDMA exports) wants one contiguous
+view addressed by arena offset. So the range is reserved (``PROT_NONE``, no memory behind
+it) and each chunk's file is mapped over its own part of it. A client maps only the chunks
+it was handed: the rest of its range stays ``PROT_NONE``, and :meth:`ChunkMap.covers` says
+whether a range lies in mapped chunks before anything touches it.
+
+The range is unmapped when the last numpy view of it goes (the views keep their base, a
+ctypes array, alive; a finalizer on that array unmaps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import weakref
+
+import numpy as np
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_PROT_NONE = 0
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def _mmap(address: int | None, nbytes: int, prot: int, flags: int, fd: int) -> int:
+    got = _libc.mmap(address, nbytes, prot, flags, fd, 0)
+    if got is None or got == _MAP_FAILED:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mmap of {nbytes} bytes failed: {os.strerror(errno)}")
+    return int(got)
+
+
+class ChunkMap:
+    """``nbytes`` of reserved address space (aligned to ``align``) that files are mapped into."""
+
+    def __init__(self, nbytes: int, align: int = mmap.PAGESIZE) -> None:
+        self.nbytes = nbytes
+        span = nbytes + align
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        raw = _mmap(None, span, _PROT_NONE, flags, -1)
+        self.base = -(-raw // align) * align
+        self._array = (ctypes.c_uint8 * max(nbytes, 1)).from_address(self.base)
+        weakref.finalize(self._array, _libc.munmap, raw, span)
+        self.view = np.frombuffer(self._array, dtype=np.uint8)[:nbytes]
+        self.mapped: dict[int, int] = {}  # offset -> bytes of every chunk mapped
+
+    def place(self, offset: int, path: str, nbytes: int, *, shared: bool) -> None:
+        """Map ``nbytes`` of file ``path`` at ``offset``: ``shared`` writable (the owner), or
+        private from a read-only descriptor (a reader: it can never change the file)."""
+        fd = os.open(path, os.O_RDWR if shared else os.O_RDONLY)
+        try:
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            kind = mmap.MAP_SHARED | _MAP_POPULATE if shared else mmap.MAP_PRIVATE
+            _mmap(self.base + offset, nbytes, prot, kind | _MAP_FIXED, fd)
+        finally:
+            os.close(fd)
+        self.mapped[offset] = nbytes
+
+    def covers(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
+        """Whether every range ``[start, start + length)`` lies in mapped chunks."""
+        if not len(starts):
+            return True
+        spans: list[list[int]] = []  # mapped chunks, neighbours joined
+        for offset in sorted(self.mapped):
+            if spans and spans[-1][1] == offset:
+                spans[-1][1] += self.mapped[offset]
+            else:
+                spans.append([offset, offset + self.mapped[offset]])
+        if not spans:
+            return False
+        heads = np.array([span[0] for span in spans], dtype=np.int64)
+        tails = np.array([span[1] for span in spans], dtype=np.int64)
+        starts = np.asarray(starts, dtype=np.int64)
+        span = np.searchsorted(heads, starts, side="right") - 1
+        ends = starts + np.asarray(lengths, dtype=np.int64)
+        return bool(((span >= 0) & (ends <= tails[span.clip(0)])).all())

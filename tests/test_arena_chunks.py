@@ -1,0 +1,107 @@
+"""A node's arena in chunk files, each holding one tenant's pages at a time (issue 23): the
+store hands a tenant its own chunks only, a tenant grows into a free chunk and gives an
+emptied one back, and a reader can map and read only the chunks it was handed."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flatcake_ray.client.put_targets import map_shared
+from flatcake_ray.core.catalog import PutHints
+from flatcake_ray.core.tenants import Tenant, new_secret, secret_hash
+from flatcake_ray.errors import ForeignMemoryError
+from flatcake_ray.transports.base import ReadBatch
+from flatcake_ray.transports.local_dram import LocalDramTransport
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv
+
+DRAM = PutHints(turn=2, prior_reply_tokens=1)
+CHUNK = 256 << 10
+
+
+def tenant(name: str) -> Tenant:
+    return Tenant(name, secret_hash(new_secret()), LAYERS, PAGE_BYTES)
+
+
+@pytest.fixture
+def store(make_store):
+    made = make_store(dram_bytes=4 * CHUNK, dram_chunks=4)
+    for name in ("alpha", "beta"):
+        made.set_tenant(tenant(name))
+    return made
+
+
+def put(store, name: str, session: int, pages: int = 2) -> list[str]:
+    keys = [f"{name}-{session}-{i}" for i in range(pages)]
+    store.put(keys, random_kv(pages, seed=session), tenant=name, hints=DRAM, session_id=session)
+    return keys
+
+
+def test_each_tenant_is_handed_its_own_chunks_only(store):
+    assert store.arena_chunks("alpha") == ()  # nothing held: nothing handed
+    put(store, "alpha", 1)
+    put(store, "beta", 2)
+    alpha, beta = store.arena_chunks("alpha"), store.arena_chunks("beta")
+    assert len(alpha) == len(beta) == 1 and alpha[0].path != beta[0].path
+    assert len({Path(p).name for p in store.arena.chunk_paths}) == 4  # a file per chunk
+    for chunk in (*alpha, *beta):
+        assert Path(chunk.path).stat().st_mode & 0o777 == 0o600
+        assert Path(chunk.path).stat().st_size == chunk.nbytes == CHUNK
+    gva = int(store.gvas(["alpha-1-0"], tenant="alpha")[0])
+    assert alpha[0].offset <= gva < alpha[0].offset + alpha[0].nbytes  # its pages are in it
+
+
+def grow(store, name: str, chunks: int, first_session: int) -> None:
+    """Put sessions of ``name`` until it holds ``chunks`` chunks (at most eight sessions)."""
+    for session in range(first_session, first_session + 8):
+        if len(store.arena_chunks(name)) >= chunks:
+            return
+        put(store, name, session, pages=4)
+    assert len(store.arena_chunks(name)) >= chunks
+
+
+def test_a_tenant_grows_into_a_free_chunk_and_gives_an_emptied_one_back(store):
+    first = put(store, "alpha", 0, pages=4)
+    where = store.gvas(first, tenant="alpha")
+    grow(store, "alpha", 2, 1)
+    held = store.arena_chunks("alpha")
+    assert len(held) == 2  # grown by a chunk; its first pages stayed where they were
+    assert np.array_equal(store.gvas(first, tenant="alpha"), where)
+    put(store, "beta", 20, pages=4)
+    assert not {c.path for c in held} & {c.path for c in store.arena_chunks("beta")}
+    store.remove_tenant("alpha")  # its chunks empty: they belong to no one again
+    assert store.arena_chunks("alpha") == ()
+    grow(store, "beta", 3, 21)  # beyond the two chunks alpha never held: one it gave back
+    assert {c.path for c in held} & {c.path for c in store.arena_chunks("beta")}
+
+
+def test_a_reader_reads_its_chunks_and_nothing_else(store):
+    keys = put(store, "alpha", 1)
+    put(store, "beta", 2)
+    mine, theirs = store.arena_chunks("alpha")[0], store.arena_chunks("beta")[0]
+    reader = LocalDramTransport.attach([mine], store.arena.nbytes, lambda: [mine])
+    try:
+        gva = int(store.gvas(keys[:1], tenant="alpha")[0])
+        out = np.zeros(PAGE_BYTES, dtype=np.uint8)
+        reader.read(ReadBatch([gva], [PAGE_BYTES], [0]), out)
+        assert np.array_equal(out, store.arena.view[gva : gva + PAGE_BYTES])
+        for start, length in ((theirs.offset, 64), (mine.offset + mine.nbytes - 8, 64)):
+            with pytest.raises(ForeignMemoryError):  # another's chunk; past the end of mine
+                reader.read(ReadBatch([start], [length], [0]), np.zeros(64, np.uint8))
+    finally:
+        reader.close()
+
+
+def test_a_chunk_cannot_be_mapped_or_written_past_its_end(store):
+    put(store, "alpha", 1)
+    mine = store.arena_chunks("alpha")[0]
+    with pytest.raises(ValueError, match="mmap length is greater than file size"):
+        map_shared(mine.path, mine.nbytes + mmap.PAGESIZE)
+    mapping, view = map_shared(mine.path, mine.nbytes)
+    with pytest.raises(ValueError):
+        view[mine.nbytes - 8 : mine.nbytes + 8] = np.ones(16, np.uint8)  # 8 bytes past it
+    del view
+    mapping.close()
