@@ -1,7 +1,9 @@
 """A chaos soak with one malicious tenant on the victim's node: it writes garbage into every
-byte of the node's memory and files it can reach (the DRAM arena and the landing area it was
-handed for its own puts, mapped shared and writable; the SSD pool files it was told of), all
-the time, while another tenant puts and restores DRAM and SSD pages. The victim gets 0 wrong
+byte of the node's memory and files it can reach (the arena chunks and the landing area it
+was handed for its own puts, mapped shared and writable; every other arena chunk of the node,
+found by listing /dev/shm and opened by path, as a process of the service's OS user can; the
+SSD pool files it was told of), all the time, while another tenant puts and restores DRAM
+and SSD pages. The victim gets 0 wrong
 bytes: its puts either commit or fail with ``TamperedWriteError``, and its restores deliver
 its own bytes or miss (bounded: ``ROUNDS`` rounds, at most ``SOAK_S`` seconds).
 
@@ -10,6 +12,7 @@ victim misses and failed puts (``docs/security.md``)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import threading
 import time
@@ -65,14 +68,18 @@ class Mallory:
     """Garbage into everything the malicious tenant's client was handed, until stopped."""
 
     def __init__(self, client) -> None:
-        description = client.nodes.links[1].description
-        ticket = client.nodes.links[1].handle.begin_put.remote(["m/0"], hints=SSD)
+        link = client.nodes.links[1]
+        client.put(["m/d0", "m/d1"], kv(2, 7), hints=DRAM)  # takes an arena chunk of its own
+        description = ray.get(link.handle.describe.remote(), timeout=30)
+        ticket = link.handle.begin_put.remote(["m/0"], hints=SSD)
         target = ray.get(ticket, timeout=30).target
         assert target.memory is PutMemory.LANDING  # its own put hands out the landing area
-        self.maps = [
-            map_shared(description.arena_path, description.arena_bytes)[1],
-            map_shared(target.path, target.nbytes)[1],
-        ]
+        handed = {chunk.path for chunk in description.arena_chunks}
+        stem = next(iter(handed)).rsplit("-", 2)[0]  # /dev/shm/flatcake-<arena>-<pid>
+        found = sorted(glob.glob(stem + "-*"))  # by path: the chunks it was not handed too
+        assert len(found) > len(handed)
+        self.maps = [map_shared(path, os.path.getsize(path))[1] for path in found]
+        self.maps.append(map_shared(target.path, target.nbytes)[1])
         self.pools = [(path, description.pool_file_bytes) for path in description.pool_paths]
         self.rng = np.random.default_rng(99)
         self.writes = 0

@@ -89,17 +89,20 @@ class LocalDramTransport(Transport):
             if chunk.offset not in self._chunks.mapped:
                 self._chunks.place(chunk.offset, chunk.path, chunk.nbytes, shared=False)
 
-    def _check_handed(self, reads: ReadBatch) -> None:
-        """Raise :class:`ForeignMemoryError` unless every range lies in chunks handed to
-        this process (looking once for chunks handed since)."""
+    def holds(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
+        """Whether every range lies in chunks handed to this process (looking once for
+        chunks handed since): only then may its :meth:`mapped_view` be read there."""
         chunks = self._chunks
-        if chunks is None or chunks.covers(reads.src_offsets, reads.lengths):
-            return
+        if chunks is None or chunks.covers(starts, lengths):
+            return True
         with self._lock:
             if self._refresh is not None:
                 self._map(self._refresh())
-            if not chunks.covers(reads.src_offsets, reads.lengths):
-                raise ForeignMemoryError("a range outside the arena chunks handed to this tenant")
+            return chunks.covers(starts, lengths)
+
+    def _check_handed(self, reads: ReadBatch) -> None:
+        if not self.holds(reads.src_offsets, reads.lengths):
+            raise ForeignMemoryError("a range outside the arena chunks handed to this tenant")
 
     @classmethod
     def probe(cls) -> str | None:

@@ -160,9 +160,18 @@ class TransportSource(Source):
     def access(self, leased: Leased, medium: Medium) -> MediumAccess:
         description = leased.token.link.description
         if medium is Medium.DRAM:
-            mapped = self.path(leased, medium) == LOCAL_DRAM
+            mapped = self.path(leased, medium) == LOCAL_DRAM and self._handed(leased)
             return MediumAccess(mapped, description.verify_dram, MAX_OFFSET + 1)
         return MediumAccess(False, True, description.pool_file_bytes, ALIGN, description.gap_bytes)
+
+    def _handed(self, leased: Leased) -> bool:
+        """Whether the leased DRAM segments lie in arena chunks this process maps (else they
+        are read through the transport, which refuses them: misses, never a fault)."""
+        transport, _ = leased.token.link.transport(LOCAL_DRAM, Medium.DRAM, self._agents)
+        parts = [part for part in leased.parts if part.medium is Medium.DRAM]
+        starts = np.array([part.offset for part in parts], dtype=np.int64)
+        lengths = np.array([part.layout.nbytes for part in parts], dtype=np.int64)
+        return bool(transport.holds(starts, lengths))
 
     def view(self, leased: Leased, medium: Medium) -> MappedView:
         transport, _ = leased.token.link.transport(LOCAL_DRAM, medium, self._agents)
