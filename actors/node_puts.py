@@ -56,11 +56,19 @@ class NodePuts:
             return PutTarget(PutMemory.NONE, (), 0, positions)
         if handle.medium is Medium.DRAM:
             offsets = handle.arena_offsets()
+            # A segment lies in one chunk: the caller's tenant's (core/extents.py).
             chunk = self.store.arena.chunk(offsets[0] // self.store.arena.chunk_bytes)
-            where = {"path": chunk.path, "nbytes": chunk.nbytes, "path_offset": chunk.offset}
-            where["peer"] = self.arena_peer
-            where["check_pages"] = handle.check_pages
-            return PutTarget(PutMemory.ARENA, offsets, handle.layer_bytes, positions, **where)
+            return PutTarget(
+                PutMemory.ARENA,
+                offsets,
+                handle.layer_bytes,
+                positions,
+                path=chunk.path,
+                nbytes=chunk.nbytes,
+                peer=self.arena_peer,
+                path_offset=chunk.offset,
+                check_pages=handle.check_pages,
+            )
         taken = self._take_slots(handle, tenant)
         if taken is None:
             return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)

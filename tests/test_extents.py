@@ -61,7 +61,9 @@ def test_runs_never_overlap(steps):
 
 
 def test_owned_regions_grow_and_shrink_a_region_at_a_time_without_moving_a_run():
-    space = MediumSpace(region_bytes=256 << 10, regions=4, min_run=4096, total=900 << 10, owned=True)
+    space = MediumSpace(
+        region_bytes=256 << 10, regions=4, min_run=4096, total=900 << 10, owned=True
+    )
     assert [a.capacity for a in space.allocators] == [256 << 10] * 3 + [132 << 10]
     alpha = [ScopeRuns(owner="alpha") for _ in range(3)]
     beta = ScopeRuns(owner="beta")

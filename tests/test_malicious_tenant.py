@@ -64,6 +64,38 @@ def service(ray_service):
         client.close()
 
 
+def test_a_tenant_is_handed_its_own_arena_chunks_and_reads_no_other(service):
+    from flatcake_ray.errors import ForeignMemoryError
+    from flatcake_ray.transports.base import ReadBatch
+    from flatcake_ray.transports.local_dram import LocalDramTransport
+
+    links = {name: client.nodes.links[1] for name, client in service.items()}
+    for name, client in service.items():
+        client.put([f"{name}/own/{i}" for i in range(2)], kv(2, 3), hints=DRAM)
+    handed = {
+        name: ray.get(link.handle.describe.remote(), timeout=30).arena_chunks
+        for name, link in links.items()
+    }
+    paths = {name: {chunk.path for chunk in chunks} for name, chunks in handed.items()}
+    assert paths["victim"] and paths["mallory"] and not paths["victim"] & paths["mallory"]
+    ticket = ray.get(links["mallory"].handle.begin_put.remote(["m/t0"], hints=DRAM), timeout=30)
+    try:
+        target = ticket.target
+        assert target.memory is PutMemory.ARENA and target.path in paths["mallory"]
+        for offset in target.offsets:  # every layer inside the one chunk handed with it
+            assert target.path_offset <= offset < target.path_offset + target.nbytes
+    finally:
+        ray.get(links["mallory"].handle.abort_put.remote(ticket.put_id), timeout=30)
+    arena_bytes = links["mallory"].description.arena_bytes
+    reader = LocalDramTransport.attach(handed["mallory"], arena_bytes, lambda: handed["mallory"])
+    try:
+        victims = handed["victim"][0]
+        with pytest.raises(ForeignMemoryError):  # the victim's chunk: not mapped, refused
+            reader.read(ReadBatch([victims.offset], [64], [0]), np.zeros(64, np.uint8))
+    finally:
+        reader.close()
+
+
 class Mallory:
     """Garbage into everything the malicious tenant's client was handed, until stopped."""
 

@@ -113,7 +113,9 @@ class Allocation:
         """Whether ``nbytes`` fit now, or would once every unreferenced scope were freed."""
         space = self._use.space[medium]
         last = scope.runs.runs[-1] if scope.runs.runs else None
-        if space.largest_free_to(scope.runs.owner) >= nbytes or (last is not None and last.room >= nbytes):
+        if space.largest_free_to(scope.runs.owner) >= nbytes or (
+            last is not None and last.room >= nbytes
+        ):
             return True
         freeable = self._scopes.freeable_runs(medium)
         return space.largest_obtainable(freeable, scope.runs) >= nbytes

@@ -12,9 +12,8 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
