@@ -6,28 +6,34 @@ from another) and calls ``land``; the node checksums the slot and writes it to i
 with one O_DIRECT command straight from it. The node names the memory, never the caller, so
 a put's bytes can only come from memory the node handed out (``docs/security.md``). Slots go
 back when the put commits, aborts or expires (``PutHandle.on_done``).
+
+Like the arena, the area is ``chunks`` files, each holding one tenant's slots at a time (the
+owned allocation of ``core/extents.py``): a put's ticket names only the chunk its slots are
+in, its own tenant's; a chunk with no slot left taken is free for any tenant again.
 """
 
 from __future__ import annotations
 
-import math
+import secrets
 import threading
 from typing import Any
 
 import numpy as np
 
-from flatcake_ray.actors.shipping import RegionAllocator
-from flatcake_ray.errors import ShipBufferFullError
-from flatcake_ray.media.arena import DramArena
+from flatcake_ray.core.extents import MediumSpace, ScopeRuns
+from flatcake_ray.media.arena import ArenaChunk, DramArena
 
 
 class LandingArea:
-    def __init__(self, nbytes: int, name: str) -> None:
+    def __init__(self, nbytes: int, name: str, chunks: int = 1) -> None:
         # Shared memory a client of this node maps by path: no huge pages needed (one put's
         # slots are rewritten per layer, never held).
-        self.memory = DramArena(nbytes, name, hugepages="off")
+        chunk = -(-nbytes // chunks // 4096) * 4096 if chunks > 1 else nbytes
+        self.memory = DramArena(nbytes, name, hugepages="off", chunk_bytes=chunk)
+        count = len(self.memory.chunk_paths)
         # Slots are freed by their put's end, which the put table expires: no TTL here.
-        self._regions = RegionAllocator(nbytes, math.inf)
+        self._space = MediumSpace(chunk, count, 4096, total=nbytes, owned=count > 1)
+        self._held: dict[int, ScopeRuns] = {}  # random ids: only their owner gives them back
         self._lock = threading.Lock()
         self._exporter: Any = None
         self.peer: Any = None  # NixlPeerInfo once exported
@@ -47,16 +53,30 @@ class LandingArea:
         self.peer = self._exporter.peer_info()
 
     def take(self, nbytes: int, owner: str) -> tuple[int, int] | None:
-        """(region id, offset) of ``nbytes`` for ``owner``; None when the area is full."""
+        """(region id, offset) of ``nbytes`` for ``owner``, in a chunk it holds or takes;
+        None when none has room."""
+        runs = ScopeRuns(owner=owner)
         with self._lock:
-            try:
-                return self._regions.allocate(nbytes, owner)
-            except ShipBufferFullError:
+            offset = self._space.place(runs, nbytes, reserve_ahead=False)
+            if offset is None:
                 return None
+            region_id = secrets.randbits(63)
+            self._held[region_id] = runs
+            return region_id, offset
 
-    def give(self, region_id: int, owner: str) -> None:
+    def give(self, region_id: int, owner: str) -> bool:
+        """Give back ``owner``'s slots; False (nothing changes) for anyone else's."""
         with self._lock:
-            self._regions.free(region_id, owner)
+            runs = self._held.get(region_id)
+            if runs is None or runs.owner != owner:
+                return False
+            del self._held[region_id]
+            self._space.release(runs)
+            return True
+
+    def chunk_at(self, offset: int) -> ArenaChunk:
+        """The chunk file that holds ``offset`` (what a put's ticket names)."""
+        return self.memory.chunk(offset // self.memory.chunk_bytes)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.memory.view[offset : offset + nbytes]

@@ -76,10 +76,18 @@ class NodePuts:
         handle.on_done = lambda: self.landing.give(region_id, tenant)
         offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
         handle.slots = offsets
-        landing = self.landing
-        where = {"path": landing.path, "nbytes": landing.nbytes, "peer": landing.peer}
-        where["check_pages"] = handle.check_pages
-        return PutTarget(PutMemory.LANDING, offsets, handle.layer_bytes, positions, **where)
+        chunk = self.landing.chunk_at(start)  # the slots' chunk, this tenant's
+        return PutTarget(
+            PutMemory.LANDING,
+            offsets,
+            handle.layer_bytes,
+            positions,
+            path=chunk.path,
+            nbytes=chunk.nbytes,
+            peer=self.landing.peer,
+            path_offset=chunk.offset,
+            check_pages=handle.check_pages,
+        )
 
     def _take_slots(self, handle: PutHandle, tenant: str) -> tuple[int, tuple[int, int]] | None:
         """(slots, region) of landing space: a slot per layer for a small put, else two, else

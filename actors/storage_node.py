@@ -107,7 +107,8 @@ class StorageNode(HomeCalls):
         self.homes = HomeDirectory(root / "homes.log")  # chains this node is home to
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        landing = LandingArea(config.landing_bytes, f"{config.namespace}-landing-{self.node_id}")
+        landing_name = f"{config.namespace}-landing-{self.node_id}"
+        landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
         self.puts = NodePuts(self.store, landing, self.counters)
         self.exports = NodeExports(self.node_id, self.store.arena, self.ship_buffer, landing)
         self.puts.arena_peer = self.exports.arena_peer

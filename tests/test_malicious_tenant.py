@@ -64,6 +64,10 @@ def service(ray_service):
         client.close()
 
 
+def description_landing(links) -> int:
+    return ray.get(links["mallory"].handle.service_config.remote(), timeout=30).landing_bytes
+
+
 def test_a_tenant_is_handed_its_own_arena_chunks_and_reads_no_other(service):
     from flatcake_ray.errors import ForeignMemoryError
     from flatcake_ray.transports.base import ReadBatch
@@ -86,6 +90,15 @@ def test_a_tenant_is_handed_its_own_arena_chunks_and_reads_no_other(service):
             assert target.path_offset <= offset < target.path_offset + target.nbytes
     finally:
         ray.get(links["mallory"].handle.abort_put.remote(ticket.put_id), timeout=30)
+    ssd = ray.get(links["mallory"].handle.begin_put.remote(["m/t1"], hints=SSD), timeout=30)
+    try:  # an SSD put's slots: in one landing chunk, the one its ticket names
+        target = ssd.target
+        assert target.memory is PutMemory.LANDING
+        assert os.path.getsize(target.path) == target.nbytes < description_landing(links)
+        for offset in target.offsets:
+            assert target.path_offset <= offset < target.path_offset + target.nbytes
+    finally:
+        ray.get(links["mallory"].handle.abort_put.remote(ssd.put_id), timeout=30)
     arena_bytes = links["mallory"].description.arena_bytes
     reader = LocalDramTransport.attach(handed["mallory"], arena_bytes, lambda: handed["mallory"])
     try:
@@ -106,12 +119,12 @@ class Mallory:
         ticket = link.handle.begin_put.remote(["m/0"], hints=SSD)
         target = ray.get(ticket, timeout=30).target
         assert target.memory is PutMemory.LANDING  # its own put hands out the landing area
-        handed = {chunk.path for chunk in description.arena_chunks}
-        stem = next(iter(handed)).rsplit("-", 2)[0]  # /dev/shm/flatcake-<arena>-<pid>
-        found = sorted(glob.glob(stem + "-*"))  # by path: the chunks it was not handed too
+        handed = {chunk.path for chunk in description.arena_chunks} | {target.path}
+        stems = {path.rsplit("-", 2)[0] for path in handed}  # /dev/shm/flatcake-<name>-<pid>
+        # By path: every chunk of the arena and of the landing area, handed to it or not.
+        found = sorted({path for stem in stems for path in glob.glob(stem + "-*")})
         assert len(found) > len(handed)
         self.maps = [map_shared(path, os.path.getsize(path))[1] for path in found]
-        self.maps.append(map_shared(target.path, target.nbytes)[1])
         self.pools = [(path, description.pool_file_bytes) for path in description.pool_paths]
         self.rng = np.random.default_rng(99)
         self.writes = 0
