@@ -64,15 +64,13 @@ class LandingArea:
             self._held[region_id] = runs
             return region_id, offset
 
-    def give(self, region_id: int, owner: str) -> bool:
-        """Give back ``owner``'s slots; False (nothing changes) for anyone else's."""
+    def give(self, region_id: int, owner: str) -> None:
+        """Give back ``owner``'s slots (anyone else's stay taken)."""
         with self._lock:
             runs = self._held.get(region_id)
-            if runs is None or runs.owner != owner:
-                return False
-            del self._held[region_id]
-            self._space.release(runs)
-            return True
+            if runs is not None and runs.owner == owner:
+                del self._held[region_id]
+                self._space.release(runs)
 
     def chunk_at(self, offset: int) -> ArenaChunk:
         """The chunk file that holds ``offset`` (what a put's ticket names)."""
