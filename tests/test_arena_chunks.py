@@ -105,3 +105,22 @@ def test_a_chunk_cannot_be_mapped_or_written_past_its_end(store):
         view[mine.nbytes - 8 : mine.nbytes + 8] = np.ones(16, np.uint8)  # 8 bytes past it
     del view
     mapping.close()
+
+
+def test_landing_slots_come_from_a_chunk_their_tenant_holds():
+    from flatcake_ray.actors.landing import LandingArea
+
+    area = LandingArea(4 * CHUNK, f"landing-test-{CHUNK}", chunks=4)
+    try:
+        alpha_id, alpha_at = area.take(CHUNK // 2, "alpha")
+        beta_id, beta_at = area.take(CHUNK // 2, "beta")
+        alpha, beta = area.chunk_at(alpha_at), area.chunk_at(beta_at)
+        assert alpha.path != beta.path and alpha.nbytes == CHUNK
+        assert area.chunk_at(area.take(CHUNK // 4, "alpha")[1]) == alpha  # fills its own first
+        area.give(alpha_id, "beta")  # not beta's: nothing changes
+        assert area.take(CHUNK, "beta") is not None  # a free chunk, not alpha's half-empty one
+        assert area.take(CHUNK, "gamma") is not None and area.take(CHUNK // 2, "delta") is None
+        area.give(beta_id, "beta")  # beta's first chunk empties: free for anyone again
+        assert area.chunk_at(area.take(CHUNK, "delta")[1]) == beta
+    finally:
+        area.close()
