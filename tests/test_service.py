@@ -103,6 +103,7 @@ def two_node_deployment(ray_service):
         layers=LAYERS,
         page_bytes=PAGE_BYTES,
         dram_bytes=16 << 20,
+        dram_chunks=2,  # chunks of 8 MiB: a DRAM segment fits one (the 3.3 MB puts below)
         ssd_file_bytes=16 << 20,
         ship_bytes=8 << 20,
         landing_bytes=8 << 20,  # SSD puts over 32 pages land two slots at a time

@@ -77,11 +77,11 @@ class ChunkMap:
         if not len(starts):
             return True
         spans: list[list[int]] = []  # mapped chunks, neighbours joined
-        for offset in sorted(self.mapped):
+        for offset, nbytes in sorted(self.mapped.copy().items()):  # a copy: place() may add
             if spans and spans[-1][1] == offset:
-                spans[-1][1] += self.mapped[offset]
+                spans[-1][1] += nbytes
             else:
-                spans.append([offset, offset + self.mapped[offset]])
+                spans.append([offset, offset + nbytes])
         if not spans:
             return False
         heads = np.array([span[0] for span in spans], dtype=np.int64)
