@@ -332,3 +332,34 @@ def test_large_read_bandwidth(owner, reader_agent, request):
     tls = request.node.callspec.params["reader_agent"]
     rates = ", ".join(f"{run.gb_per_s:.2f}" for run in runs)
     print(f"NIXL READ of 256 MiB over loopback, UCX_TLS={tls}: {rates} GB/s")
+
+
+def test_nixl_itself_refuses_a_write_to_memory_its_peer_did_not_register(nixl_usable, monkeypatch):
+    """What per-tenant registration would rest on (``docs/security.md``, left from issue 23):
+    a WRITE whose remote descriptor lies in memory the target agent did not register (here
+    another tenant's chunk, in the same process) is refused by NIXL when the transfer is
+    made, before anything is posted; the same WRITE into registered memory lands."""
+    from flatcake_ray.transports.nixl_agent import buffer_address
+
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    owner_agent = agent_over("tcp", monkeypatch)
+    writer = agent_over("tcp", monkeypatch)
+    registered, other = np.zeros(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
+    try:
+        owner_agent.register(registered)
+        peer = writer.add_peer(owner_agent.metadata())
+        src = np.full(4096, 7, np.uint8)
+        writer.register(src)
+        local = np.array([[buffer_address(src), 4096, 0]], dtype=np.uint64)
+        for target in (registered, other):
+            remote = np.array([[buffer_address(target), 4096, 0]], dtype=np.uint64)
+            if target is registered:
+                writer.write(peer, local, remote, timeout_s=30, src=src)
+            else:
+                with pytest.raises(TransferError, match="NOT_FOUND"):
+                    writer.write(peer, local, remote, timeout_s=30, src=src)
+        assert registered[:4096].tolist() == [7] * 4096 and not other.any()
+    finally:
+        writer.close()
+        owner_agent.close()
