@@ -20,6 +20,7 @@ from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
 from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ShapeError
+from flatcake_ray.media.arena import ArenaChunk
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.store import FlatCakeStore
 
@@ -58,17 +59,7 @@ class NodePuts:
             offsets = handle.arena_offsets()
             # A segment lies in one chunk: the caller's tenant's (core/extents.py).
             chunk = self.store.arena.chunk(offsets[0] // self.store.arena.chunk_bytes)
-            return PutTarget(
-                PutMemory.ARENA,
-                offsets,
-                handle.layer_bytes,
-                positions,
-                path=chunk.path,
-                nbytes=chunk.nbytes,
-                peer=self.arena_peer,
-                path_offset=chunk.offset,
-                check_pages=handle.check_pages,
-            )
+            return _in_chunk(PutMemory.ARENA, offsets, handle, chunk, self.arena_peer)
         taken = self._take_slots(handle, tenant)
         if taken is None:
             return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)
@@ -77,17 +68,7 @@ class NodePuts:
         offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
         handle.slots = offsets
         chunk = self.landing.chunk_at(start)  # the slots' chunk, this tenant's
-        return PutTarget(
-            PutMemory.LANDING,
-            offsets,
-            handle.layer_bytes,
-            positions,
-            path=chunk.path,
-            nbytes=chunk.nbytes,
-            peer=self.landing.peer,
-            path_offset=chunk.offset,
-            check_pages=handle.check_pages,
-        )
+        return _in_chunk(PutMemory.LANDING, offsets, handle, chunk, self.landing.peer)
 
     def _take_slots(self, handle: PutHandle, tenant: str) -> tuple[int, tuple[int, int]] | None:
         """(slots, region) of landing space: a slot per layer for a small put, else two, else
@@ -181,3 +162,20 @@ def _layer_sums(sums: Any, layers: int) -> list[np.ndarray | None]:
     if not isinstance(sums, (list, tuple)) or len(sums) != layers:
         raise ShapeError("sums must be a list with one entry per in_place layer")
     return [_sums(entry) for entry in sums]
+
+
+def _in_chunk(
+    memory: PutMemory, offsets: tuple[int, ...], handle: PutHandle, chunk: ArenaChunk, peer: Any
+) -> PutTarget:
+    """A target in one chunk file of the node's memory (its only path on the ticket)."""
+    return PutTarget(
+        memory,
+        offsets,
+        handle.layer_bytes,
+        handle.new_positions,
+        path=chunk.path,
+        nbytes=chunk.nbytes,
+        peer=peer,
+        path_offset=chunk.offset,
+        check_pages=handle.check_pages,
+    )
