@@ -2,12 +2,14 @@
 size, and no coordinator.
 
 A session's pages live on the node the coordinator placed its scope on, contiguous from the
-chain's first page. The :class:`Locator` keeps a cache: first-page digest -> NodeID, filled by
-this client's puts and earlier hits. A request whose first key is cached costs one call to
-that node (``lookup``: index probe and lease; or ``exists``), and its answer is final (no
-hits: the entry is dropped and the request misses). Otherwise the chain's two *homes*
-(``core/homes.py``: the first two rendezvous candidates of the first digest over the live
-nodes, computed here) are asked in parallel with ``find``: each answers the lookup itself and,
+chain's first page. A request is named by its *anchor* (``core/homes.py``: its page at depth
+``HOME_DEPTH``, so chains that share a first page do not share their homes). The
+:class:`Locator` keeps a cache: anchor digest -> NodeID, filled by this client's puts and
+earlier hits. A request whose anchor is cached costs one call to that node (``lookup``:
+index probe and lease; or ``exists``), and its answer is final (no hits: the entry is
+dropped and the request misses). Otherwise the chain's two *homes* (the first two rendezvous
+candidates of the anchor over the live nodes, computed here) are asked in parallel with
+``find``: each answers the lookup itself and,
 when it holds nothing, the owner it recorded. A named owner is asked next. So a miss costs 2
 calls (one round trip) and a hit at most 3 nodes, at any N. A put records its chain at both
 homes, so one node joining or leaving leaves one of them holding the record; a record found
@@ -34,7 +36,7 @@ from flatcake_ray.actors.protocol import LeaseReply
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
-from flatcake_ray.core.homes import home_candidates
+from flatcake_ray.core.homes import anchor_of, home_candidates
 from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantLimitError
 
 LOCATION_CACHE_ENTRIES = 1 << 17
@@ -79,7 +81,7 @@ class Locator:
     ) -> tuple[NodeLink | None, Any]:
         """The node with the longest prefix for a request (its packed ``digests``) and its
         answer (see module doc)."""
-        first = digests[:1].tobytes()
+        first = anchor_of(digests)
         known = self._where.get(first)
         cached = self.nodes.get(known) if known is not None else None
         if cached is not None and cached.is_up(time.monotonic()):
@@ -165,7 +167,8 @@ class Locator:
         return best
 
     def record_home(self, first: bytes, owner: int) -> int:
-        """Tell the chain's homes which node owns it (not awaited); returns calls made."""
+        """Tell the homes of page ``first`` (a chain's anchor, or its tail) which node holds
+        it (not awaited); returns calls made."""
         homes = home_candidates(first, [link.node_id for link in self.nodes.up()])
         links = [self.nodes.get(home) for home in homes if home != owner]
         return self._record_at([link for link in links if link is not None], first, owner)
