@@ -127,7 +127,8 @@ class HomeDirectory:
 @dataclass(frozen=True)
 class Found:
     """A home's answer to ``find``: its own answer to the lookup (a LeaseReply, a Probe or a
-    page count) and, when it holds none of the prefix, the owner it recorded (or None)."""
+    page count) and, when it does not hold the whole request, the owner it recorded for the
+    request's anchor (or None)."""
 
     answer: Any
     owner: int | None
@@ -160,14 +161,17 @@ class HomeCalls:
 
     def find(self, secret: object, method: object, keys: Any, namespace: Any = None) -> Found:
         """``method`` ("lookup" with lease, "exists" or "probe") of ``keys`` here, and when
-        this node holds none of them, the owner it recorded for their chain: a home answers
-        a lookup in one call whether it owns the chain, knows its owner, or knows nothing."""
+        this node does not hold them all, the owner it recorded for their anchor: a home
+        answers a lookup in one call whether it owns the chain, knows its owner, or knows
+        nothing."""
         tenant = self._tenant(secret).name  # a stranger is refused before anything else
         if not isinstance(method, str) or method not in FIND_METHODS:
             raise ShapeError(f"find answers {sorted(FIND_METHODS)}, not {method!r}")
         answer = getattr(self, method)(secret, keys, namespace)
-        if _hits(answer):
-            return Found(answer, None)
         digests = as_digests(keys)
-        anchor = anchor_of(digests if digests is not None else request_digests(keys, namespace))
-        return Found(answer, self.homes.owner(tenant, anchor))
+        if digests is None:
+            digests = request_digests(keys, namespace)
+        if _hits(answer) == len(digests):
+            return Found(answer, None)
+        # A part of the request here (a shared first page) does not hide a longer one there.
+        return Found(answer, self.homes.owner(tenant, anchor_of(digests)))

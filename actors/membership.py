@@ -12,13 +12,18 @@ registers again, and must get its own NodeID back.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from flatcake_ray.actors.protocol import COORDINATOR_NAME, NodeUsage
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.errors import ServiceError
+
+log = logging.getLogger(__name__)
 
 
 class Membership:
@@ -75,6 +80,26 @@ class Membership:
             self._secret, self.ray_node_id, self.actor_name, wanted, self.started_at
         )
         return int(ray.get(ref, timeout=self.config.rpc_timeout_s))
+
+    def run(
+        self, stop: threading.Event, tick: Callable[[], None], usage: Callable[[], NodeUsage]
+    ) -> None:
+        """The node's report thread until ``stop``: ``tick`` then a report, at once (placement
+        weighs the node by its room from then on) and every ``report_interval_s`` after,
+        sent only when due (see :meth:`report`)."""
+        from ray.exceptions import RayError
+
+        changed_only = False
+        while True:
+            try:
+                tick()
+                self.report(usage(), changed_only=changed_only)
+            except (RayError, ValueError, ServiceError) as exc:
+                # The coordinator or the GCS is down or restarting; the next report tries again.
+                log.info("report to the coordinator failed: %s", exc)
+            changed_only = True
+            if stop.wait(self.config.report_interval_s):
+                return
 
     def report(self, usage: NodeUsage, *, changed_only: bool = False) -> bool | None:
         """Send ``usage``; True when the coordinator knew this node (else it re-registers).

@@ -121,7 +121,8 @@ class StorageNode(HomeCalls):
             self.counters,
         )
         self._stop = threading.Event()
-        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        reports = (self._stop, self._tick, self._usage)
+        self._reporter = threading.Thread(target=self.membership.run, args=reports, daemon=True)
         self._reporter.start()
 
     # ---- who calls -------------------------------------------------------------------------
@@ -154,34 +155,20 @@ class StorageNode(HomeCalls):
         self._tenants = table
 
     # ---- reports ---------------------------------------------------------------------------
-    def _report_loop(self) -> None:
-        self._report_safely(changed_only=False)  # at once: placement weighs it by its room
-        while not self._stop.wait(self.config.report_interval_s):
-            self.store.puts.expire(time.monotonic())
-            self._expire_leases()
-            self._report_safely(changed_only=True)
-
-    def _report_safely(self, changed_only: bool) -> None:
-        from ray.exceptions import RayError
-
-        try:
-            self.gate.refresh()
-            self._sync_tenants()
-            self._report(changed_only)
-        except (RayError, ValueError, ServiceError) as exc:
-            # The coordinator or the GCS is down or restarting; the next report tries again.
-            log.info("report to the coordinator failed: %s", exc)
+    def _tick(self) -> None:
+        """Before each report: expire puts and leases, re-read the tenant table."""
+        self.store.puts.expire(time.monotonic())
+        self._expire_leases()
+        self.gate.refresh()
+        self._sync_tenants()
 
     def report_now(self) -> bool:
-        return bool(self._report(changed_only=False))
+        return bool(self.membership.report(self._usage()))
 
-    def _report(self, changed_only: bool) -> bool | None:
-        """Report usage (``changed_only``: only if it changed, or to keep alive; None when
-        nothing was sent: ``actors/membership.py``)."""
+    def _usage(self) -> NodeUsage:
         held = DramHeld.of(self.store)
         self.supervision.note(held)
-        usage = NodeUsage.from_stats(self.node_id, self.store.stats(), held.scopes, held.pages)
-        return self.membership.report(usage, changed_only=changed_only)
+        return NodeUsage.from_stats(self.node_id, self.store.stats(), held.scopes, held.pages)
 
     def _peers_hold(self) -> bool:
         """Leases, ship regions or puts are out: peers may READ or WRITE memory now."""

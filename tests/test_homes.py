@@ -59,7 +59,7 @@ def test_a_chain_is_recorded_at_the_anchor_its_lookups_ask_whatever_its_puts():
             recorded |= {put[p].tobytes() for p in recorded_pages(len(put), True)}
         for pages in range(1, len(keys) + 1):  # every prefix a lookup may ask for
             asked = anchor_of(request_digests(keys[:pages], None))
-            assert asked in recorded or pages < HOME_DEPTH and pages != head, (head, pages)
+            assert asked in recorded or (pages < HOME_DEPTH and pages != head), (head, pages)
     assert recorded_pages(1, False) == [0] and recorded_pages(1, True) == [0]
 
 

@@ -46,8 +46,7 @@ def scale(ray_service):
         ramp_seconds=0.0,
     )
     # The driver is on the head, which has no storage node: chains are placed over all 8,
-    # once the coordinator has every node's first report (until then a node weighs one byte,
-    # and on a busy machine every chain would go to the first reporter and outgrow its DRAM).
+    # once every node has registered and reported (a node not registered yet takes none).
     wait_for("every storage node's first report", every_node_reported, timeout_s=180)
     writer = FlatCakeClient(NAMESPACE)
     kv = np.ones((LAYERS, PAGES, PAGE_BYTES), np.uint8)
@@ -134,7 +133,8 @@ def test_chains_sharing_a_first_page_spread_over_homes_and_lookups_stay_bounded(
             longer = reader.locate([*keys, f"s{i}/new-a", f"s{i}/new-b"])  # partly cached
             reader.forget_locations()
             fresh = reader.locate([SYSTEM, f"new-{i}/1", f"new-{i}/2"])  # only page 0 stored
-            assert (hit.pages, longer.pages, fresh.pages) == (PAGES, PAGES, 0)
+            # The shared page is found only where a home of the new anchor holds it itself.
+            assert (hit.pages, longer.pages, min(fresh.pages, 1)) == (PAGES, PAGES, fresh.pages)
             assert max(hit.nodes_asked, longer.nodes_asked) <= 3
             assert fresh.nodes_asked <= 2 and fresh.actor_calls <= 2
         assert reader.stats(nodes=False)["client"]["fanouts"] == 0
