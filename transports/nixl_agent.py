@@ -46,7 +46,7 @@ PUMP_INTERVAL_S = 0.0005
 # A pump with nothing out to peers polls this often (woken at once by ``wake``): 2,000 idle
 # polls a second per node took ~5 % of a core each, and a cluster of many nodes on few cores
 # (``flatcake-ray bench control``) slowed every Ray call with them.
-PUMP_IDLE_S = 0.02
+PUMP_IDLE_S = 0.05
 PUMP_LINGER_S = 0.25  # full rate after a wake, before ``busy`` has had its say
 PROGRESS_MODES = ("thread", "none", "pump")
 _POLL_SLEEP_MAX_S = 0.001
