@@ -9,7 +9,7 @@ storage nodes then take both cores, and loopback NIXL drops from ~4 GB/s to ~0.2
 - an *owner* (memory others READ) must progress, or a remote READ never completes over UCX's
   TCP and shared-memory transports: a gentle pump polls it every ``PUMP_INTERVAL_S`` while
   peers hold its memory (measured ~4 GB/s), and every ``PUMP_IDLE_S`` when none does: 16
-  idle storage nodes took 0.81 of a core polling at full rate, 0.21 in all with the slow
+  idle storage nodes took 0.81 of a core polling at full rate, 0.18 in all with the slow
   idle poll (``docs/scaling.md``, background work).
 """
 
