@@ -5,9 +5,12 @@ it is shorter).
 Why not the first page: chains that start with the same page (a system prompt) would all
 have the same homes, one hot pair of nodes at any cluster size, and one record there that
 the last writer overwrites. The anchor is the first page where conversations differ when
-their shared start is shorter than ``HOME_DEPTH`` pages, so their homes spread. The price: a
-request that shares fewer than ``HOME_DEPTH`` pages with every stored chain (a new prompt
-whose only cached page is the shared first one) misses those pages, in the same 2 calls.
+their shared start is shorter than ``HOME_DEPTH`` pages, so their homes spread. The price,
+when the client's location cache does not know the anchor: a request that shares fewer than
+``HOME_DEPTH`` pages with every stored chain (a new prompt whose only cached page is the
+shared first one; a request that extends a chain stored as a single page; a one-page
+request of a longer chain's first page) misses those pages, in the same 2 calls, unless a
+home it asks holds them itself.
 A home record says "this page, and the prefix before it, is on that node" (keys name their
 prefix), so a record of any page is true whichever request reads it.
 
