@@ -28,6 +28,7 @@ This is a plain class; ``flatcake_ray/client/deploy.py`` wraps it with ``ray.rem
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import OrderedDict
 from typing import Any
@@ -234,7 +235,12 @@ class CapacityCoordinator:
             raise ServiceError(
                 f"no live storage node to place a scope on ({len(self.drained)} drained)"
             )
-        weights = {r.node_id: self._weight(r, now) for r in live}
+        reported = [r.usage.free_bytes for r in live if r.usage is not None]
+        # A node that has not reported yet weighs what the reported ones weigh on average
+        # (all alike when none has): the first reporter must not take every scope placed
+        # while the others' first reports are on their way.
+        unknown = statistics.mean(reported) if reported else 1.0
+        weights = {r.node_id: self._weight(r, now, unknown) for r in live}
         total = sum(weights.values())
         for record in live:
             record.credit += weights[record.node_id]
@@ -243,10 +249,8 @@ class CapacityCoordinator:
         chosen.placed += 1
         return chosen.node_id
 
-    def _weight(self, record: NodeRecord, now: float) -> float:
-        # A node that has not reported yet counts as one byte free: it gets a scope only when
-        # nothing else has room, and its first report gives it its real share.
-        free = record.usage.free_bytes if record.usage is not None else 1
+    def _weight(self, record: NodeRecord, now: float, unknown: float) -> float:
+        free = record.usage.free_bytes if record.usage is not None else unknown
         return max(1.0, float(free)) * ramp(record, now, self.config)
 
     # ---- views -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""A node's directory of the chains it is home to (``core/homes.py``): first-page digest ->
-the NodeID that owns the chain, per tenant, bounded (least recently used go first), and the
-node calls that read and write it.
+"""A node's directory of the chains it is home to (``core/homes.py``): anchor (or tail) page
+digest -> the NodeID that holds the page and its prefix, per tenant, bounded (least recently
+used go first), and the node calls that read and write it.
 
 The directory is kept in memory and appended to ``<root>/homes.log`` as it changes, so a
 restarted node answers for the chains it was home to at once (a lookup that its homes cannot
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flatcake_ray.core.homes import anchor_of
 from flatcake_ray.core.keys import as_digests, request_digests
 from flatcake_ray.errors import ShapeError
 
@@ -32,7 +33,7 @@ FIND_METHODS = frozenset({"lookup", "exists", "probe"})
 
 def check_first(first: object) -> bytes:
     if not isinstance(first, bytes) or len(first) != _FIRST_BYTES:
-        raise ShapeError("a chain is named by its first page's 16-byte digest")
+        raise ShapeError("a chain is named by one page's 16-byte digest")
     return first
 
 
@@ -126,7 +127,8 @@ class HomeDirectory:
 @dataclass(frozen=True)
 class Found:
     """A home's answer to ``find``: its own answer to the lookup (a LeaseReply, a Probe or a
-    page count) and, when it holds none of the prefix, the owner it recorded (or None)."""
+    page count) and, when it does not hold the whole request, the owner it recorded for the
+    request's anchor (or None)."""
 
     answer: Any
     owner: int | None
@@ -146,26 +148,30 @@ class HomeCalls:
         raise NotImplementedError
 
     def record_home(self, secret: object, first: object, owner: object) -> None:
-        """This node is a home of the chain starting at ``first``, which ``owner`` holds."""
+        """This node is a home of page ``first`` (a chain's anchor or tail), which ``owner``
+        holds with its prefix."""
         tenant = self._tenant(secret).name
         if not isinstance(owner, int) or isinstance(owner, bool):
             raise ShapeError(f"an owner is a NodeID, not {type(owner).__name__}")
         self.homes.record(tenant, check_first(first), owner)
 
     def home_of(self, secret: object, first: object) -> int | None:
-        """The NodeID recorded for the chain starting at ``first``, if any."""
+        """The NodeID recorded for page ``first``, if any."""
         return self.homes.owner(self._tenant(secret).name, check_first(first))
 
     def find(self, secret: object, method: object, keys: Any, namespace: Any = None) -> Found:
         """``method`` ("lookup" with lease, "exists" or "probe") of ``keys`` here, and when
-        this node holds none of them, the owner it recorded for their chain: a home answers
-        a lookup in one call whether it owns the chain, knows its owner, or knows nothing."""
+        this node does not hold them all, the owner it recorded for their anchor: a home
+        answers a lookup in one call whether it owns the chain, knows its owner, or knows
+        nothing."""
         tenant = self._tenant(secret).name  # a stranger is refused before anything else
         if not isinstance(method, str) or method not in FIND_METHODS:
             raise ShapeError(f"find answers {sorted(FIND_METHODS)}, not {method!r}")
         answer = getattr(self, method)(secret, keys, namespace)
-        if _hits(answer):
-            return Found(answer, None)
         digests = as_digests(keys)
-        first = (digests if digests is not None else request_digests(keys, namespace))[:1]
-        return Found(answer, self.homes.owner(tenant, first.tobytes()))
+        if digests is None:
+            digests = request_digests(keys, namespace)
+        if _hits(answer) == len(digests):
+            return Found(answer, None)
+        # A part of the request here (a shared first page) does not hide a longer one there.
+        return Found(answer, self.homes.owner(tenant, anchor_of(digests)))

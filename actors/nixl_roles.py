@@ -7,11 +7,15 @@ storage nodes then take both cores, and loopback NIXL drops from ~4 GB/s to ~0.2
 - a *reader* needs no progress thread: it progresses its own request while it polls
   (measured 6 GB/s on loopback with the reader's thread off);
 - an *owner* (memory others READ) must progress, or a remote READ never completes over UCX's
-  TCP and shared-memory transports: a gentle pump polls it every ``PUMP_INTERVAL_S``
-  (measured ~4 GB/s, ~6 % of a core idle).
+  TCP and shared-memory transports: a gentle pump polls it every ``PUMP_INTERVAL_S`` while
+  peers hold its memory (measured ~4 GB/s), and every ``PUMP_IDLE_S`` when none does: 16
+  idle storage nodes took 0.81 of a core polling at full rate, 0.18 in all with the slow
+  idle poll (``docs/scaling.md``, background work).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from flatcake_ray.transports.nixl_agent import PUMP_INTERVAL_S, NixlAgent
 
@@ -23,6 +27,7 @@ def reader_agent(name: str) -> NixlAgent:
     return NixlAgent(name, progress="none")
 
 
-def exporter_agent(name: str) -> NixlAgent:
-    """An agent whose registered memory others READ: progressed by a gentle pump."""
-    return NixlAgent(name, progress="pump")
+def exporter_agent(name: str, busy: Callable[[], bool] | None = None) -> NixlAgent:
+    """An agent whose registered memory others READ: progressed by a gentle pump, at full
+    rate while ``busy()`` (leases, ship regions or puts out to peers) or just after a wake."""
+    return NixlAgent(name, progress="pump", busy=busy)

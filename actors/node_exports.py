@@ -7,6 +7,7 @@ and writers then take another path).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from flatcake_ray.actors.landing import LandingArea
@@ -17,10 +18,18 @@ from flatcake_ray.media.arena import DramArena
 
 class NodeExports:
     def __init__(
-        self, node_id: int, arena: DramArena, ship_buffer: ShipBuffer, landing: LandingArea
+        self,
+        node_id: int,
+        arena: DramArena,
+        ship_buffer: ShipBuffer,
+        landing: LandingArea,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
+        """``busy``: whether peers hold this node's memory now (its agent's pump polls at
+        full rate while they do: ``actors/nixl_roles.py``)."""
         self._arena_exporter: Any = None
         self._agent: Any = None
+        self._busy = busy
         self.arena_peer: Any = None
         self.ship_peer: Any = None
         self.nixl_reason = self._export_nixl(f"fc{node_id}", arena, ship_buffer, landing)
@@ -36,7 +45,7 @@ class NodeExports:
         reason = NixlDramTransport.probe()
         if reason is not None:
             return reason
-        self._agent = exporter_agent(unique_agent_name(f"{tag}-export"))
+        self._agent = exporter_agent(unique_agent_name(f"{tag}-export"), self._busy)
         if arena.nbytes:  # a node may run SSD-only
             self._arena_exporter = NixlArenaExporter(tag, arena.view, agent=self._agent)
             self.arena_peer = self._arena_exporter.peer_info()
@@ -60,6 +69,11 @@ class NodeExports:
         if self._rdma is None:
             raise ServiceError("this node exports no RDMA memory region")
         return self._rdma.accept(reader)
+
+    def wake(self) -> None:
+        """Peers are about to READ or WRITE this node's memory."""
+        if self._agent is not None:
+            self._agent.wake()
 
     def close(self) -> None:
         """Drop the exports (before the memory they export goes)."""

@@ -110,7 +110,9 @@ class StorageNode(HomeCalls):
         landing_name = f"{config.namespace}-landing-{self.node_id}"
         landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
         self.puts = NodePuts(self.store, landing, self.counters)
-        self.exports = NodeExports(self.node_id, self.store.arena, self.ship_buffer, landing)
+        self.exports = NodeExports(
+            self.node_id, self.store.arena, self.ship_buffer, landing, self._peers_hold
+        )
         self.puts.arena_peer = self.exports.arena_peer
         self.leased_bytes = LeasedBytes(
             config,
@@ -120,7 +122,8 @@ class StorageNode(HomeCalls):
             self.counters,
         )
         self._stop = threading.Event()
-        self._reporter = threading.Thread(target=self._report_loop, daemon=True)
+        reports = (self._stop, self._tick, self._usage)
+        self._reporter = threading.Thread(target=self.membership.run, args=reports, daemon=True)
         self._reporter.start()
 
     # ---- who calls -------------------------------------------------------------------------
@@ -153,27 +156,24 @@ class StorageNode(HomeCalls):
         self._tenants = table
 
     # ---- reports ---------------------------------------------------------------------------
-    def _report_loop(self) -> None:
-        from ray.exceptions import RayError
-
-        while not self._stop.wait(self.config.report_interval_s):
-            self.store.puts.expire(time.monotonic())
-            self._expire_leases()
-            try:
-                self.gate.refresh()
-                self._sync_tenants()
-                self.report_now()
-            except (RayError, ValueError, ServiceError) as exc:
-                # The coordinator or the GCS is down or restarting; the next report tries again.
-                log.info("report to the coordinator failed: %s", exc)
+    def _tick(self) -> None:
+        """Before each report: expire puts and leases, re-read the tenant table."""
+        self.store.puts.expire(time.monotonic())
+        self._expire_leases()
+        self.gate.refresh()
+        self._sync_tenants()
 
     def report_now(self) -> bool:
+        return bool(self.membership.report(self._usage()))
+
+    def _usage(self) -> NodeUsage:
         held = DramHeld.of(self.store)
         self.supervision.note(held)
-        stats = self.store.stats()
-        return self.membership.report(
-            NodeUsage.from_stats(self.node_id, stats, held.scopes, held.pages)
-        )
+        return NodeUsage.from_stats(self.node_id, self.store.stats(), held.scopes, held.pages)
+
+    def _peers_hold(self) -> bool:
+        """Leases, ship regions or puts are out: peers may READ or WRITE memory now."""
+        return bool(len(self.leases) or self.ship_buffer.regions.held or len(self.store.puts))
 
     # ---- views -----------------------------------------------------------------------------
     def describe(self, secret: object) -> NodeDescription:
@@ -281,6 +281,7 @@ class StorageNode(HomeCalls):
             self.store.release(lease)
             return LeaseReply(self.node_id, 0, 0, epoch=self.started_at)
         lease_id = self.leases.add(lease)
+        self.exports.wake()
         self.counters["leased_pages"] += lease.hits
         parts = lease_parts(lease)
         return LeaseReply(self.node_id, lease_id, lease.hits, parts, epoch=self.started_at)
@@ -343,7 +344,9 @@ class StorageNode(HomeCalls):
         check_request(keys, namespace, hints)
         self.limits.put(tenant, self.store.puts.open_of(tenant))
         options = {"namespace": namespace, "session_id": session_id, "parent": parent}
-        return self.puts.begin(tenant, keys, {**options, "hints": hints})
+        ticket = self.puts.begin(tenant, keys, {**options, "hints": hints})
+        self.exports.wake()
+        return ticket
 
     def land(
         self, secret: object, put_id: object, layer: object, inline: Any = None, sums: Any = None
@@ -361,6 +364,7 @@ class StorageNode(HomeCalls):
 
     # ---- bytes of leased ranges: shipped SSD reads and the object-store fallback ------------
     def ship(self, secret: object, src_offsets: Any, lengths: Any) -> ShipReply:
+        self.exports.wake()  # before: the region is read as soon as the reply lands
         return self.leased_bytes.ship(self._tenant(secret).name, src_offsets, lengths)
 
     def unship(self, secret: object, region_id: object) -> bool:
@@ -372,6 +376,7 @@ class StorageNode(HomeCalls):
         """A Ray streaming generator: a whole restore's windows (``counts[i]`` ranges each),
         each yielded as soon as it is read into a region (see ``ShipBuffer.stream``)."""
         tenant = self._tenant(secret).name
+        self.exports.wake()
         yield from self.leased_bytes.stream(tenant, stream_id, src_offsets, lengths, counts)
 
     def ship_stop(self, secret: object, stream_id: object) -> None:

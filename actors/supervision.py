@@ -59,6 +59,7 @@ class Supervision:
         before = self._read()
         self.restarts = int(before.get("restarts", 0)) + 1 if reconstructed else 0
         self.lost = DramHeld(**before.get("dram", {})) if before else DramHeld()
+        self._noted: DramHeld | None = None
         self.note(DramHeld())  # the arena starts empty: nothing to lose yet
 
     def _read(self) -> dict[str, Any]:
@@ -76,6 +77,9 @@ class Supervision:
 
     def note(self, held: DramHeld) -> None:
         """Record what a death now would lose (written whole, then renamed into place)."""
+        if held == self._noted:  # an idle node writes nothing
+            return
+        self._noted = held
         record = {"restarts": self.restarts, "dram": asdict(held)}
         partial = self._path.with_suffix(".tmp")
         partial.write_text(json.dumps(record))

@@ -143,13 +143,14 @@ class _FakeNode:
 
     def __getattr__(self, method: str) -> _Method:
         from flatcake_ray.actors.homes import Found
+        from flatcake_ray.core.homes import anchor_of
 
         def exists(digests: Any) -> int:
-            return 8 if digests[:1].tobytes() in self.owned else 0
+            return 8 if anchor_of(digests) in self.owned else 0
 
         def find(method: str, digests: Any) -> Found:
             found = exists(digests)
-            return Found(found, None if found else self.homed.get(digests[:1].tobytes()))
+            return Found(found, None if found else self.homed.get(anchor_of(digests)))
 
         answers = {
             "exists": exists,
@@ -184,6 +185,7 @@ def simulate(nodes: int, chains: int) -> dict[str, float]:
 
     from flatcake_ray.client.locate import Locator
     from flatcake_ray.client.report import RestoreReport
+    from flatcake_ray.core.homes import anchor_of
     from flatcake_ray.core.keys import request_digests
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -195,8 +197,8 @@ def simulate(nodes: int, chains: int) -> dict[str, float]:
         digests = [request_digests(keys(f"sim{i}", 8), None) for i in range(chains)]
         for chain in digests:
             owner = rng.choice(fakes)
-            owner.owned.add(chain[:1].tobytes())
-            writer.record_home(chain[:1].tobytes(), owner.node_id)
+            owner.owned.add(anchor_of(chain))
+            writer.record_home(anchor_of(chain), owner.node_id)
         calls = []
         for chain in digests:
             reader = Locator(table, 10.0)  # type: ignore[arg-type]

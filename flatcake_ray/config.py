@@ -282,7 +282,9 @@ class ServiceConfig:
     lease_ttl_s: float = 60.0  # a lease not released by then is dropped (its reader is gone)
     rpc_timeout_s: float = 10.0  # a client waits this long for a node before calling it down
     node_down_s: float = 5.0  # ... and skips that node this long before trying it again
-    report_interval_s: float = 2.0  # storage node -> coordinator capacity reports
+    # storage node -> coordinator capacity reports while usage changes; an idle node's every
+    # third of node_timeout_s (actors/membership.py)
+    report_interval_s: float = 2.0
     node_timeout_s: float = 10.0  # no report for this long: the coordinator stops placing there
     ramp_seconds: float = 60.0  # a newly joined node reaches its full share of new scopes
     ramp_floor: float = 0.1  # ... starting from this fraction of it

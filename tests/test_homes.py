@@ -9,7 +9,15 @@ from hashlib import blake2b
 import pytest
 
 from flatcake_ray.actors.homes import HomeDirectory
-from flatcake_ray.core.homes import HOME_REPLICAS, home_candidates, home_node
+from flatcake_ray.core.homes import (
+    HOME_DEPTH,
+    HOME_REPLICAS,
+    anchor_of,
+    home_candidates,
+    home_node,
+    recorded_pages,
+)
+from flatcake_ray.core.keys import request_digests
 from flatcake_ray.errors import ShapeError
 
 
@@ -31,6 +39,28 @@ def test_a_join_moves_about_one_chain_in_n():
     nodes = list(range(1, 9))
     moved = sum(home_node(first(i), nodes) != home_node(first(i), [*nodes, 9]) for i in range(9000))
     assert 700 < moved < 1300  # 1/9 of 9,000 is 1,000
+
+
+def test_chains_sharing_their_first_page_have_their_homes_spread():
+    nodes = list(range(1, 9))
+    chains = [request_digests(["system", f"user-{i}", f"reply-{i}"], None) for i in range(64)]
+    assert len({home_node(chain[:1].tobytes(), nodes) for chain in chains}) == 1
+    assert len({home_node(anchor_of(chain), nodes) for chain in chains}) == len(nodes)
+
+
+def test_a_chain_is_recorded_at_the_anchor_its_lookups_ask_whatever_its_puts():
+    keys = [f"k{i}" for i in range(12)]
+    for head in range(1, 6):  # a first put of `head` pages, then continuations of 3
+        recorded = {
+            request_digests(keys[:head], None)[p].tobytes() for p in recorded_pages(head, False)
+        }
+        for start in range(head, len(keys), 3):
+            put = request_digests(keys[start : start + 3], None)
+            recorded |= {put[p].tobytes() for p in recorded_pages(len(put), True)}
+        for pages in range(1, len(keys) + 1):  # every prefix a lookup may ask for
+            asked = anchor_of(request_digests(keys[:pages], None))
+            assert asked in recorded or (pages < HOME_DEPTH and pages != head), (head, pages)
+    assert recorded_pages(1, False) == [0] and recorded_pages(1, True) == [0]
 
 
 def test_records_survive_a_restart_and_a_torn_last_record(tmp_path):

@@ -1,7 +1,8 @@
 """A lookup costs the same few calls at any cluster size (``client/locate.py``), counted on 8
 local storage nodes: a miss asks at most 2 nodes and a hit at most 3, before and after a node
 joins and after one leaves, and a chain whose home moved is still found and re-recorded at
-its new home. Counts, never timings."""
+its new home. Chains that share their first page (a system prompt) have their homes spread
+over the nodes, and the same bounds hold for them. Counts, never timings."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from flatcake_ray.client import deploy  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.source import first_digest  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
-from flatcake_ray.core.homes import home_candidates  # noqa: E402
+from flatcake_ray.core.homes import anchor_index, home_candidates  # noqa: E402
 from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE, wait_for  # noqa: E402
 
 NAMESPACE = "fc-lookup-scale"
@@ -24,6 +25,8 @@ NODES = 8
 CHAINS = 48  # a joining ninth node becomes the first home of 1/9 of them: 5 expected
 PAGES = 4
 DRAM = PutHints(turn=2, prior_reply_tokens=1)  # short chat -> DRAM
+SYSTEM = "system-prompt/0"  # the first page of every chain of the shared-prefix test
+SHARED_CHAINS = 12
 
 
 def chain(name: str) -> list[str]:
@@ -43,8 +46,7 @@ def scale(ray_service):
         ramp_seconds=0.0,
     )
     # The driver is on the head, which has no storage node: chains are placed over all 8,
-    # once the coordinator has every node's first report (until then a node weighs one byte,
-    # and on a busy machine every chain would go to the first reporter and outgrow its DRAM).
+    # once every node has registered and reported (a node not registered yet takes none).
     wait_for("every storage node's first report", every_node_reported, timeout_s=180)
     writer = FlatCakeClient(NAMESPACE)
     kv = np.ones((LAYERS, PAGES, PAGE_BYTES), np.uint8)
@@ -92,11 +94,16 @@ def node_ids(client: FlatCakeClient) -> list[int]:
 
 
 def home_record(client: FlatCakeClient, node_id: int, name: str) -> int | None:
-    return ray.get(client.nodes.require(node_id).handle.home_of.remote(_first(name)))
+    return record_of(client, node_id, _first(name))
+
+
+def record_of(client: FlatCakeClient, node_id: int, page: bytes) -> int | None:
+    return ray.get(client.nodes.require(node_id).handle.home_of.remote(page))
 
 
 def _first(name: str) -> bytes:
-    return first_digest(chain(name), None)
+    """The chain's anchor: the page its homes are chosen by (``core/homes.py``)."""
+    return first_digest(chain(name)[anchor_index(PAGES) :], None)
 
 
 def test_before_any_change_a_miss_asks_two_nodes_and_a_hit_at_most_three(scale):
@@ -105,6 +112,32 @@ def test_before_any_change_a_miss_asks_two_nodes_and_a_hit_at_most_three(scale):
     assert_bounded(reports)
     # Chains owned by their first home are found in one round trip: both homes asked.
     assert min(r.nodes_asked for r in reports["hit"]) <= 2
+
+
+def test_chains_sharing_a_first_page_spread_over_homes_and_lookups_stay_bounded(scale):
+    writer = scale["writer"]
+    ids = node_ids(writer)
+    shared = [[SYSTEM, *chain(f"s{i}")[1:]] for i in range(SHARED_CHAINS)]  # one system page
+    kv = np.ones((LAYERS, PAGES, PAGE_BYTES), np.uint8)
+    for i, keys in enumerate(shared):
+        writer.put(keys, kv, session_id=f"s{i}", hints=DRAM)
+    anchors = [first_digest(keys[anchor_index(PAGES) :], None) for keys in shared]
+    assert len({home_candidates(anchor, ids)[0] for anchor in anchors}) > 1
+    system = first_digest([SYSTEM], None)  # the shared page is nobody's name: no hot record
+    assert all(record_of(writer, home, system) is None for home in home_candidates(system, ids))
+    with FlatCakeClient(NAMESPACE) as reader:
+        for i, keys in enumerate(shared):
+            reader.forget_locations()
+            hit = reader.locate(keys, lease=True)
+            reader.forget_locations()
+            longer = reader.locate([*keys, f"s{i}/new-a", f"s{i}/new-b"])  # partly cached
+            reader.forget_locations()
+            fresh = reader.locate([SYSTEM, f"new-{i}/1", f"new-{i}/2"])  # only page 0 stored
+            # The shared page is found only where a home of the new anchor holds it itself.
+            assert (hit.pages, longer.pages, min(fresh.pages, 1)) == (PAGES, PAGES, fresh.pages)
+            assert max(hit.nodes_asked, longer.nodes_asked) <= 3
+            assert fresh.nodes_asked <= 2 and fresh.actor_calls <= 2
+        assert reader.stats(nodes=False)["client"]["fanouts"] == 0
 
 
 def test_after_a_node_joins_moved_chains_are_found_and_re_recorded(scale):

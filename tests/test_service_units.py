@@ -41,6 +41,21 @@ def test_placement_is_capacity_proportional_and_ramps_a_new_node():
     )  # sessions stick
 
 
+def test_scopes_placed_before_the_first_reports_spread_over_every_node():
+    config = ServiceConfig(layers=1, page_bytes=4096, ramp_seconds=0.0)
+    coordinator = CapacityCoordinator(config, SERVICE_SECRET, rebuild=False)
+    nodes = [coordinator.register(SERVICE_SECRET, f"ray-{n}", n, None, time.time()) for n in "abc"]
+    before = [coordinator.place_scope(None) for _ in range(30)]  # nobody has reported
+    assert all(before.count(node_id) == 10 for node_id in nodes)
+    coordinator.report(SERVICE_SECRET, nodes[0], "ray-a", usage(nodes[0], 100))
+    # One node reported: the others weigh what it weighs until they report, not one byte.
+    after = [coordinator.place_scope(None) for _ in range(30)]
+    assert all(after.count(node_id) == 10 for node_id in nodes)
+    coordinator.report(SERVICE_SECRET, nodes[1], "ray-b", usage(nodes[1], 300))
+    later = [coordinator.place_scope(None) for _ in range(60)]  # weights 100, 300, 200
+    assert [later.count(node_id) for node_id in nodes] == [10, 30, 20]
+
+
 def test_a_writers_own_node_is_preferred_while_it_has_room():
     config = ServiceConfig(layers=1, page_bytes=4096, ramp_seconds=0.0)
     coordinator = CapacityCoordinator(config, SERVICE_SECRET, rebuild=False)

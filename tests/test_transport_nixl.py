@@ -25,7 +25,7 @@ from flatcake_ray.errors import (
     TransportClosedError,
 )
 from flatcake_ray.transports.base import REMOTE_DRAM_NIXL, ReadBatch
-from flatcake_ray.transports.nixl_agent import NixlAgent, unique_agent_name
+from flatcake_ray.transports.nixl_agent import PUMP_IDLE_S, NixlAgent, unique_agent_name
 from flatcake_ray.transports.nixl_dram import NixlDramTransport, NixlPeerInfo
 
 ARENA_BYTES = 256 << 20
@@ -291,6 +291,32 @@ def test_quiet_agents_read_from_a_pumped_owner_over_tcp(spawn_owner, monkeypatch
     assert pump is not None and pump.is_alive()
     pumped.close()
     assert not pump.is_alive()
+
+
+def test_an_idle_pump_polls_slowly_and_at_full_rate_while_peers_hold_memory():
+    """An owner's pump with nothing out to peers polls every PUMP_IDLE_S, not 2,000 times a
+    second (a bound that a loaded machine only helps: it can poll less, never more); while
+    ``busy`` says peers hold memory it polls far more often than that; close stops it."""
+    state = {"busy": False, "polls": 0}
+
+    def busy() -> bool:
+        state["polls"] += 1  # asked once per poll that found no wake pending
+        return bool(state["busy"])
+
+    agent = NixlAgent(unique_agent_name("idle"), progress="pump", busy=busy)
+    pump = agent._pump
+    idle_bound = 2 * (1 / PUMP_IDLE_S + 2)  # polls in 2 s, with room for the first
+    try:
+        before = state["polls"]
+        time.sleep(2.0)
+        assert state["polls"] - before <= idle_bound
+        state["busy"] = True
+        before = state["polls"]
+        time.sleep(2.0)
+        assert state["polls"] - before > 2 * idle_bound
+    finally:
+        agent.close()
+    assert pump is not None and not pump.is_alive()
 
 
 def test_writes_land_in_the_owners_memory_and_stay_in_range(spawn_owner, reader_agent):

@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,11 @@ from flatcake_ray.transports.base import (
 
 DEFAULT_TIMEOUT_S = 30.0
 PUMP_INTERVAL_S = 0.0005
+# A pump with nothing out to peers polls this often (woken at once by ``wake``): 2,000 idle
+# polls a second per node took ~5 % of a core each, and a cluster of many nodes on few cores
+# (``flatcake-ray bench control``) slowed every Ray call with them.
+PUMP_IDLE_S = 0.05
+PUMP_LINGER_S = 0.25  # full rate after a wake, before ``busy`` has had its say
 PROGRESS_MODES = ("thread", "none", "pump")
 _POLL_SLEEP_MAX_S = 0.001
 _names = itertools.count()
@@ -118,7 +123,8 @@ class NixlAgent:
     """One NIXL agent (a UCX/POSIX context) and the local buffers registered with it; one per
     process per role is enough. ``progress``: ``"thread"`` (NIXL's thread, which polls without
     pause: a busy core), ``"none"`` (a reader progresses its own request as it polls), or
-    ``"pump"`` (polls every ``pump_interval_s``: for memory others READ over UCX TCP/shm)."""
+    ``"pump"`` (polls every ``pump_interval_s`` while ``busy()`` or just after ``wake``, every
+    ``PUMP_IDLE_S`` otherwise: for memory others READ over UCX TCP/shm)."""
 
     def __init__(
         self,
@@ -128,6 +134,7 @@ class NixlAgent:
         max_registrations: int = 8,
         progress: str = "thread",
         pump_interval_s: float = PUMP_INTERVAL_S,
+        busy: Callable[[], bool] | None = None,
     ) -> None:
         if progress not in PROGRESS_MODES:
             raise ValueError(f"progress must be one of {PROGRESS_MODES}, not {progress!r}")
@@ -154,6 +161,9 @@ class NixlAgent:
         self._stuck: list[tuple[Any, np.ndarray]] = []
         self.destinations = RegistrationCache(self.register, self.deregister, max_registrations)
         self._stop = threading.Event()
+        self._woken = threading.Event()
+        self._busy = busy if busy is not None else lambda: True
+        self._fast_until = 0.0
         self._pump: threading.Thread | None = None
         if progress == "pump":
             pump = threading.Thread(target=self._run_pump, args=(pump_interval_s,), daemon=True)
@@ -162,9 +172,20 @@ class NixlAgent:
 
     def _run_pump(self, interval_s: float) -> None:
         agent = self._agent
-        while not self._stop.wait(interval_s):
+        while not self._stop.is_set():
             # Fetching notifications progresses the UCX workers: a peer's READ completes.
             agent.get_new_notifs()
+            if time.monotonic() < self._fast_until or self._busy():
+                self._stop.wait(interval_s)
+            else:  # nothing out to peers: poll slowly until woken
+                self._woken.wait(PUMP_IDLE_S)
+                self._woken.clear()
+
+    def wake(self) -> None:
+        """Peers are about to READ or WRITE (a lease, a put, a ship region was handed out):
+        the pump polls at full rate for ``PUMP_LINGER_S``, then while ``busy`` says so."""
+        self._fast_until = time.monotonic() + PUMP_LINGER_S
+        self._woken.set()
 
     @property
     def _live(self) -> Any:
@@ -288,6 +309,7 @@ class NixlAgent:
         if self._agent is None:
             return
         self._stop.set()
+        self._woken.set()
         if self._pump is not None:
             self._pump.join()
             self._pump = None

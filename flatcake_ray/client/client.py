@@ -43,6 +43,7 @@ from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.homes import anchor_index, recorded_pages
 from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
@@ -304,7 +305,8 @@ class FlatCakeClient:
     ) -> RemotePut:
         """A put of ``keys`` a layer at a time on the session's node (see ``RemotePut``)."""
         self._check_open()
-        first = first_digest(keys, namespace)
+        first_digest(keys, namespace)  # every key checked before any call
+        first = first_digest(keys[anchor_index(len(keys)) :], namespace)  # its anchor
         report = RestoreReport(len(keys))
         link = self._owners.owner(first, namespace, session_id, parent, report)
         nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
@@ -314,11 +316,11 @@ class FlatCakeClient:
         options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
         options.update(parent=parent, hints=hints)
         self._owners.remember(first, session_id, link.node_id)
-        if parent is None:  # a chain's head: its homes learn where the chain lives
-            report.actor_calls += self._locator.record_home(first, link.node_id)
-        if parent is not None or len(keys) > 1:  # its tail: where a continuation goes
-            last = first_digest(keys[-1:], namespace)
-            report.actor_calls += self._locator.record_home(last, link.node_id)
+        # The homes of its anchor (a chain's head) and of its tail (where a continuation
+        # goes) learn where the pages live (``core/homes.py``).
+        for page in recorded_pages(len(keys), continues=parent is not None):
+            named = first_digest(keys[page : page + 1], namespace)
+            report.actor_calls += self._locator.record_home(named, link.node_id)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
             route, keys, layers=self.layers, page_bytes=self.page_bytes, options=options

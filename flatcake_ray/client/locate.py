@@ -2,13 +2,15 @@
 size, and no coordinator.
 
 A session's pages live on the node the coordinator placed its scope on, contiguous from the
-chain's first page. The :class:`Locator` keeps a cache: first-page digest -> NodeID, filled by
-this client's puts and earlier hits. A request whose first key is cached costs one call to
-that node (``lookup``: index probe and lease; or ``exists``), and its answer is final (no
-hits: the entry is dropped and the request misses). Otherwise the chain's two *homes*
-(``core/homes.py``: the first two rendezvous candidates of the first digest over the live
-nodes, computed here) are asked in parallel with ``find``: each answers the lookup itself and,
-when it holds nothing, the owner it recorded. A named owner is asked next. So a miss costs 2
+chain's first page. A request is named by its *anchor* (``core/homes.py``: its page at depth
+``HOME_DEPTH``, so chains that share a first page do not share their homes). The
+:class:`Locator` keeps a cache: anchor digest -> NodeID, filled by this client's puts and
+earlier hits. A request whose anchor is cached costs one call to that node (``lookup``:
+index probe and lease; or ``exists``), and its answer is final (no hits: the entry is
+dropped and the request misses). Otherwise the chain's two *homes* (the first two rendezvous
+candidates of the anchor over the live nodes, computed here) are asked in parallel with
+``find``: each answers the lookup itself and, when it does not hold the whole request, the
+owner it recorded. A named owner is asked next (the longest answer wins). So a miss costs 2
 calls (one round trip) and a hit at most 3 nodes, at any N. A put records its chain at both
 homes, so one node joining or leaving leaves one of them holding the record; a record found
 only at the second is re-recorded at the first (not awaited).
@@ -34,7 +36,7 @@ from flatcake_ray.actors.protocol import LeaseReply
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
-from flatcake_ray.core.homes import home_candidates
+from flatcake_ray.core.homes import anchor_index, anchor_of, home_candidates
 from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantLimitError
 
 LOCATION_CACHE_ENTRIES = 1 << 17
@@ -79,7 +81,7 @@ class Locator:
     ) -> tuple[NodeLink | None, Any]:
         """The node with the longest prefix for a request (its packed ``digests``) and its
         answer (see module doc)."""
-        first = digests[:1].tobytes()
+        first = anchor_of(digests)
         known = self._where.get(first)
         cached = self.nodes.get(known) if known is not None else None
         if cached is not None and cached.is_up(time.monotonic()):
@@ -109,15 +111,17 @@ class Locator:
         longest prefix found (or None), and whether some home did not answer."""
         found = self.call_all(homes, "find", (method, digests), report)
         failed = len(found) < len(homes)
-        best = self._best([(link, reply.answer) for link, reply in found], report)
+        answers = [(link, reply.answer) for link, reply in found]
         owners = [reply.owner for _, reply in found if reply.owner is not None]
-        if best is None and owners:
+        # A home holding part of the request (a shared first page) still names the owner
+        # of the whole: asked too, the longest answer wins (the others' leases go back).
+        if owners and max(hits(answer) for _, answer in answers) < len(digests):
             link = self.nodes.get(owners[0])
             if link is not None and link not in homes and link.is_up(time.monotonic()):
-                asked = self.call_all([link], method, (digests,), report)
-                best = asked[0] if asked and hits(asked[0][1]) else None
-        if best is None:
-            return None, failed
+                answers += self.call_all([link], method, (digests,), report)
+        best = self._best(answers, report)
+        if best is None or hits(best[1]) <= anchor_index(len(digests)):
+            return best, failed  # none, or short of the anchor: nothing to remember or record
         self.remember(first, best[0].node_id)
         # A home that knew nothing (it became a home since the put) learns the owner now.
         unaware = [link for link, reply in found if reply.owner is None and link is not best[0]]
@@ -165,7 +169,8 @@ class Locator:
         return best
 
     def record_home(self, first: bytes, owner: int) -> int:
-        """Tell the chain's homes which node owns it (not awaited); returns calls made."""
+        """Tell the homes of page ``first`` (a chain's anchor, or its tail) which node holds
+        it (not awaited); returns calls made."""
         homes = home_candidates(first, [link.node_id for link in self.nodes.up()])
         links = [self.nodes.get(home) for home in homes if home != owner]
         return self._record_at([link for link in links if link is not None], first, owner)
