@@ -57,7 +57,7 @@ from flatcake_ray.actors.protocol import (
 from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
 from flatcake_ray.actors.supervision import DramHeld, Supervision
 from flatcake_ray.actors.tenant_limits import TenantLimits
-from flatcake_ray.actors.wire import check_request, scope_ids
+from flatcake_ray.actors.wire import check_request, lease_ids, scope_ids
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
@@ -268,10 +268,16 @@ class StorageNode(HomeCalls):
         return self.exports.accept_rdma(reader)
 
     # ---- lookups ---------------------------------------------------------------------------
-    def lookup(self, secret: object, keys: Any, namespace: Any = None) -> LeaseReply:
-        """The consecutive hits from the first key, leased (zero hits: nothing is held)."""
+    def lookup(
+        self, secret: object, keys: Any, namespace: Any = None, releases: Any = ()
+    ) -> LeaseReply:
+        """The consecutive hits from the first key, leased (zero hits: nothing is held).
+        ``releases``: the caller's earlier leases here it lets go of and wants no answer
+        for, released first (one call instead of a release each)."""
         tenant = self._tenant(secret).name
         check_request(keys, namespace)
+        for lease_id in lease_ids(releases):
+            self._release(tenant, lease_id)
         self._expire_leases()
         self.limits.lease(tenant, self.leases.held_by(tenant))
         self.counters["lookups"] += 1
@@ -307,17 +313,20 @@ class StorageNode(HomeCalls):
         False, counted, and changes nothing."""
         tenant = self._tenant(secret, metered=False).name
         failpoint("node.release", lease_id=lease_id)
+        return self._release(tenant, lease_id, frozenset(scope_ids(bad_scopes)))
+
+    def _release(self, tenant: str, lease_id: object, bad: frozenset[int] = frozenset()) -> bool:
         self.counters["releases"] += 1
         lease = self.leases.pop(lease_id, tenant)
         if lease is None:
             self.counters["lease_misses"] += 1
             return False
-        bad = scope_ids(bad_scopes) & set(lease.scope_ids)
+        bad = bad & set(lease.scope_ids)
         if bad:
             # A reader saw a bad checksum: read those scopes here, so the store's own check
             # quarantines them if the medium really is bad (a torn remote read does not). The
             # reader has already dropped those pages; the rest of what it read is good.
-            self.store.recheck(lease, bad)
+            self.store.recheck(lease, set(bad))
             return True
         intact = self.store.release(lease)
         self.counters["leases_broken"] += int(not intact)
