@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.cli.benchkit import LOOPBACK, bench_service_config, remove_arenas
+from flatcake_ray.cli.benchkit import LOOPBACK_IP, bench_service_config, remove_arenas
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.keys import DEFAULT_NAMESPACE, namespace_frame
 
@@ -83,11 +83,11 @@ def _start_once(nodes: int) -> Any:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    head = {**LOOPBACK, "num_cpus": 1, "include_dashboard": False}
+    head = {"node_ip_address": LOOPBACK_IP, "num_cpus": 1, "include_dashboard": False}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(nodes):
-            cluster.add_node(**LOOPBACK, num_cpus=0, resources={RESOURCE: 1})
+            cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=0, resources={RESOURCE: 1})
         cluster.wait_for_nodes()
     except BaseException:  # a raylet that did not start (a loaded machine): nothing left over
         cluster.shutdown()

@@ -128,7 +128,7 @@ def odirect_write_gbps(
 # bench imports this module before Ray (and the raylets it starts inherit it). The nodes'
 # address is also stated, so a process that imported Ray first still starts loopback nodes.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-LOOPBACK = {"node_ip_address": "127.0.0.1"}
+LOOPBACK_IP = "127.0.0.1"
 
 
 def start_local_cluster(nodes: int, resource: str) -> Any:
@@ -137,10 +137,15 @@ def start_local_cluster(nodes: int, resource: str) -> Any:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    head = {**LOOPBACK, "num_cpus": 1, "include_dashboard": False, "resources": {resource: 1}}
+    head = {
+        "node_ip_address": LOOPBACK_IP,
+        "num_cpus": 1,
+        "include_dashboard": False,
+        "resources": {resource: 1},
+    }
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(nodes - 1):
-        cluster.add_node(**LOOPBACK, num_cpus=1, resources={resource: 1})
+        cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=1, resources={resource: 1})
     cluster.wait_for_nodes()
     return cluster
 
