@@ -29,7 +29,6 @@ A plain class: ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import threading
 import time
@@ -47,6 +46,7 @@ from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.membership import Membership
 from flatcake_ray.actors.node_exports import NodeExports
 from flatcake_ray.actors.node_puts import NodePuts
+from flatcake_ray.actors.node_tenants import NodeTenants
 from flatcake_ray.actors.protocol import (
     LeaseReply,
     NodeDescription,
@@ -57,7 +57,7 @@ from flatcake_ray.actors.protocol import (
 from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
 from flatcake_ray.actors.supervision import DramHeld, Supervision
 from flatcake_ray.actors.tenant_limits import TenantLimits
-from flatcake_ray.actors.wire import check_request, scope_ids
+from flatcake_ray.actors.wire import check_request, lease_ids, scope_ids
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
@@ -68,7 +68,6 @@ from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.root_slot import RootSlot
 from flatcake_ray.node.store import FlatCakeStore
 
-log = logging.getLogger(__name__)
 _COUNTERS = (
     *("lookups", "exists_calls", "releases", "puts", "puts_arena", "puts_landing"),
     *("puts_inline", "puts_none", "puts_layerwise", "puts_aborted", "tenants_removed"),
@@ -99,14 +98,13 @@ class StorageNode(HomeCalls):
         reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
         self.supervision = Supervision(root, reconstructed)
         self.store.metrics.restarted(self.supervision.restarts, self.supervision.lost.scopes)
-        self._tenants: dict[str, Tenant] = {}
-        self._sync_lock = threading.Lock()
-        self._sync_tenants()
-        self.leases = LeaseTable(config.lease_ttl_s)
-        self.limits = TenantLimits(config)
-        self.homes = HomeDirectory(root / "homes.log")  # chains this node is home to
-        self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.limits = TenantLimits(config)
+        self.tenants = NodeTenants(self.gate, self.store, self.limits, self.counters)
+        self.leases = LeaseTable(config.lease_ttl_s)
+        self.homes = HomeDirectory(root / "homes.log")  # chains this node is home to
+        self.tenants.on_removed += [self.leases.drop_tenant, self.homes.drop_tenant]
+        self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         landing_name = f"{config.namespace}-landing-{self.node_id}"
         landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
         self.puts = NodePuts(self.store, landing, self.counters)
@@ -126,34 +124,8 @@ class StorageNode(HomeCalls):
         self._reporter = threading.Thread(target=self.membership.run, args=reports, daemon=True)
         self._reporter.start()
 
-    # ---- who calls -------------------------------------------------------------------------
     def _tenant(self, secret: object, *, metered: bool = True) -> Tenant:
-        """The caller's tenant (registered with the store on first sight), or refused; a
-        ``metered`` call counts against the tenant's call rate (``TenantLimits``)."""
-        tenant = self.gate.tenant(secret)
-        if self._tenants.get(tenant.name) != tenant:
-            self._sync_tenants()
-        if metered:
-            self.limits.call(tenant.name)
-        return tenant
-
-    def _sync_tenants(self) -> None:
-        """Give the store the table's tenants; drop the pages of those removed from it."""
-        with self._sync_lock:
-            self._sync_tenants_locked(dict(self.gate.tenants))
-
-    def _sync_tenants_locked(self, table: dict[str, Tenant]) -> None:
-        for tenant in table.values():
-            if self._tenants.get(tenant.name) != tenant:
-                self.store.set_tenant(tenant)
-        for name in set(self._tenants) - set(table):
-            self.leases.drop_tenant(name)
-            self.homes.drop_tenant(name)
-            self.limits.drop_tenant(name)
-            self.store.remove_tenant(name)
-            self.counters["tenants_removed"] += 1
-            log.info("tenant %s removed from the service: its pages here are freed", name)
-        self._tenants = table
+        return self.tenants.caller(secret, metered=metered)
 
     # ---- reports ---------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -161,7 +133,7 @@ class StorageNode(HomeCalls):
         self.store.puts.expire(time.monotonic())
         self._expire_leases()
         self.gate.refresh()
-        self._sync_tenants()
+        self.tenants.sync()
 
     def report_now(self) -> bool:
         return bool(self.membership.report(self._usage()))
@@ -251,8 +223,8 @@ class StorageNode(HomeCalls):
         how many tenants it names."""
         self.gate.service(service_secret)
         self.gate.refresh()
-        self._sync_tenants()
-        return len(self._tenants)
+        self.tenants.sync()
+        return len(self.tenants.table)
 
     def arm_failpoints(self, service_secret: object, spec: str) -> int:
         """Arm failpoints in this node's process (tests and chaos runs only: refused unless
@@ -269,10 +241,16 @@ class StorageNode(HomeCalls):
         return self.exports.accept_rdma(reader)
 
     # ---- lookups ---------------------------------------------------------------------------
-    def lookup(self, secret: object, keys: Any, namespace: Any = None) -> LeaseReply:
-        """The consecutive hits from the first key, leased (zero hits: nothing is held)."""
+    def lookup(
+        self, secret: object, keys: Any, namespace: Any = None, releases: Any = ()
+    ) -> LeaseReply:
+        """The consecutive hits from the first key, leased (zero hits: nothing is held).
+        ``releases``: the caller's earlier leases here it lets go of and wants no answer
+        for, released first (one call instead of a release each)."""
         tenant = self._tenant(secret).name
         check_request(keys, namespace)
+        for lease_id in lease_ids(releases):
+            self._release(tenant, lease_id)
         self._expire_leases()
         self.limits.lease(tenant, self.leases.held_by(tenant))
         self.counters["lookups"] += 1
@@ -309,17 +287,20 @@ class StorageNode(HomeCalls):
         False, counted, and changes nothing."""
         tenant = self._tenant(secret, metered=False).name
         failpoint("node.release", lease_id=lease_id)
+        return self._release(tenant, lease_id, frozenset(scope_ids(bad_scopes)))
+
+    def _release(self, tenant: str, lease_id: object, bad: frozenset[int] = frozenset()) -> bool:
         self.counters["releases"] += 1
         lease = self.leases.pop(lease_id, tenant)
         if lease is None:
             self.counters["lease_misses"] += 1
             return False
-        bad = scope_ids(bad_scopes) & set(lease.scope_ids)
+        bad = bad & set(lease.scope_ids)
         if bad:
             # A reader saw a bad checksum: read those scopes here, so the store's own check
             # quarantines them if the medium really is bad (a torn remote read does not). The
             # reader has already dropped those pages; the rest of what it read is good.
-            self.store.recheck(lease, bad)
+            self.store.recheck(lease, set(bad))
             return True
         intact = self.store.release(lease)
         self.counters["leases_broken"] += int(not intact)

@@ -82,3 +82,17 @@ def scope_ids(value: Any) -> set[int]:
     if not isinstance(value, list | tuple):
         raise ShapeError(f"bad scopes are a list, not {type(value).__name__}")
     return {s for s in value if isinstance(s, int) and not isinstance(s, bool)}
+
+
+def lease_ids(value: Any) -> list[int]:
+    """Lease ids a reader lets go of without asking for an answer (``lookup``'s
+    ``releases``): an int64 array, as the client packs them, or a list of ints."""
+    if isinstance(value, np.ndarray) and value.dtype == np.int64 and value.ndim == 1:
+        ids = value.tolist()
+    elif isinstance(value, list | tuple):
+        ids = [i for i in value if isinstance(i, int) and not isinstance(i, bool)]
+    else:
+        raise ShapeError(f"releases are an int64 array or a list, not {type(value).__name__}")
+    if len(ids) > MAX_KEYS:
+        raise ShapeError(f"a call releases at most {MAX_KEYS} leases, not {len(ids)}")
+    return ids

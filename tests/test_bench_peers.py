@@ -121,3 +121,17 @@ def test_write_section_appends_markers_when_absent(tmp_path) -> None:
     doc.write_text("# Head\n")
     write_section(str(doc), "table\n")
     assert doc.read_text() == f"# Head\n\n{START}\ntable\n{END}\n"
+
+
+def test_the_scale_table_gives_each_aggregate_as_a_fraction_of_two_clients() -> None:
+    results = _results()
+    row = {"restore_gbps": 4.0, "put_gbps": 2.0, "put_local_share": 0.5}
+    results["flatcake"]["scale"] = {
+        "2": {**row, "clients": 4},
+        "8": {"restore_gbps": 3.6, "put_gbps": 1.0, "put_local_share": 0.5, "clients": 16},
+    }
+    lines = markdown(results).splitlines()
+    eight = next(line for line in lines if line.startswith("| 8 (16)"))
+    assert "3.60 (0.90)" in eight and "1.00 (0.50 local, 0.50)" in eight
+    two = next(line for line in lines if line.startswith("| 2 (4)"))
+    assert "4.00 |" in two and "2.00 (0.50 local)" in two  # no fraction of itself

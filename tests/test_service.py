@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 from flatcake_ray.client import deploy as service  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
+from flatcake_ray.client.source import digests_of  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import decode  # noqa: E402
 from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
@@ -36,7 +37,7 @@ from flatcake_ray.transports.base import (  # noqa: E402
     REMOTE_SSD_SHIPPED,
 )
 from flatcake_ray.transports.routing import route  # noqa: E402
-from tests.conftest import QUICK_NODE_DEATH  # noqa: E402
+from tests.conftest import QUICK_NODE_DEATH, wait_for  # noqa: E402
 
 SERVICE_SECRET = "s" * 32
 
@@ -222,6 +223,33 @@ def test_a_cold_lookup_asks_the_chains_home_not_every_node(deployment):
         assert reader.stats(nodes=False)["client"]["fanouts"] == 0
     finally:
         reader.close()
+
+
+def test_a_warm_locate_with_lease_is_one_call_and_lets_its_lease_go(deployment):
+    """``locate(lease=True)`` with the owner known is one ``lookup``: the lease it let go of
+    rides on the next lookup to that node (the last one goes alone, shortly after), and the
+    node ends up holding none of them, every release a lease it knew."""
+    writer = next(iter(deployment["by_node_id"].values()))
+    ray.get(writer.put.remote("onecall", 8, 7, DRAM))
+    with FlatCakeClient(NAMESPACE) as reader:
+        owner = reader.locate(keys_for("onecall", 8)).node_id
+        before = reader.stats()["nodes"][owner]
+        reports = [reader.locate(keys_for("onecall", 8), lease=True) for _ in range(6)]
+        assert all(r.pages == 8 and r.node_id == owner for r in reports)
+        assert [r.actor_calls for r in reports[1:]] == [1] * 5
+        after = wait_for(
+            "the last lease let go of",
+            lambda: (s := reader.stats()["nodes"][owner])["leases_held"] == 0 and s,
+        )
+        assert after["releases"] - before["releases"] == 6
+        assert after["lease_misses"] == before["lease_misses"]
+        # At least the last went alone; the rest rode on lookups (how many went alone
+        # depends on how quickly the next lookup came).
+        assert 1 <= reader.stats(nodes=False)["client"]["release_calls"] <= 6
+        link = reader.nodes.require(owner)
+        digests = digests_of(keys_for("onecall", 8), None)
+        with pytest.raises(ShapeError):  # releases that are not lease ids: refused
+            ray.get(link.handle.lookup.remote(digests, None, "lease ids"), timeout=60)
 
 
 def test_routing_follows_the_gva_bits(deployment):

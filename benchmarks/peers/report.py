@@ -112,17 +112,20 @@ def scale_table(results: dict[str, Any]) -> list[str]:
         return []
     pages = results["config"]["scale_pages"]
     lines = [
-        "| clients per node (total) | FlatCake restore GB/s | FlatCake put GB/s (share local) "
-        "| Mooncake restore GB/s | Mooncake put GB/s |",
+        "| clients per node (total) | FlatCake restore GB/s (of 2 clients) | FlatCake put GB/s "
+        "(share local; of 2 clients) | Mooncake restore GB/s | Mooncake put GB/s |",
         "|---|---:|---:|---:|---:|",
     ]
+    base = fc.get(2) or fc.get("2")
     for k in sorted({*map(int, fc), *map(int, mc)}):
         f, m = fc.get(k) or fc.get(str(k)), mc.get(k) or mc.get(str(k))
         clients = (f or m)["clients"]
+        restore_of, put_of = _of_two(f, base, "restore_gbps"), _of_two(f, base, "put_gbps")
         lines.append(
             f"| {k} ({clients}) | "
             + (
-                f"{f['restore_gbps']:.2f} | {f['put_gbps']:.2f} ({f['put_local_share']:.2f})"
+                f"{f['restore_gbps']:.2f}{restore_of and f' ({restore_of})'} | "
+                f"{f['put_gbps']:.2f} ({f['put_local_share']:.2f} local{put_of and ', ' + put_of})"
                 if f
                 else "— | —"
             )
@@ -134,9 +137,17 @@ def scale_table(results: dict[str, Any]) -> list[str]:
     lines.append(
         f"Each client restores one {pages}-page DRAM session (the same one) and puts its own "
         f"{pages}-page DRAM session, all at once; aggregate = all bytes / (last end - first "
-        "start), median of rounds."
+        "start), median of rounds. In parentheses beside FlatCake's rates: the fraction of the "
+        "2-clients-per-node aggregate (target: >= 0.9 at 8)."
     )
     return lines
+
+
+def _of_two(row: dict[str, Any] | None, base: dict[str, Any] | None, name: str) -> str:
+    """``row``'s ``name`` as a fraction of the 2-clients-per-node row's, or nothing."""
+    if not row or not base or not base[name]:
+        return ""
+    return f"{row[name] / base[name]:.2f}" if row is not base else ""
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -19,9 +19,11 @@ measures it; a lookup's cost in empty calls of the same moment is what carries o
 
 ``stages`` breaks one warm lookup of the first size down: hashing the keys on the client
 (and, beside it, hashlib one key at a time: the fallback, and the only path before
-``core/_digests.c``), an empty actor call (Ray's floor), the ``lookup`` call alone, and
-``locate`` end to end; ``capacity`` how many empty calls and ``find`` misses one node
-answers per second with 16 in flight (the per-call costs ``docs/scaling.md`` builds on).
+``core/_digests.c``), an empty actor call (Ray's floor), the ``lookup`` call alone,
+``locate`` end to end (one call: its release rides on the next lookup), and beside it the
+same with a release call of its own (the shape before ``Locator.let_go``); ``capacity``
+how many empty calls and ``find`` misses one node answers per second with 16 in flight (the
+per-call costs ``docs/scaling.md`` builds on).
 
 All on one machine: every "node" shares its cores, so absolute times are the machine's load;
 the counts and the ratio of 16 nodes to 2 are what carry over.
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas
+from flatcake_ray.cli.benchkit import LOOPBACK_IP, bench_service_config, remove_arenas
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.keys import DEFAULT_NAMESPACE, namespace_frame
 
@@ -80,14 +82,12 @@ def _start(nodes: int, tries: int = 3) -> Any:
 def _start_once(nodes: int) -> Any:
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    cluster = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
-    )
+    head = {"node_ip_address": LOOPBACK_IP, "num_cpus": 1, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(nodes):
-            cluster.add_node(num_cpus=0, resources={RESOURCE: 1})
+            cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=0, resources={RESOURCE: 1})
         cluster.wait_for_nodes()
     except BaseException:  # a raylet that did not start (a loaded machine): nothing left over
         cluster.shutdown()
@@ -162,6 +162,17 @@ def hashlib_digests(keys: list[str]) -> bytes:
     return b"".join([blake2b(prefix + key.encode(), digest_size=16).digest() for key in keys])
 
 
+def two_calls(link: Any, keys: list[str]) -> None:
+    """A warm ``locate(lease=True)`` as it was before ``Locator.let_go``: hash, ``lookup``,
+    then a ``release`` call of its own (not awaited), timed beside today's one call."""
+    import ray
+
+    from flatcake_ray.client.source import digests_of
+
+    reply = ray.get(link.handle.lookup.remote(digests_of(keys, None)))
+    link.handle.release.remote(reply.lease_id, [])
+
+
 def stages(client: Any, keys: list[str], repeats: int = 30) -> dict[str, float]:
     """Median ms of each stage of one warm ``locate(lease=True)`` of ``keys``."""
     import ray
@@ -186,6 +197,7 @@ def stages(client: Any, keys: list[str], repeats: int = 30) -> dict[str, float]:
         reply = clock("lookup_call", lambda: ray.get(link.handle.lookup.remote(digests)))
         ray.get(link.handle.release.remote(reply.lease_id, []))
         clock("locate_warm", lambda: client.locate(keys, lease=True))
+        clock("locate_warm_release_call", lambda: two_calls(link, keys))
     return {name: round(statistics.median(values), 3) for name, values in timings.items()}
 
 

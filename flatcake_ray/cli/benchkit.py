@@ -121,17 +121,31 @@ def odirect_write_gbps(
 
 
 # ---- a local cluster and the service's bench config ---------------------------------------
+# Every node of a bench cluster, and every process joining it, on 127.0.0.1. Ray otherwise
+# takes the machine's outward address (its route to 8.8.8.8) for each node it starts, and
+# rewrites a 127.0.0.1 address given to ``ray.init`` into it, unless
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set before Ray is first imported: here, since every
+# bench imports this module before Ray (and the raylets it starts inherit it). The nodes'
+# address is also stated, so a process that imported Ray first still starts loopback nodes.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+LOOPBACK_IP = "127.0.0.1"
+
+
 def start_local_cluster(nodes: int, resource: str) -> Any:
     """A ``ray.cluster_utils.Cluster`` of ``nodes`` one-CPU nodes on 127.0.0.1, each offering
     ``resource`` (so the service lands only on these nodes, never on another cluster's)."""
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    head = {"num_cpus": 1, "include_dashboard": False, "resources": {resource: 1}}
+    head = {
+        "node_ip_address": LOOPBACK_IP,
+        "num_cpus": 1,
+        "include_dashboard": False,
+        "resources": {resource: 1},
+    }
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(nodes - 1):
-        cluster.add_node(num_cpus=1, resources={resource: 1})
+        cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=1, resources={resource: 1})
     cluster.wait_for_nodes()
     return cluster
 

@@ -208,15 +208,17 @@ class FlatCakeClient:
         self, keys: Keys, *, namespace: str | None = None, lease: bool = False
     ) -> RestoreReport:
         """The control-plane half of a restore, no bytes moved: which node holds the prefix
-        (``node_id``) and how long it is (``pages``); with ``lease`` the lease is taken and
-        released as a restore would. Its calls and time are in the report."""
+        (``node_id``) and how long it is (``pages``); with ``lease`` the lease is taken as a
+        restore takes it and let go of unread: its release rides on the next ``lookup`` to
+        that node (``Locator.let_go``), so a warm locate is one call. Its calls and time are
+        in the report."""
         report = RestoreReport(len(keys))
         started = time.monotonic()
         digests = digests_of(keys, namespace)
         method = "lookup" if lease else "exists"
         link, answer = self._locator.ask(method, digests, report)
         if lease and link is not None and answer is not None and answer.hits:
-            self._locator.release(link, answer, (), report)
+            self._locator.let_go(link, answer)  # no answer wanted: the next lookup carries it
         report.control_seconds = time.monotonic() - started
         report.node_id = None if link is None or not hits(answer) else link.node_id
         report.pages = hits(answer)
@@ -360,7 +362,11 @@ class FlatCakeClient:
         (one call per node: control plane, not for the serving loop)."""
         with self._lock:
             out: dict[str, Any] = {
-                "client": {**self.counters, "fanouts": self._locator.fanouts},
+                "client": {
+                    **self.counters,
+                    "fanouts": self._locator.fanouts,
+                    "release_calls": self._locator.release_calls,
+                },
                 "paths": {p: vars(t).copy() for p, t in self.paths.items()},
                 "local_node_id": self.nodes.local_node_id,
                 "staging_bytes": self._staging.nbytes,
@@ -378,6 +384,7 @@ class FlatCakeClient:
             pipelines = list(self._pipelines.values())
         for pipeline in pipelines:
             pipeline.close()
+        self._locator.close()
         self.nodes.close()
         self._targets.close()
         self._staging.close()

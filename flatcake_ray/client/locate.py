@@ -7,10 +7,12 @@ chain's first page. A request is named by its *anchor* (``core/homes.py``: its p
 :class:`Locator` keeps a cache: anchor digest -> NodeID, filled by this client's puts and
 earlier hits. A request whose anchor is cached costs one call to that node (``lookup``:
 index probe and lease; or ``exists``), and its answer is final (no hits: the entry is
-dropped and the request misses). Otherwise the chain's two *homes* (the first two rendezvous
-candidates of the anchor over the live nodes, computed here) are asked in parallel with
-``find``: each answers the lookup itself and, when it does not hold the whole request, the
-owner it recorded. A named owner is asked next (the longest answer wins). So a miss costs 2
+dropped and the request misses); a lease let go of unread (``locate(lease=True)``) is
+released by the next ``lookup`` to its node, in that call. Otherwise the chain's two *homes*
+(the first two rendezvous candidates of the anchor over the live nodes, computed here) are
+asked in parallel with ``find``: each answers the lookup itself and, when it does not hold
+the whole request, the owner it recorded. A named owner is asked next (the longest answer
+wins). So a miss costs 2
 calls (one round trip) and a hit at most 3 nodes, at any N. A put records its chain at both
 homes, so one node joining or leaving leaves one of them holding the record; a record found
 only at the second is re-recorded at the first (not awaited).
@@ -40,6 +42,10 @@ from flatcake_ray.core.homes import anchor_index, anchor_of, home_candidates
 from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantLimitError
 
 LOCATION_CACHE_ENTRIES = 1 << 17
+# A lease let go of without an answer rides on the next lookup to its node; one that no
+# lookup carried within this long is released by a call of its own (scopes stay pinned that
+# much longer at most).
+RELEASE_CARRY_S = 0.05
 
 
 def hits(answer: LeaseReply | Probe | int | None) -> int:
@@ -57,6 +63,11 @@ class Locator:
         self._lock = threading.Lock()
         self.fanouts = 0
         self._recovered: OrderedDict[tuple[bytes, frozenset[int]], None] = OrderedDict()
+        self._let_go: dict[int, list[int]] = {}  # node id -> lease ids not yet sent
+        self._wake = threading.Event()
+        self.release_calls = 0  # releases no lookup carried, sent by themselves
+        self._closed = False
+        threading.Thread(target=self._send_uncarried, daemon=True).start()
 
     def where(self, first: bytes) -> int | None:
         return self._where.get(first)
@@ -195,7 +206,10 @@ class Locator:
 
         if not links:
             return []
-        refs = {getattr(link.handle, method).remote(*args): link for link in links}
+        refs = {
+            getattr(link.handle, method).remote(*self._carrying(link, method, args)): link
+            for link in links
+        }
         report.actor_calls += len(refs)
         report.nodes_asked += len(refs)
         ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)
@@ -243,6 +257,46 @@ class Locator:
         held throughout, so what was read under it is good). Unread leases need no answer."""
         report.actor_calls += 1
         return link.handle.release.remote(reply.lease_id, list(bad_scopes))
+
+    def let_go(self, link: NodeLink, reply: LeaseReply) -> None:
+        """Give back a lease no reader used and nobody waits on: its id goes with the next
+        ``lookup`` to that node (no call of its own), or alone after ``RELEASE_CARRY_S``."""
+        with self._lock:
+            self._let_go.setdefault(link.node_id, []).append(reply.lease_id)
+        self._wake.set()
+
+    def _carrying(self, link: NodeLink, method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` of a ``lookup`` with the leases let go of at ``link`` (see ``let_go``)."""
+        if method != "lookup" or len(args) != 1:
+            return args
+        with self._lock:
+            ids = self._let_go.pop(link.node_id, None)
+        return args if not ids else (*args, None, np.asarray(ids, dtype=np.int64))
+
+    def send_let_go(self) -> None:
+        """Release, one call each, every lease let go of that no lookup has carried yet."""
+        with self._lock:
+            pending, self._let_go = self._let_go, {}
+        for node_id, ids in pending.items():
+            link = self.nodes.get(node_id)
+            if link is None:  # the node is gone: the TTL frees its leases
+                continue
+            for lease_id in ids:
+                link.handle.release.remote(lease_id, [])
+                self.release_calls += 1
+
+    def _send_uncarried(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            time.sleep(RELEASE_CARRY_S)
+            self._wake.clear()
+            self.send_let_go()
+
+    def close(self) -> None:
+        """Send what was let go of, and stop the thread that sends it."""
+        self._closed = True
+        self._wake.set()
+        self.send_let_go()
 
     def release_held(
         self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport

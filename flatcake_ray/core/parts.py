@@ -46,6 +46,32 @@ class LeasePart:
         """The same pages, delivered to other request positions (a re-read into scratch)."""
         return dataclasses.replace(self, dst_positions=positions)
 
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # On the wire a run of consecutive pages (a whole prefix in one segment, the common
+        # lease) is its first page and length, not 8 bytes a page each way.
+        fields = (self.scope_id, self.medium, self.offset, self.layout, self.checksums)
+        return _unpacked_part, (*fields, _as_run(self.src_pages), _as_run(self.dst_positions))
+
+
+def _as_run(values: np.ndarray) -> tuple[int, int] | np.ndarray:
+    """``(first, count)`` when ``values`` are consecutive ascending ints, else ``values``."""
+    count = len(values)
+    if count and int(values[-1]) - int(values[0]) == count - 1 and np.all(np.diff(values) == 1):
+        return int(values[0]), count
+    return values
+
+
+def _from_run(packed: tuple[int, int] | np.ndarray) -> np.ndarray:
+    if isinstance(packed, tuple):
+        first, count = packed
+        return np.arange(first, first + count, dtype=np.int64)
+    return packed
+
+
+def _unpacked_part(*fields: object) -> LeasePart:
+    *head, src, dst = fields
+    return LeasePart(*head, _from_run(src), _from_run(dst))  # type: ignore[arg-type, call-arg]
+
 
 def lease_parts(lease: Lease) -> tuple[LeasePart, ...]:
     """A lease's pages grouped by segment (no I/O), each part's pages ascending."""

@@ -1,0 +1,27 @@
+"""Every bench cluster talks over 127.0.0.1 only: ``benchkit.start_local_cluster`` (used by
+``bench restore``, ``bench-peers`` and ``benchmarks/control_plane.py``) starts its nodes on
+loopback, and a process that joins it is a loopback node too, even where the machine has an
+outward address Ray would otherwise pick."""
+
+from __future__ import annotations
+
+import pytest
+
+from flatcake_ray.cli.benchkit import start_local_cluster
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_bench_cluster_and_its_driver_are_on_loopback() -> None:
+    import ray
+
+    cluster = start_local_cluster(2, "loopbackbench")
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        addresses = {node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]}
+        assert addresses == {"127.0.0.1"}
+        assert ray.util.get_node_ip_address() == "127.0.0.1"
+        assert cluster.address.startswith("127.0.0.1:")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
