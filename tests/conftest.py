@@ -99,6 +99,12 @@ def random_kv(pages: int, seed: int = 0, layers: int = LAYERS, page_bytes: int =
     return rng.integers(0, 256, size=(layers, pages, page_bytes), dtype=np.uint8)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules marked ``long`` first: ``make test-unit``'s two workers take whole modules in
+    collection order, so a long one left for last keeps one worker busy while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_ray_left_attached(request):
     """A unit module whose own teardown failed must not leave this process attached to its

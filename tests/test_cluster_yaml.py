@@ -32,6 +32,7 @@ import tomllib
 import yaml
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.long
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = REPO / "examples" / "cluster.yaml"

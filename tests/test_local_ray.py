@@ -22,7 +22,7 @@ import pytest
 
 from flatcake_ray.cli import local_ray
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.long]
 
 FLATCAKE = str(Path(sys.executable).with_name("flatcake-ray"))
 SMALL = ["--layers", "2", "--page-bytes", "4096", "--dram-bytes", "8MiB"]

@@ -19,6 +19,8 @@ from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.homes import anchor_index, home_candidates  # noqa: E402
 from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.long
+
 NAMESPACE = "fc-lookup-scale"
 RESOURCE = "fcscale"
 NODES = 8

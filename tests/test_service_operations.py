@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.long]
 
 ray = pytest.importorskip("ray")
 

@@ -33,7 +33,7 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium, decode
 from flatcake_ray.errors import AccessDeniedError, FlatCakeError
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.long]
 ray = pytest.importorskip("ray")
 
 NAMESPACE = "fc-soak"
