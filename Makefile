@@ -41,13 +41,15 @@ test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(ENGINES_STAMP) $(E2E_STAMP)
 	$(MAKE) --no-print-directory test-unit test-integrations test-e2e
 
-# Two pytest workers, each running whole test modules (their Ray clusters are module-scoped):
+# Two pytest workers, each running whole test modules (their Ray clusters are module-scoped),
+# in collection order (xdist would put modules with the most tests first; ours are marked
+# `long` to go first, tests/conftest.py):
 # most of a unit test's time is Ray starting and waiting, not CPU.
 UNIT_WORKERS ?= 2
 
 test-unit: lint
 	$(BIN)/python -m flatcake_ray.cuda_ext.build --check
-	$(BIN)/python -m pytest -q -rs -n $(UNIT_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -rs -n $(UNIT_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # vLLM and SGLang live in their own venv (see requirements-engines.txt for why).
 $(ENGINES_STAMP): pyproject.toml constraints.txt requirements-engines.txt
