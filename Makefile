@@ -36,7 +36,7 @@ demo: $(STAMP)
 	$(BIN)/flatcake-ray demo
 
 # The three venvs build side by side (pip mostly waits on downloads and unpacking), then the
-# suites run one after the other. Under 15 minutes on a fresh clone here (BENCHMARKS.md).
+# suites run one after the other.
 test:
 	$(MAKE) --no-print-directory -j3 $(STAMP) $(ENGINES_STAMP) $(E2E_STAMP)
 	$(MAKE) --no-print-directory test-unit test-integrations test-e2e
