@@ -32,7 +32,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -287,20 +287,20 @@ class StorageNode(HomeCalls):
         False, counted, and changes nothing."""
         tenant = self._tenant(secret, metered=False).name
         failpoint("node.release", lease_id=lease_id)
-        return self._release(tenant, lease_id, frozenset(scope_ids(bad_scopes)))
+        return self._release(tenant, lease_id, scope_ids(bad_scopes))
 
-    def _release(self, tenant: str, lease_id: object, bad: frozenset[int] = frozenset()) -> bool:
+    def _release(self, tenant: str, lease_id: object, bad_scopes: Iterable[int] = ()) -> bool:
         self.counters["releases"] += 1
         lease = self.leases.pop(lease_id, tenant)
         if lease is None:
             self.counters["lease_misses"] += 1
             return False
-        bad = bad & set(lease.scope_ids)
+        bad = set(lease.scope_ids).intersection(bad_scopes)
         if bad:
             # A reader saw a bad checksum: read those scopes here, so the store's own check
             # quarantines them if the medium really is bad (a torn remote read does not). The
             # reader has already dropped those pages; the rest of what it read is good.
-            self.store.recheck(lease, set(bad))
+            self.store.recheck(lease, bad)
             return True
         intact = self.store.release(lease)
         self.counters["leases_broken"] += int(not intact)

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.cli.benchkit import LOOPBACK_IP, bench_service_config, remove_arenas
+from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas, start_local_cluster
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.keys import DEFAULT_NAMESPACE, namespace_frame
 
@@ -72,27 +72,11 @@ def _start(nodes: int, tries: int = 3) -> Any:
     30 s startup wait, as it may on a loaded machine."""
     for _ in range(tries - 1):
         try:
-            return _start_once(nodes)
+            return start_local_cluster(nodes, RESOURCE, on_head=False, node_cpus=0)
         except Exception as exc:
             if "timed out during startup" not in str(exc):
                 raise
-    return _start_once(nodes)
-
-
-def _start_once(nodes: int) -> Any:
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    head = {"node_ip_address": LOOPBACK_IP, "num_cpus": 1, "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
-    try:
-        for _ in range(nodes):
-            cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=0, resources={RESOURCE: 1})
-        cluster.wait_for_nodes()
-    except BaseException:  # a raylet that did not start (a loaded machine): nothing left over
-        cluster.shutdown()
-        raise
-    return cluster
+    return start_local_cluster(nodes, RESOURCE, on_head=False, node_cpus=0)
 
 
 def _coordinator_messages(namespace: str) -> int:

@@ -131,9 +131,13 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 LOOPBACK_IP = "127.0.0.1"
 
 
-def start_local_cluster(nodes: int, resource: str) -> Any:
-    """A ``ray.cluster_utils.Cluster`` of ``nodes`` one-CPU nodes on 127.0.0.1, each offering
-    ``resource`` (so the service lands only on these nodes, never on another cluster's)."""
+def start_local_cluster(
+    nodes: int, resource: str, *, on_head: bool = True, node_cpus: int = 1
+) -> Any:
+    """A ``ray.cluster_utils.Cluster`` on 127.0.0.1 with ``nodes`` nodes offering ``resource``
+    (so the service lands only on these nodes, never on another cluster's): the one-CPU head
+    among them, or (``on_head=False``) beside them, offering nothing, for the driver alone.
+    A node that did not start (a loaded machine) leaves nothing of the cluster running."""
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -141,12 +145,18 @@ def start_local_cluster(nodes: int, resource: str) -> Any:
         "node_ip_address": LOOPBACK_IP,
         "num_cpus": 1,
         "include_dashboard": False,
-        "resources": {resource: 1},
+        "resources": {resource: 1} if on_head else {},
     }
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(nodes - 1):
-        cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=1, resources={resource: 1})
-    cluster.wait_for_nodes()
+    try:
+        for _ in range(nodes - on_head):
+            cluster.add_node(
+                node_ip_address=LOOPBACK_IP, num_cpus=node_cpus, resources={resource: 1}
+            )
+        cluster.wait_for_nodes()
+    except BaseException:
+        cluster.shutdown()
+        raise
     return cluster
 
 
