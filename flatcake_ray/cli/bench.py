@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.cli.benchkit import (
+    bench_folder,
     bench_service_config,
     best_gbps,
     load_average,
@@ -46,7 +47,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-bytes", default="16KiB", help="bytes of a page of one layer")
     parser.add_argument("--repeats", type=int, default=3, help="timed restores; best is kept")
     parser.add_argument("--address", help="a running Ray cluster (default: start a local one)")
-    parser.add_argument("--root", default="/tmp/flatcake-bench", help="per-node store folders")
+    parser.add_argument(
+        "--root",
+        default="/tmp/flatcake-bench",
+        help="where the run makes its store folders (a fresh folder inside, removed after)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
         "--overlap",
@@ -210,12 +215,12 @@ def _row(measured: dict[str, Any], limit_gbps: float) -> dict[str, Any]:
 
 
 # ---- orchestration ---------------------------------------------------------------------------
-def _service_config(args: argparse.Namespace, session_bytes: int) -> ServiceConfig:
+def _service_config(args: argparse.Namespace, root: str, session_bytes: int) -> ServiceConfig:
     file_bytes = -(-(session_bytes + (8 << 20)) // (4 << 20)) * (4 << 20)
     page_bytes = parse_size(args.page_bytes)
     return bench_service_config(
         NAMESPACE,
-        args.root,
+        root,
         args.layers,
         page_bytes,
         dram_bytes=2 * file_bytes,
@@ -281,9 +286,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.nodes < 2:
         raise ValueError("--nodes must be at least 2 (a remote path needs a second node)")
     session_bytes = args.layers * args.pages * parse_size(args.page_bytes)
-    config = _service_config(args, session_bytes)
+    root = bench_folder(args.root, "run-")
+    config = _service_config(args, root, session_bytes)
     started, load_before = time.perf_counter(), load_average()
-    with running_service(config, args.address, args.nodes, "fcbench", args.root) as targets:
+    with running_service(config, args.address, args.nodes, "fcbench", root) as targets:
         benches = _bench_actors(targets)
         wheres = ray.get([b.where.remote() for b in benches])
         by_node = {w["node_id"]: b for w, b in zip(wheres, benches, strict=True)}

@@ -37,14 +37,18 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from hashlib import blake2b
 from typing import Any
 
 import numpy as np
 
-from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas, start_local_cluster
+from flatcake_ray.cli.benchkit import (
+    bench_folder,
+    bench_service_config,
+    remove_arenas,
+    start_local_cluster,
+)
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.keys import DEFAULT_NAMESPACE, namespace_frame
 
@@ -59,7 +63,11 @@ def add_control_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pages", type=int, default=3421, help="pages a chain has")
     parser.add_argument("--chains", type=int, default=20, help="chains stored")
     parser.add_argument("--lookups", type=int, default=50, help="misses and hits timed")
-    parser.add_argument("--root", default=None, help="per-node store folders (a temp dir)")
+    parser.add_argument(
+        "--root",
+        default=None,
+        help="where each size makes its store folders (a fresh one inside, removed after)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -219,7 +227,7 @@ def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
     from flatcake_ray.client import deploy
     from flatcake_ray.client.client import FlatCakeClient
 
-    root = args.root or tempfile.mkdtemp(prefix="fc-bench-control-", dir="/var/tmp")
+    root = bench_folder(args.root, "fc-bench-control-")
     chain_bytes = args.pages * LAYERS * PAGE_BYTES
     dram = 3 * args.chains * chain_bytes // nodes + (16 << 20)
     config = bench_service_config(NAMESPACE, root, LAYERS, PAGE_BYTES, dram_bytes=dram, ssd_bytes=0)

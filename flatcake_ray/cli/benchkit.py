@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -158,6 +159,15 @@ def start_local_cluster(
         cluster.shutdown()
         raise
     return cluster
+
+
+def bench_folder(parent: str | None, prefix: str) -> str:
+    """A fresh folder for one bench run's stores, inside ``parent`` (made if missing;
+    ``/var/tmp`` by default). The run removes this folder when it ends, never ``parent``:
+    ``--root /var/tmp`` once removed ``/var/tmp`` itself."""
+    parent = parent or "/var/tmp"
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
 
 
 @contextmanager
