@@ -18,6 +18,12 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # never fork a R
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# Serve kills a proxy not ready within 5 s of starting (and one whose health check takes
+# 10 s): on a busy 2-core machine a proxy's worker takes longer to start, and serve.start
+# then failed with the proxy killed. The clusters started below inherit these; they bound
+# only a failure.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "120")
 
 import contextlib
 import shutil
