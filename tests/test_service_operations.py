@@ -102,7 +102,7 @@ def _coordinator():
     return ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
 
 
-def _wait_ping(timeout_s: float = 60.0):
+def _wait_ping(timeout_s: float = 180.0):
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -209,15 +209,12 @@ def compare_and_write(
     any_store = next(iter(live["stores"].values()))
     client = {"slot_bytes": any_store.restore_slot_bytes}
     client["prefetch_windows"] = any_store.restore_windows
-    # The model's engine holds each request for what the live node spent on it (restore and
-    # put, median): a request that arrives meanwhile waits and then sees its puts, as live.
-    spent = [r["restore_s"] + r["put_s"] for r in live["records"] if "put_s" in r]
-    client["prefill_overhead_ms"] = float(np.median(spent)) * 1e3 if spent else 0.0
     changes = {**device_constants, **client, **profile_overrides(args)}
     profile = compare.live_profile(
         args.profile, args.layers, parse_size(args.page_bytes), page_tokens, **changes
     )
-    model = compare.predict(pages, arrivals, live["node_of"], live["stores"], profile)
+    began = began_at(live["records"], arrivals)
+    model = compare.predict(pages, began, live["node_of"], live["stores"], profile)
     measured = compare.measured_arrays(live["records"], len(pages))
     rows = compare.comparison(pages, measured, model, profile.page_all_layers_bytes)
     out = Path(args.out)
@@ -248,6 +245,17 @@ def compare_and_write(
         },
         "node_of": live["node_of"].tolist(),
     }
+
+
+def began_at(records: list[dict[str, Any]], arrivals: np.ndarray) -> np.ndarray:
+    """When the live node began each request (its arrival plus its wait in the node's queue):
+    the model meets each request then. A loaded node queues requests; a model that met them
+    on the trace's clock looked a queued request up while an earlier one still ran, which the
+    live node never does (one request at a time), so their DRAM counts parted under load."""
+    began = np.array(arrivals, dtype=np.float64)
+    for record in records:
+        began[record["request"]] += record.get("queued_s", 0.0)
+    return began
 
 
 def profile_overrides(args: argparse.Namespace) -> dict[str, Any]:

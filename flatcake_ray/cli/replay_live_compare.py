@@ -50,7 +50,7 @@ def live_profile(
         "page_tokens": page_tokens,
         "kv_bytes_per_token": per_token,
         "hbm_kv_bytes": 0,
-        "prefill_overhead_ms": 0.0,  # the live run's time per request is given in ``changes``
+        "prefill_overhead_ms": 0.0,  # the model meets requests when the live node began them
         **NO_COMPUTE,
         **changes,
     }

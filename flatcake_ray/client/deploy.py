@@ -21,6 +21,9 @@ from flatcake_ray.errors import AccessDeniedError, ServiceError
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
+# An operator call's bound: it bounds only a failure, and on a loaded machine a call that
+# pushes to every node takes seconds.
+ADMIN_TIMEOUT_S = 60.0
 
 
 def connect(address: str | None, namespace: str) -> None:
@@ -108,7 +111,7 @@ def start(
     secret = load_or_create_secret(config.secret_path)
     connect(address, config.namespace)
     coordinator = start_coordinator(config, secret)
-    _answers(coordinator, time.monotonic() + timeout_s)
+    wait_until_answers(coordinator, time.monotonic() + timeout_s)
     running = _unwrapped(coordinator.service_config.remote(secret), timeout_s)
     config.check_same_geometry(running)
     targets = list(nodes) if nodes is not None else service_nodes(resource)
@@ -121,7 +124,7 @@ def start(
     return status(config.namespace, secret)
 
 
-def _answers(handle: Any, deadline: float) -> None:
+def wait_until_answers(handle: Any, deadline: float) -> None:
     """Wait until ``handle`` answers a ping; a restarting actor (the coordinator after a
     crash: Ray restarts it) is waited for, not an error, until ``deadline``."""
     import ray
@@ -174,7 +177,9 @@ def operator_secret(namespace: str) -> str:
     return read_secret(secret_path(namespace))
 
 
-def status(namespace: str, secret: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+def status(
+    namespace: str, secret: str | None = None, timeout_s: float = ADMIN_TIMEOUT_S
+) -> dict[str, Any]:
     """The coordinator's view merged with every storage node's own stats (``secret``: the
     service secret, by default the one this machine keeps)."""
     import ray
@@ -316,7 +321,7 @@ def stop(namespace: str, secret: str | None = None, timeout_s: float = 30.0) -> 
     stopped = 0
     coordinator = _actor(COORDINATOR_NAME, namespace)
     if coordinator is not None:
-        _answers(coordinator, time.monotonic() + timeout_s)  # Ray may be restarting it
+        wait_until_answers(coordinator, time.monotonic() + timeout_s)  # Ray may be restarting it
         _unwrapped(coordinator.info.remote(secret), timeout_s)  # the secret is the service's
     handles = [h for h in (_actor(n, namespace) for n in _named(namespace)) if h is not None]
     refs = [h.shutdown.remote(secret) for h in handles]

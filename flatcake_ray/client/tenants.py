@@ -10,25 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from flatcake_ray.client.deploy import operator_secret
-from flatcake_ray.client.drain import coordinator_handle
-from flatcake_ray.errors import FlatCakeError
-
-
-def _call(namespace: str, method: str, secret: str | None, *args: Any, timeout_s: float) -> Any:
-    """One coordinator call; an error it raised comes back as that typed error, one line."""
-    import ray
-    from ray.exceptions import RayTaskError
-
-    coordinator = coordinator_handle(namespace)
-    ref = getattr(coordinator, method).remote(secret or operator_secret(namespace), *args)
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, FlatCakeError):
-            raise type(cause)(*cause.args) from None
-        raise
+from flatcake_ray.client.deploy import ADMIN_TIMEOUT_S
+from flatcake_ray.client.drain import admin_call
 
 
 def add_tenant(
@@ -40,17 +23,17 @@ def add_tenant(
     quota_dram: int | None = None,
     quota_ssd: int | None = None,
     secret: str | None = None,
-    timeout_s: float = 10.0,
+    timeout_s: float = ADMIN_TIMEOUT_S,
 ) -> str:
     """Create a tenant; returns its secret (shown once)."""
     args = (name, layers, page_bytes, quota_dram, quota_ssd)
-    return str(_call(namespace, "add_tenant", secret, *args, timeout_s=timeout_s))
+    return str(admin_call(namespace, "add_tenant", secret, *args, timeout_s=timeout_s))
 
 
 def list_tenants(
-    namespace: str, *, secret: str | None = None, timeout_s: float = 10.0
+    namespace: str, *, secret: str | None = None, timeout_s: float = ADMIN_TIMEOUT_S
 ) -> list[dict[str, Any]]:
-    return list(_call(namespace, "list_tenants", secret, timeout_s=timeout_s))
+    return list(admin_call(namespace, "list_tenants", secret, timeout_s=timeout_s))
 
 
 def set_quota(
@@ -60,13 +43,13 @@ def set_quota(
     quota_dram: int | None,
     quota_ssd: int | None,
     secret: str | None = None,
-    timeout_s: float = 10.0,
+    timeout_s: float = ADMIN_TIMEOUT_S,
 ) -> None:
-    _call(namespace, "set_tenant_quota", secret, name, quota_dram, quota_ssd, timeout_s=timeout_s)
+    admin_call(namespace, "set_tenant_quota", secret, name, quota_dram, quota_ssd, timeout_s=timeout_s)
 
 
 def remove_tenant(
-    namespace: str, name: str, *, secret: str | None = None, timeout_s: float = 10.0
+    namespace: str, name: str, *, secret: str | None = None, timeout_s: float = ADMIN_TIMEOUT_S
 ) -> None:
     """Remove a tenant: its calls are refused at once, its pages freed on every node."""
-    _call(namespace, "remove_tenant", secret, name, timeout_s=timeout_s)
+    admin_call(namespace, "remove_tenant", secret, name, timeout_s=timeout_s)
