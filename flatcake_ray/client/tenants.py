@@ -45,7 +45,8 @@ def set_quota(
     secret: str | None = None,
     timeout_s: float = ADMIN_TIMEOUT_S,
 ) -> None:
-    admin_call(namespace, "set_tenant_quota", secret, name, quota_dram, quota_ssd, timeout_s=timeout_s)
+    quotas = (quota_dram, quota_ssd)
+    admin_call(namespace, "set_tenant_quota", secret, name, *quotas, timeout_s=timeout_s)
 
 
 def remove_tenant(
