@@ -3,8 +3,9 @@
 Clients write puts in place (DRAM arena, SSD landing slots) and send the block checksums of
 what they wrote (``core/integrity.py`` ``block_checksums``); the owner refuses other bytes
 (:class:`TamperedWriteError`: nothing published, space back) and keeps the writer's
-checksums, and readers check DRAM too (``verify_dram``, on by default), on a private copy of
-what they map: a write there after the commit is a miss, never bytes."""
+checksums, and readers check DRAM too (``verify_dram``, on by default) on memory no one
+else writes: where the pages land in the reader's own memory, or a private copy of what they
+map: a write there after the commit is a miss, never bytes."""
 
 from __future__ import annotations
 
@@ -102,3 +103,31 @@ def test_a_services_nodes_check_dram_reads_unless_told_not_to():
         is False
     )
     assert StoreConfig(root="/tmp/x", layers=1, page_bytes=4096).verify_dram is False  # one writer
+
+
+@pytest.mark.parametrize("slots", ["consecutive", "reversed"])
+def test_a_checked_restore_of_part_of_a_block_delivers_it_and_a_changed_page_is_a_miss(
+    make_store, slots
+):
+    """Readers check DRAM where it lands: into consecutive slots the pages are copied straight
+    from the arena and checked there (the block's pages the restore does not take are hashed
+    in the arena), into scattered slots on a private copy first. Both deliver the same bytes,
+    and a page changed after its commit is a miss: from its layer on, its scope's slots get no
+    byte (the layers before it were checked whole and delivered as they are)."""
+    store = make_store(verify_dram=True, check_bytes=4 * PAGE_BYTES)
+    kv = random_kv(8, seed=9)
+    store.put(keys("p", 8), kv, hints=DRAM)
+    wanted = keys("p", 6)  # the first block of 4 pages whole, the second one half
+    ids = np.arange(6) if slots == "consecutive" else np.arange(6)[::-1].copy()
+    out = np.zeros((LAYERS, 6, PAGE_BYTES), dtype=np.uint8)
+    assert store.restore(wanted, out, ids).wait() == 6
+    assert np.array_equal(out[:, ids], kv[:, :6])
+
+    lease = store.lease(wanted)
+    segment = next(iter(lease.segments.values()))
+    store.release(lease)
+    layout_page = segment.offset + 1 * 8 * PAGE_BYTES + 5 * PAGE_BYTES  # layer 1, page 5
+    store.arena.view[layout_page + 7] ^= 0xFF
+    out.fill(0)
+    assert store.restore(wanted, out, ids).wait() == 0
+    assert not out[1:].any()

@@ -46,6 +46,11 @@ class StreamingCheck:
         self.scope_id = scope_id
         self._hash: xxhash.xxh3_64 | None = None
 
+    @property
+    def started(self) -> bool:
+        """Some of the block was fed already."""
+        return self._hash is not None
+
     def update(self, data: np.ndarray) -> None:
         if self._hash is None:
             self._hash = xxhash.xxh3_64()

@@ -6,11 +6,14 @@ are dropped, and the rest are scattered into the destination, on the host (one m
 run) or on the GPU (the slot's device twin, then the scatter kernel on the window's stream).
 On the host, a group's layers are checked and scattered one after another, and each is
 reported in place as soon as it is, so a group's first layer can be waited on before its
-last has landed.
+last has landed. A checked chunk of the mapped arena bound for consecutive host slots is
+copied there first and checked there (the reader's own memory: one copy, no private one);
+whole checksum blocks are hashed together on the idle cores (``cuda_ext/host_hash.py``).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from typing import Any
 
@@ -18,6 +21,8 @@ import numpy as np
 import torch
 
 from flatcake_ray.core.plan import HashSpan, LayerChunk, PageRun
+from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
 from flatcake_ray.restore.window import Job
@@ -35,25 +40,68 @@ class ChunkDelivery:
         if id(chunk) in job.failed_chunks:
             pass  # its pages are misses already; the layers still count as done below
         elif slot is None or slot.device is None:
-            source = self._source_bytes(job, chunk, slot, stats)
+            targets = self._in_place_targets(job, chunk)
+            source = None if targets else self._source_bytes(job, chunk, slot, stats)
             # Layer by layer, so a group's first layers are waited on before its last lands.
             for layer in sorted(
                 {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
             ):
-                self._check(job, [s for s in chunk.hashes if s.layer == layer], source)
+                spans = [s for s in chunk.hashes if s.layer == layer]
                 runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
+                if targets:
+                    self._deliver_then_check(job, chunk, runs, spans, targets)
+                    runs = self._kept(job, runs)
+                else:
+                    self._check(job, spans, _Whole(source))
+                    runs = self._kept(job, runs)
+                    self._scatter_host(job, runs, source)
                 self._count(job, chunk, runs, stats)
-                self._scatter_host(job, runs, source)
                 if chunk.done_layer is not None:
                     job.handle._layer_done(layer)
         else:
             source = self._source_bytes(job, chunk, slot, stats)
-            self._check(job, chunk.hashes, source)
+            self._check(job, chunk.hashes, _Whole(source))
             runs = self._kept(job, chunk.runs)
             self._count(job, chunk, runs, stats)
             self._scatter_device(job, chunk, runs, source, slot, stats)
         if chunk.done_layer is not None:
             job.handle._layer_done(chunk.done_layer)
+
+    def _in_place_targets(self, job: Job, chunk: LayerChunk) -> dict[int, np.ndarray]:
+        """For a checked chunk of the mapped medium whose every run lands in one contiguous
+        piece of host memory: each run's piece (by ``id(run)``); else empty. Such a chunk is
+        copied straight from the medium into the destination and checked there: the reader's
+        own memory, so what is checked is what it keeps, with no private copy first."""
+        if not (chunk.mapped and chunk.hashes):
+            return {}
+        targets = {}
+        for run in chunk.runs:
+            piece = job.dest.host_pages(run.layer, run.positions)
+            if piece is None:
+                return {}
+            targets[id(run)] = piece
+        return targets
+
+    def _deliver_then_check(
+        self,
+        job: Job,
+        chunk: LayerChunk,
+        runs: list[PageRun],
+        spans: list[HashSpan],
+        targets: dict[int, np.ndarray],
+    ) -> None:
+        """Copy ``runs`` from the mapped medium to their pieces, then check ``spans``: the
+        delivered bytes from the destination, the bytes between runs (a block's pages this
+        restore does not take) from the medium. The pieces of a scope that fails are zeroed:
+        a wrong byte never stays in the destination, even past the pages reported."""
+        medium = job.mapped[chunk.medium].view
+        for run in runs:
+            length = len(run.positions) * self.page_bytes
+            copy_into(targets[id(run)], medium[run.offset : run.offset + length])
+        self._check(job, spans, _Delivered(medium, runs, targets, self.page_bytes))
+        for run in runs:
+            if run.scope_id in job.outcome.bad_scopes:
+                targets[id(run)].fill(0)
 
     def _checked_copy(self, view: np.ndarray, chunk: LayerChunk) -> Any:
         """A mapped chunk's bytes to check and deliver. Checked ones are copied out first:
@@ -92,11 +140,31 @@ class ChunkDelivery:
             slot.stream.synchronize()
         return slot.host
 
-    def _check(self, job: Job, spans: list[HashSpan], source: np.ndarray) -> None:
+    def _check(self, job: Job, spans: list[HashSpan], source: _Whole | _Delivered) -> None:
+        """Feed and decide ``spans``; a whole block in one piece (most) is hashed with the
+        others on the idle cores (``xxh3_many``), the rest fed in order."""
+        wholes: list[tuple[HashSpan, np.ndarray]] = []
         for span in spans:
-            if not span.check.feed(source[span.offset : span.offset + span.length], span.last):
-                job.outcome.bad_scopes.add(span.check.scope_id)
-                job.handle._shrink(job.plan.scope_first[span.check.scope_id])
+            *before, last = source.pieces(span.offset, span.offset + span.length)
+            if not before and span.last and not span.check.started:
+                wholes.append((span, last))
+                continue
+            for piece in before:
+                span.check.update(piece)
+            if not span.check.feed(last, span.last):
+                self._failed(job, span)
+        found = xxh3_many([piece for _, piece in wholes]) if len(wholes) > 1 else None
+        for index, (span, piece) in enumerate(wholes):
+            if found is None:
+                good = span.check.feed(piece, True)
+            else:
+                good = int(found[index]) == span.check.expected
+            if not good:
+                self._failed(job, span)
+
+    def _failed(self, job: Job, span: HashSpan) -> None:
+        job.outcome.bad_scopes.add(span.check.scope_id)
+        job.handle._shrink(job.plan.scope_first[span.check.scope_id])
 
     def _scatter_host(self, job: Job, runs: list[PageRun], source) -> None:
         page_bytes = self.page_bytes
@@ -156,6 +224,53 @@ class ChunkDelivery:
 class _Scratch(threading.local):
     def __init__(self) -> None:
         self.buffer = np.empty(0, dtype=np.uint8)
+
+
+class _Whole:
+    """A chunk's bytes in one piece (its slot, or a private copy of the mapped medium)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def pieces(self, lo: int, hi: int) -> list[np.ndarray]:
+        return [self.data[lo:hi]]
+
+
+class _Delivered:
+    """A layer's bytes ``[lo, hi)`` of the mapped medium as checked after delivery: those of
+    delivered ``runs`` from their destination pieces, the rest from the medium."""
+
+    def __init__(
+        self,
+        medium: np.ndarray,
+        runs: list[PageRun],
+        targets: dict[int, np.ndarray],
+        page_bytes: int,
+    ) -> None:
+        ordered = sorted(runs, key=lambda run: run.offset)
+        self.medium = medium
+        self.starts = [run.offset for run in ordered]
+        self.ends = [run.offset + len(run.positions) * page_bytes for run in ordered]
+        self.targets = [targets[id(run)] for run in ordered]
+
+    def pieces(self, lo: int, hi: int) -> list[np.ndarray]:
+        found = []
+        index = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        at = lo
+        while at < hi:
+            while index < len(self.starts) and self.ends[index] <= at:
+                index += 1
+            if index == len(self.starts) or self.starts[index] >= hi:
+                found.append(self.medium[at:hi])
+                break
+            start = self.starts[index]
+            if at < start:
+                found.append(self.medium[at:start])
+                at = start
+            stop = min(hi, self.ends[index])
+            found.append(self.targets[index][at - start : stop - start])
+            at = stop
+        return found
 
 
 class _Rebased:

@@ -64,6 +64,12 @@ class Destination(ABC):
         where ``positions`` go, through ``scatter`` where the layout allows; ``stream`` is
         the CUDA stream to run on (None on the CPU)."""
 
+    def host_pages(self, layer: int, positions: np.ndarray) -> np.ndarray | None:
+        """The bytes where ``positions`` of ``layer`` go, as one writable uint8 array, when
+        they lie back to back in host memory (the restore then copies pages straight there
+        and checks them in place); None otherwise, or on a device."""
+        return None
+
 
 class PagedPool(Destination):
     """One paged pool tensor (or writable numpy array) in ``layer_first`` or ``page_first``."""
@@ -86,6 +92,11 @@ class PagedPool(Destination):
     def scatter(self, staged, positions, layer, scatter, stream=None) -> None:
         ids = torch.from_numpy(self.slot_ids[positions])
         scatter(staged, self.pool, ids, layer, self.layout, stream=stream, check_slots=False)
+
+    def host_pages(self, layer: int, positions: np.ndarray) -> np.ndarray | None:
+        if self.layout != LAYER_FIRST:
+            return None
+        return _consecutive_pages(self.pool[layer], self.slot_ids[positions])
 
 
 class LayerTensors(Destination):
@@ -119,6 +130,10 @@ class LayerTensors(Destination):
 
     def scatter(self, staged, positions, layer, scatter, stream=None) -> None:
         self._layers[layer].scatter(staged, self.block_ids[positions], scatter, stream)
+
+    def host_pages(self, layer: int, positions: np.ndarray) -> np.ndarray | None:
+        pool = self._layers[layer].pool  # None: its blocks are split in memory
+        return None if pool is None else _consecutive_pages(pool[0], self.block_ids[positions])
 
 
 class _LayerMap:
@@ -154,6 +169,20 @@ class _LayerMap:
             return
         offsets = (blocks[:, None] * self.block_stride + self.piece_offsets[None, :]).reshape(-1)
         scatter_pages(staged, self.span, torch.from_numpy(offsets), self.piece_bytes, stream=stream)
+
+
+def _consecutive_pages(slots_first: torch.Tensor, slots: np.ndarray) -> np.ndarray | None:
+    """``slots_first[slots]`` (``[slots, *page]``) as one uint8 host array, when the slots
+    are consecutive and their bytes contiguous; else None."""
+    if slots_first.device.type != "cpu" or not len(slots):
+        return None
+    first = int(slots[0])
+    if int(slots[-1]) - first != len(slots) - 1 or np.any(np.diff(slots) != 1):
+        return None
+    block = slots_first[first : first + len(slots)]
+    if not block.is_contiguous():
+        return None
+    return block.reshape(-1).view(torch.uint8).numpy()
 
 
 def _split_contiguous(data: torch.Tensor) -> tuple[list[int], int]:
