@@ -130,3 +130,30 @@ def test_stage_figures_are_medians_and_fractions_of_the_limit() -> None:
     assert medians(rows) == {"copy": 10.0, "wall": 200.0}
     row = summarise(2_000_000_000, rows, [20.0, 10.0, 30.0])
     assert row["gbps"] == 10.0 and row["limit_gbps"] == 20.0 and row["fraction"] == 0.5
+
+
+def test_a_bench_request_asked_for_dram_lands_in_dram(tmp_path) -> None:
+    """A bench's arena is one chunk and its landing area holds a put's two layer slots: a
+    service's 8 chunks of a bench-sized arena are each smaller than one bench request, whose
+    DRAM puts then went to SSD (bench-peers' DRAM rows measured SSD)."""
+    import numpy as np
+
+    from flatcake_ray.cli.benchkit import bench_service_config
+    from flatcake_ray.core.catalog import PutHints
+    from flatcake_ray.core.gva import Medium
+    from flatcake_ray.node.store import FlatCakeStore
+
+    layers, pages, page_bytes = 4, 600, 16 << 10
+    request = layers * pages * page_bytes  # 37.5 MiB
+    service = bench_service_config(
+        "hygiene", str(tmp_path), layers, page_bytes,
+        dram_bytes=2 * request, ssd_bytes=2 * request, request_bytes=request,
+    )  # fmt: skip
+    assert service.landing_bytes >= 2 * pages * page_bytes
+    kv = np.random.default_rng(3).integers(0, 256, (layers, pages, page_bytes), dtype=np.uint8)
+    short_chat = PutHints(turn=2, prior_reply_tokens=1, context_tokens=1)
+    with FlatCakeStore(service.store_config("0" * 16, 1)) as store:
+        keys = [f"bench-{i}" for i in range(pages)]
+        assert store.put(keys, kv, hints=short_chat).medium is Medium.DRAM
+        out = np.zeros_like(kv)
+        assert store.get(keys, out) == pages and np.array_equal(out, kv)

@@ -145,7 +145,7 @@ class FlatCakeBench:
         config = bench_service_config(
             NAMESPACE, self.root, self.workload.layers, self.workload.page_bytes,
             dram_bytes=max(5 * session, 2 * scale) + (64 << 20),
-            ssd_bytes=5 * session + (64 << 20),
+            ssd_bytes=5 * session + (64 << 20), request_bytes=session,
         )  # fmt: skip
         deploy.start(config, resource=RESOURCE)
         for ray_node in deploy.service_nodes(RESOURCE):

@@ -226,6 +226,7 @@ def _service_config(args: argparse.Namespace, root: str, session_bytes: int) -> 
         dram_bytes=2 * file_bytes,
         ssd_bytes=2 * file_bytes,
         files=2,
+        request_bytes=session_bytes,
     )
 
 

@@ -206,16 +206,24 @@ def bench_service_config(
     dram_bytes: int,
     ssd_bytes: int,
     files: int = 2,
+    request_bytes: int = 0,
 ) -> ServiceConfig:
     """A service config for benchmarks: ``dram_bytes`` of arena and ``ssd_bytes`` of pool per
-    node (rounded up to 4 MiB per file), no fsync, long RPC timeouts (loaded 2-core VMs)."""
+    node (rounded up to 4 MiB per file), no fsync, long RPC timeouts (loaded 2-core VMs).
+    A bench is one tenant: its arena is one chunk, and its landing area holds a put's two
+    layer slots of a ``request_bytes`` request, so a request is in DRAM when the bench asks
+    (a service's 8 chunks of a bench-sized arena are each smaller than one such request:
+    its DRAM puts went to SSD and its SSD puts sent their layers in their calls)."""
     file_bytes = -(-max(ssd_bytes // files, 8 << 20) // (4 << 20)) * (4 << 20)
+    slots = 2 * -(-request_bytes // layers // (4 << 20)) * (4 << 20)
     return ServiceConfig(
         namespace=namespace,
         root=os.path.join(root, "{node}"),
         layers=layers,
         page_bytes=page_bytes,
         dram_bytes=-(-dram_bytes // (4 << 20)) * (4 << 20),
+        dram_chunks=1,
+        landing_bytes=max(ServiceConfig.landing_bytes, slots + (4 << 20)),
         ssd_files_per_dir=files,
         ssd_file_bytes=file_bytes,
         fsync=False,
