@@ -18,7 +18,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray starts its workers (the service's actors, engine actors) at nice 15: on a machine whose
 # cores another job keeps busy at nice 0 they got about 3% of a core, and a busy run took
 # 40 min in e2e alone with calls timing out. The test clusters run them at nice 0, as
-# their driver runs.
+# their driver runs (tests/e2e loads this file first, so its clusters too).
 os.environ.setdefault("RAY_worker_niceness", "0")
 # Services the tests start (their nodes inherit it) home SSD pages on SSD and read them there:
 # the SSD paths are what these tests check. DRAM read replicas (the default policy) are tested

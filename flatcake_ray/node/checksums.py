@@ -10,17 +10,16 @@ import numpy as np
 from flatcake_ray.core.integrity import layer_checksums
 from flatcake_ray.core.layout import SegmentLayout
 from flatcake_ray.cuda_ext.host_copy import SPLIT_BYTES, idle_threads
-from flatcake_ray.cuda_ext.host_hash import xxh3_function, xxh3_many
+from flatcake_ray.cuda_ext.host_hash import xxh3_many
 
 
 def parallel_layer_checksums(extent: np.ndarray, layout: SegmentLayout) -> np.ndarray:
     """``layer_checksums(extent, layout)``, the blocks split over the idle copy threads."""
     threads = idle_threads() if layout.layer_bytes >= SPLIT_BYTES else 1
-    if xxh3_function() is None or threads == 1 or layout.blocks < 2:
+    if threads == 1 or layout.blocks < 2:
         return layer_checksums(extent, layout)
     block_bytes = layout.check_pages * layout.page_bytes
-    starts = range(0, layout.layer_bytes, block_bytes)
     end = layout.layer_bytes
-    sums = xxh3_many([extent[start : min(start + block_bytes, end)] for start in starts])
-    assert sums is not None  # libxxhash is there (above)
-    return sums
+    blocks = [extent[start : min(start + block_bytes, end)] for start in range(0, end, block_bytes)]
+    sums = xxh3_many(blocks)
+    return layer_checksums(extent, layout) if sums is None else sums

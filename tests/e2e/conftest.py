@@ -18,11 +18,6 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # never fork a R
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-# Ray starts its workers (the service's actors, engine actors) at nice 15: on a machine whose
-# cores another job keeps busy at nice 0 they got about 3% of a core, and a busy run took
-# 40 min in e2e alone with calls timing out. The test clusters run them at nice 0, as
-# their driver runs.
-os.environ.setdefault("RAY_worker_niceness", "0")
 # Serve kills a proxy not ready within 5 s of starting (and one whose health check takes
 # 10 s): on a busy 2-core machine a proxy's worker takes longer to start, and serve.start
 # then failed with the proxy killed. The clusters started below inherit these; they bound
