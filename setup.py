@@ -1,6 +1,8 @@
 """The native part of the build (everything else is in pyproject.toml): the batch page-key
-digests of ``flatcake_ray/core/_digests.c``. Optional: where it cannot be compiled, the
-package installs without it and ``core/keys.py`` hashes with hashlib (same digests).
+digests of ``flatcake_ray/core/_digests.c`` and the fused copies and block checksums of
+``cuda_ext/_copyhash.c``. Optional: where one cannot be compiled, the package installs without
+it and ``core/keys.py`` hashes with hashlib, ``cuda_ext/host_hash.py`` copies and then hashes
+(same digests, same sums).
 ``FLATCAKE_NATIVE=0`` leaves it out: ``make wheel`` does, so the wheel shipped to a cluster's
 nodes (``examples/``) stays pure Python and installs on whatever Python their image runs."""
 
@@ -14,7 +16,13 @@ NATIVE = [
         ["flatcake_ray/core/_digests.c"],
         extra_compile_args=["-O3"],
         optional=True,
-    )
+    ),
+    Extension(
+        "flatcake_ray.cuda_ext._copyhash",
+        ["cuda_ext/_copyhash.c"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
 ]
 
 setup(ext_modules=[] if os.environ.get("FLATCAKE_NATIVE") == "0" else NATIVE)

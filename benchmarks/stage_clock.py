@@ -27,6 +27,9 @@ RESTORE_STAGES = (
     ("checksums", "flatcake_ray.restore.deliver", "ChunkDelivery._check"),
     ("scatter", "flatcake_ray.restore.deliver", "ChunkDelivery._scatter_host"),
     ("scatter", "flatcake_ray.restore.deliver", "ChunkDelivery._scatter_device"),
+    # A checked mapped chunk copied into consecutive host slots, each block hashed after its
+    # copy (one pass: the scatter and the checksums of that chunk at once).
+    ("scatter+checksums", "flatcake_ray.restore.deliver", "copy_and_check"),
     ("release", "flatcake_ray.node.source", "NodeSource.release"),
     ("release", "flatcake_ray.client.source", "TransportSource.release"),
 )

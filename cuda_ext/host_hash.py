@@ -1,10 +1,14 @@
-"""XXH3-64 of host memory on the idle cores: the block checksums of puts and restores.
+"""XXH3-64 of host memory on the idle cores: the block checksums of puts and restores, and
+copies fused with them.
 
 The same xxh3-64 as :mod:`flatcake_ray.core.integrity` (a put's sums must equal what a reader
-recomputes), computed by the system's libxxhash through ctypes, which releases the GIL for
-each call, so many blocks are hashed by several threads at once (the ``xxhash`` module holds
-the GIL while it hashes). Where libxxhash is not installed the callers hash with
-``core.integrity`` on their own thread.
+recomputes), computed by the system's libxxhash. With ``cuda_ext/_copyhash.c`` built (pip
+install does), a batch of copies and hashes is one native call per thread with the GIL
+released, and a piece that is copied is hashed right after its copy, while it is in cache
+(:func:`copy_and_hash`). Without it, ``xxh3_many`` calls libxxhash through ctypes per piece
+(ctypes releases the GIL too) and :func:`copy_and_hash` answers None: the callers copy, then
+hash. Where libxxhash is not installed either, the callers hash with ``core.integrity`` on
+their own thread.
 """
 
 from __future__ import annotations
@@ -12,12 +16,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import importlib
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
 from flatcake_ray.cuda_ext.host_copy import SPLIT_BYTES, idle_threads, run_split
+
+# The columns of a copy-and-hash batch (an int64 array, one row an op): copy ``LENGTH`` bytes
+# from ``SRC`` to ``DST`` (when ``DST`` is not 0), then hash the ``LENGTH`` bytes at
+# ``HASH_AT`` (when it is not 0).
+DST, SRC, LENGTH, HASH_AT = range(4)
 
 
 @functools.cache
@@ -35,14 +46,79 @@ def xxh3_function() -> Callable[[int, int], int] | None:
     return function
 
 
+@functools.cache
+def _native() -> tuple[Any, int] | None:
+    """(the ``_copyhash`` module, libxxhash's XXH3 address), or None where either is missing."""
+    xxh3 = xxh3_function()
+    try:
+        module = importlib.import_module("flatcake_ray.cuda_ext._copyhash")
+    except ImportError:
+        return None
+    if xxh3 is None:
+        return None
+    address = ctypes.cast(cast(Any, xxh3), ctypes.c_void_p).value  # a ctypes function
+    return None if address is None else (module, address)
+
+
+def fused() -> bool:
+    """Copies and hashes run as one native pass (:func:`copy_and_hash` answers)."""
+    return _native() is not None
+
+
+def copy_and_hash(ops: np.ndarray) -> np.ndarray | None:
+    """Run a batch of ``ops`` (int64 rows of ``DST, SRC, LENGTH, HASH_AT``; every address a
+    valid range of the caller's live arrays) split by bytes over the idle copy threads, and
+    return each op's hash (uint64; 0 where ``HASH_AT`` is 0); None, with nothing done, where
+    the native module or libxxhash is missing."""
+    native = _native()
+    if native is None:
+        return None
+    module, address = native
+    ops = np.ascontiguousarray(ops, dtype=np.int64)
+    sums = np.zeros(len(ops), dtype=np.uint64)
+    ends = np.cumsum(ops[:, LENGTH]) if len(ops) else np.zeros(0, dtype=np.int64)
+    total = int(ends[-1]) if len(ends) else 0
+    threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(ops)))
+    shares = np.linspace(0, total, threads + 1)[1:-1]
+    bounds = [0, *np.searchsorted(ends, shares, side="right").tolist(), len(ops)]
+    run_split(
+        [
+            functools.partial(module.copy_hash, ops, sums, first, end, address)
+            for first, end in itertools.pairwise(bounds)
+        ]
+    )
+    return sums
+
+
+def copy_hashing_source(dst: np.ndarray, src: np.ndarray, block_bytes: int) -> np.ndarray | None:
+    """Copy ``src`` into ``dst`` (C-contiguous, as many bytes) and return the XXH3-64 of each
+    ``block_bytes`` of ``src`` (the last block may be shorter), each block hashed right after
+    its copy; None, with nothing copied, where the fused native pass is missing."""
+    if not fused():
+        return None
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous) or dst.nbytes != src.nbytes:
+        raise ValueError("a fused copy needs two C-contiguous arrays of as many bytes")
+    starts = np.arange(0, src.nbytes, block_bytes, dtype=np.int64)
+    ops = np.empty((len(starts), 4), dtype=np.int64)
+    ops[:, DST] = dst.ctypes.data + starts
+    ops[:, SRC] = ops[:, HASH_AT] = src.ctypes.data + starts
+    ops[:, LENGTH] = np.minimum(block_bytes, src.nbytes - starts)
+    return copy_and_hash(ops)
+
+
 def xxh3_many(pieces: Sequence[np.ndarray]) -> np.ndarray | None:
     """The XXH3-64 of each contiguous uint8 array of ``pieces`` (uint64), split over the idle
     copy threads when they add up to megabytes; None where libxxhash is missing."""
     xxh3 = xxh3_function()
     if xxh3 is None:
         return None
-    found = np.empty(len(pieces), dtype=np.uint64)
     where = [(piece.ctypes.data, piece.nbytes) for piece in pieces]
+    if fused():
+        ops = np.zeros((len(where), 4), dtype=np.int64)
+        if where:
+            ops[:, HASH_AT], ops[:, LENGTH] = np.array(where, dtype=np.int64).T
+        return copy_and_hash(ops)
+    found = np.empty(len(pieces), dtype=np.uint64)
 
     def hash_range(first: int, end: int) -> None:
         for index in range(first, end):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flatcake_ray.core.integrity import layer_checksums
+from flatcake_ray.core.integrity import block_checksums, layer_checksums
 from flatcake_ray.core.layout import SegmentLayout
-from flatcake_ray.cuda_ext import host_copy
+from flatcake_ray.cuda_ext import host_copy, host_hash
 from flatcake_ray.node import checksums
 from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_ssd import PIECE_BYTES, depth_pieces
@@ -60,6 +60,22 @@ def test_put_checksums_equal_the_readers_whatever_the_split(threads: int, pages:
     assert np.array_equal(
         checksums.parallel_layer_checksums(extent, layout), layer_checksums(extent, layout)
     )
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096 * 5, 4096 * 37 + 123])
+def test_a_fused_copy_moves_the_bytes_and_hashes_each_block_like_the_reader(
+    threads: int, nbytes: int, monkeypatch
+) -> None:
+    if not host_hash.fused():
+        pytest.skip("cuda_ext/_copyhash.c is not built (FLATCAKE_NATIVE=0, or no compiler)")
+    monkeypatch.setattr(host_hash, "idle_threads", lambda: threads)
+    monkeypatch.setattr(host_hash, "SPLIT_BYTES", 1 << 12)
+    source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    target = np.zeros_like(source)
+    sums = host_hash.copy_hashing_source(target, source, 4 * 4096)
+    assert np.array_equal(target, source)
+    assert sums is not None
+    assert np.array_equal(sums, block_checksums(source, 4 * 4096))
 
 
 def test_ssd_reads_are_cut_into_pieces_that_cover_each_range_once() -> None:

@@ -15,6 +15,7 @@ import pytest
 from flatcake_ray.actors.protocol import PutMemory
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import block_checksums
+from flatcake_ray.cuda_ext import host_hash
 from flatcake_ray.errors import TamperedWriteError
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
 from tests.test_node_puts import DRAM, SSD, owner, restore, write  # noqa: F401  (fixture)
@@ -74,8 +75,21 @@ def test_an_ssd_slot_another_wrote_is_refused_before_it_reaches_the_drive(owner)
     assert store.exists(keys("s", 32)) == 0
 
 
+@pytest.fixture(params=["fused", "copy-then-hash"])
+def check_pass(request, monkeypatch) -> str:
+    """The reader's check as one native pass (a block hashed right after its copy,
+    ``cuda_ext/_copyhash.c``) and as the copy, then the hash, where that is not built."""
+    if request.param == "fused" and not host_hash.fused():
+        pytest.skip("cuda_ext/_copyhash.c is not built (FLATCAKE_NATIVE=0, or no compiler)")
+    if request.param == "copy-then-hash":
+        monkeypatch.setattr(host_hash, "_native", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("verify", [True, False])
-def test_pages_overwritten_after_their_commit_are_a_miss_never_bytes(make_store, verify):
+def test_pages_overwritten_after_their_commit_are_a_miss_never_bytes(
+    make_store, verify, check_pass
+):
     """With ``verify_dram`` (the default) an overwrite of committed DRAM pages is a miss;
     without it the reader gets the other writer's bytes: the check is what protects."""
     store = make_store(verify_dram=verify)
@@ -107,7 +121,7 @@ def test_a_services_nodes_check_dram_reads_unless_told_not_to():
 
 @pytest.mark.parametrize("slots", ["consecutive", "reversed"])
 def test_a_checked_restore_of_part_of_a_block_delivers_it_and_a_changed_page_is_a_miss(
-    make_store, slots
+    make_store, slots, check_pass
 ):
     """Readers check DRAM where it lands: into consecutive slots the pages are copied straight
     from the arena and checked there (the block's pages the restore does not take are hashed
@@ -131,3 +145,34 @@ def test_a_checked_restore_of_part_of_a_block_delivers_it_and_a_changed_page_is_
     out.fill(0)
     assert store.restore(wanted, out, ids).wait() == 0
     assert not out[1:].any()
+
+
+@pytest.mark.parametrize("changed_page", [1, 3, 6])
+def test_a_block_cut_between_two_staging_windows_is_checked_whole(
+    make_store, check_pass, changed_page
+):
+    """Blocks of 4 pages restored through windows of 3: runs are cut at a block's end when
+    they can be, so a block is copied and checked by one window, and the block a window does
+    cut (a window smaller than a block) is still checked whole: a changed page anywhere in it
+    makes the scope a miss, and no wrong byte reaches the destination (blocks checked and
+    delivered before the bad one was met keep their right bytes)."""
+    store = make_store(
+        verify_dram=True, check_bytes=4 * PAGE_BYTES, restore_slot_bytes=3 * PAGE_BYTES + 4096
+    )
+    kv = random_kv(8, seed=4)
+    store.put(keys("w", 8), kv, hints=DRAM)
+    out = np.zeros((LAYERS, 8, PAGE_BYTES), dtype=np.uint8)
+    assert store.restore(keys("w", 8), out, np.arange(8)).wait() == 8
+    assert np.array_equal(out, kv)
+
+    lease = store.lease(keys("w", 8))
+    segment = next(iter(lease.segments.values()))
+    store.release(lease)
+    store.arena.view[segment.offset + changed_page * PAGE_BYTES + 11] ^= 0xFF  # layer 0
+    out.fill(0)
+    assert store.restore(keys("w", 8), out, np.arange(8)).wait() == 0
+    for layer in range(LAYERS):
+        for page in range(8):
+            got = out[layer, page]
+            assert not got.any() or np.array_equal(got, kv[layer, page]), (layer, page)
+    assert not out[0, changed_page].any()

@@ -30,6 +30,7 @@ from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.integrity import block_checksums
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
 from flatcake_ray.errors import ServiceError, ShapeError, StoreWriteError
 from flatcake_ray.media.buffers import as_layer_bytes
 
@@ -117,11 +118,12 @@ class RemotePut:
             while len(self._landing) >= len(target.offsets):
                 self._settle_oldest()  # the slot's previous layer is on the drive
         offset = target.offsets[layer % len(target.offsets)]
-        self._place(target, reach, offset, data, positions)
         # What this client wrote, from its own copy: the owner keeps these checksums, so a
         # write by anyone else into that shared memory is a failed check, never our bytes.
-        written = data if positions is None else data[positions]
-        sums = block_checksums(written.reshape(-1), target.check_pages * self._page_bytes)
+        sums = self._place(target, reach, offset, data, positions)
+        if sums is None:
+            written = data if positions is None else data[positions]
+            sums = block_checksums(written.reshape(-1), target.check_pages * self._page_bytes)
         if whole:
             self._in_place.append(layer)
             self._in_place_sums.append(sums)
@@ -137,18 +139,23 @@ class RemotePut:
 
     def _place(
         self, target: PutTarget, reach: Reach, offset: int, data: np.ndarray, positions: Any
-    ) -> None:
+    ) -> np.ndarray | None:
+        """Write the layer's new pages into the owner's memory; their block checksums when
+        they were taken on the way (one pass: a mapped write of the whole layer), else None."""
         if reach is Reach.NIXL:
             self._route.targets.write(target.peer, offset, data, positions)
-            return
+            return None
         count = len(data) if positions is None else len(positions)
         memory = self._route.targets.mapped(target.path, target.nbytes)
         start = offset - target.path_offset
         into = memory[start : start + count * self._page_bytes].reshape(count, -1)
-        if positions is None:
-            copy_into(into, data)
-        else:
+        if positions is not None:
             np.take(data, positions, axis=0, out=into)
+            return None
+        sums = copy_hashing_source(into, data, target.check_pages * self._page_bytes)
+        if sums is None:
+            copy_into(into, data)
+        return sums
 
     def _land(self, layer: int, inline: np.ndarray | None, sums: np.ndarray | None = None) -> None:
         assert self._ticket is not None

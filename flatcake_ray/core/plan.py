@@ -29,6 +29,7 @@ shrinks to the scope's first position).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -218,15 +219,19 @@ class RestorePlan:
         chunks: list[LayerChunk] = []
         for part in parts:
             base, page_bytes = part.extent_offset(layer), part.layout.page_bytes
-            pending = self._block_spans(part, layer, base) if access.verify else []
-            for start, stop in run_bounds(part.src_pages, max(1, self.capacity // page_bytes)):
+            spans = _SpansByOffset(self._block_spans(part, layer, base) if access.verify else [])
+            longest = max(1, self.capacity // page_bytes)
+            if access.verify and longest >= part.layout.check_pages:  # cut runs between blocks
+                longest -= longest % part.layout.check_pages
+            for start, stop in run_bounds(part.src_pages, longest):
                 nbytes = (stop - start) * page_bytes
                 if not chunks or chunks[-1].nbytes + nbytes > self.capacity:
                     chunks.append(LayerChunk(layer, medium, mapped=True))
                 chunk = chunks[-1]
-                chunk.hashes.extend(pending)
-                pending = []
                 offset = base + int(part.src_pages[start]) * page_bytes
+                # A block is checked with the chunk that copies its first pages: the reader
+                # hashes those right after copying them (``restore/copy_check.py``).
+                chunk.hashes.extend(spans.take(offset, offset + nbytes))
                 run = PageRun(layer, offset, part.dst_positions[start:stop], part.scope_id)
                 chunk.runs.append(run)
                 chunk.scopes.add(part.scope_id)
@@ -394,3 +399,25 @@ def _feed_checks(chunk: LayerChunk, member: _Range, end: int, base: int) -> None
             spans.append(HashSpan(layer, check, at + start, stop - start, False))
             hashed = stop
     member.next_check, member.hashed = index, hashed
+
+
+class _SpansByOffset:
+    """A part's block spans (sorted by offset), each taken once, by the first run that
+    overlaps it."""
+
+    def __init__(self, spans: list[HashSpan]) -> None:
+        self._spans = spans
+        self._starts = [span.offset for span in spans]
+        self._taken = [False] * len(spans)
+
+    def take(self, lo: int, hi: int) -> list[HashSpan]:
+        """The spans not taken yet that overlap bytes ``[lo, hi)``."""
+        found = []
+        index = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        while index < len(self._spans) and self._starts[index] < hi:
+            span = self._spans[index]
+            if not self._taken[index] and span.offset + span.length > lo:
+                self._taken[index] = True
+                found.append(span)
+            index += 1
+        return found

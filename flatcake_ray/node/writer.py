@@ -31,6 +31,7 @@ from flatcake_ray.config import ALIGN
 from flatcake_ray.core.catalog import Catalog, PutPlan
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
 from flatcake_ray.errors import TamperedWriteError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena
@@ -52,6 +53,8 @@ class WriteState:
     received: np.ndarray  # per layer: new pages written so far
     checksums: np.ndarray  # uint64 [layers, blocks], the segment's, filled as layers finish
     staging: dict[int, AlignedBuffer] = field(default_factory=dict)  # SSD layers in progress
+    # Per layer written whole in one call: its block checksums, taken during the copy.
+    sums_taken: dict[int, np.ndarray] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -153,14 +156,20 @@ class SegmentWriter:
         """Put new pages ``[first_new, first_new + n)`` of ``layer`` where they belong."""
         segment = state.plan.segment
         layout = segment.layout
-        if segment.medium is Medium.DRAM:
-            start = segment.offset + layout.layer_offset(layer) + first_new * layout.page_bytes
-            self.arena.write(start, pages)
-            return
-        if layer not in state.staging:
-            state.staging[layer] = self._staging.take(layout.layer_stride)
         at = first_new * layout.page_bytes
-        copy_into(state.staging[layer].array[at : at + pages.nbytes], pages.reshape(-1))
+        if segment.medium is Medium.DRAM:
+            into = self.arena.view[self.layer_extent(state, layer) + at :][: pages.nbytes]
+        else:
+            if layer not in state.staging:
+                state.staging[layer] = self._staging.take(layout.layer_stride)
+            into = state.staging[layer].array[at : at + pages.nbytes]
+        flat = np.ascontiguousarray(pages).reshape(-1).view(np.uint8)
+        if first_new == 0 and flat.nbytes == layout.layer_bytes:  # the whole layer: one pass
+            sums = copy_hashing_source(into, flat, layout.check_pages * layout.page_bytes)
+            if sums is not None:
+                state.sums_taken[layer] = sums
+                return
+        copy_into(into, flat)
 
     def _finish_layer(self, state: WriteState, layer: int) -> None:
         if state.plan.segment.medium is Medium.DRAM:
@@ -180,8 +189,20 @@ class SegmentWriter:
         layout = state.plan.segment.layout
         start = self.layer_extent(state, layer)
         extent = self.arena.view[start : start + layout.layer_bytes]
-        state.checksums[layer] = _as_written(parallel_layer_checksums(extent, layout), sums, layer)
+        state.checksums[layer] = self._layer_sums(state, layer, extent, sums)
         self._count(dram_bytes_written=layout.layer_bytes)
+
+    def _layer_sums(
+        self, state: WriteState, layer: int, written: np.ndarray, sums: np.ndarray | None
+    ) -> np.ndarray:
+        """The checksums kept for a finished layer: those this node took while copying its
+        own caller's bytes (what it meant to write: a later change there fails every reader's
+        check), else those of ``written``, held against its writer's ``sums``."""
+        taken = state.sums_taken.pop(layer, None)
+        if taken is not None:
+            return taken
+        found = parallel_layer_checksums(written, state.plan.segment.layout)
+        return _as_written(found, sums, layer)
 
     def _write_ssd_layer(
         self, state: WriteState, layer: int, block: np.ndarray, sums: np.ndarray | None = None
@@ -191,7 +212,7 @@ class SegmentWriter:
         layout = state.plan.segment.layout
         replica = state.plan.replica  # a DRAM read replica of the same bytes (placement.py)
         block[layout.layer_bytes : layout.layer_stride] = 0
-        state.checksums[layer] = _as_written(parallel_layer_checksums(block, layout), sums, layer)
+        state.checksums[layer] = self._layer_sums(state, layer, block, sums)
         self.pool.write(self.layer_extent(state, layer), block[: layout.layer_stride])
         self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
         if replica is not None:

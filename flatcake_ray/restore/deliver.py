@@ -7,8 +7,9 @@ run) or on the GPU (the slot's device twin, then the scatter kernel on the windo
 On the host, a group's layers are checked and scattered one after another, and each is
 reported in place as soon as it is, so a group's first layer can be waited on before its
 last has landed. A checked chunk of the mapped arena bound for consecutive host slots is
-copied there first and checked there (the reader's own memory: one copy, no private one);
-whole checksum blocks are hashed together on the idle cores (``cuda_ext/host_hash.py``).
+copied there and checked there (the reader's own memory: one copy, no private one), each
+whole block hashed right after its copy (``restore/copy_check.py``); other whole checksum
+blocks are hashed together on the idle cores (``cuda_ext/host_hash.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from flatcake_ray.core.plan import HashSpan, LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
+from flatcake_ray.restore.copy_check import copy_and_check
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
 from flatcake_ray.restore.window import Job
@@ -95,9 +97,15 @@ class ChunkDelivery:
         restore does not take) from the medium. The pieces of a scope that fails are zeroed:
         a wrong byte never stays in the destination, even past the pages reported."""
         medium = job.mapped[chunk.medium].view
-        for run in runs:
-            length = len(run.positions) * self.page_bytes
-            copy_into(targets[id(run)], medium[run.offset : run.offset + length])
+        checked = copy_and_check(medium, runs, targets, spans, self.page_bytes)
+        if checked is None:  # no native pass: copy every run, then hash
+            for run in runs:
+                length = len(run.positions) * self.page_bytes
+                copy_into(targets[id(run)], medium[run.offset : run.offset + length])
+        else:
+            for span in checked.failed:
+                self._failed(job, span)
+            spans = checked.left
         self._check(job, spans, _Delivered(medium, runs, targets, self.page_bytes))
         for run in runs:
             if run.scope_id in job.outcome.bad_scopes:
