@@ -25,8 +25,8 @@ def owner(make_store):
     """A store and the owner's put side with ``landing`` bytes of landing area."""
     made = []
 
-    def build(landing: int) -> tuple:
-        store = make_store()
+    def build(landing: int, **config) -> tuple:
+        store = make_store(**config)
         area = LandingArea(landing, f"test-landing-{len(made)}-{id(store)}")
         counters = {name: 0 for name in ("puts", "puts_layerwise", "puts_aborted")}
         counters.update({f"puts_{memory.value}": 0 for memory in PutMemory})

@@ -39,6 +39,7 @@ def keys(name: str, pages: int) -> list[str]:
 
 
 def test_a_dram_put_whose_memory_another_wrote_is_refused_and_publishes_nothing(owner):  # noqa: F811
+    """Where readers do not check DRAM (``verify_dram`` off), the owner checks what landed."""
     store, puts, counters = owner(1 << 20)
     kv = random_kv(6, seed=4)
     ticket = puts.begin("default", keys("t", 6), {"hints": DRAM})
@@ -73,6 +74,36 @@ def test_an_ssd_slot_another_wrote_is_refused_before_it_reaches_the_drive(owner)
     with pytest.raises(TamperedWriteError):
         puts.land("default", ticket.put_id, 0, None, sums_of(ticket, kv, 0))
     assert store.exists(keys("s", 32)) == 0
+
+
+@pytest.mark.parametrize("medium", ["DRAM", "SSD"])
+def test_where_readers_check_a_put_another_wrote_is_kept_as_its_writer_wrote_it(owner, medium):  # noqa: F811
+    """With ``verify_dram`` (a service's default) every reader checks every block, so the
+    owner keeps the writer's checksums without hashing what landed: the put commits, and the
+    bytes another wrote there are a miss for every reader, never data."""
+    pages = 6 if medium == "DRAM" else 32
+    store, puts, _ = owner(8 * 32 * PAGE_BYTES, verify_dram=True)
+    kv = random_kv(pages, seed=12)
+    ticket = puts.begin("default", keys("v", pages), {"hints": DRAM if medium == "DRAM" else SSD})
+    sums = [sums_of(ticket, kv, n) for n in range(LAYERS)]
+    for layer in range(LAYERS):
+        write(puts, ticket, kv, layer)
+        if medium == "SSD":
+            if layer == 1:
+                scribble(puts.landing.memory.view, ticket, layer)
+            puts.land("default", ticket.put_id, layer, None, sums[layer])
+    if medium == "DRAM":
+        scribble(store.arena.view, ticket, 1)
+        assert puts.commit("default", ticket.put_id, list(range(LAYERS)), sums).pages_written
+    else:
+        assert puts.commit("default", ticket.put_id, [], []).pages_written
+    assert store.exists(keys("v", pages)) == pages
+    count, out = restore(store, keys("v", pages))
+    assert count < pages
+    for layer in range(LAYERS):
+        for page in range(pages):
+            got = out[layer, page]
+            assert not got.any() or np.array_equal(got, kv[layer, page]), (layer, page)
 
 
 @pytest.fixture(params=["fused", "copy-then-hash"])

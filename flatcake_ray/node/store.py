@@ -113,6 +113,7 @@ class FlatCakeStore:
             self.counters,
             fsync=config.fsync,
             check_open=self._check_open,
+            check_landed=not config.verify_dram,
         )
 
     @property

@@ -76,8 +76,13 @@ class SegmentWriter:
         *,
         fsync: bool,
         check_open: Callable[[], None],
+        check_landed: bool = True,
     ) -> None:
         self._lock = lock  # the store's: the catalog and counters change under it
+        # Hash what another writer landed and hold it against its sums. Needless where every
+        # reader checks every block (``verify_dram``): the writer's sums are kept, so bytes
+        # that are not what it wrote are a miss for every reader, never data.
+        self.check_landed = check_landed
         self.arena = arena
         self.pool = pool
         self.manifest = manifest
@@ -197,12 +202,19 @@ class SegmentWriter:
     ) -> np.ndarray:
         """The checksums kept for a finished layer: those this node took while copying its
         own caller's bytes (what it meant to write: a later change there fails every reader's
-        check), else those of ``written``, held against its writer's ``sums``."""
+        check); else its writer's ``sums`` as sent, where readers check every block; else
+        those of ``written``, held against the writer's ``sums``."""
         taken = state.sums_taken.pop(layer, None)
         if taken is not None:
             return taken
-        found = parallel_layer_checksums(written, state.plan.segment.layout)
-        return _as_written(found, sums, layer)
+        layout = state.plan.segment.layout
+        if sums is not None and not self.check_landed:
+            if sums.shape != (layout.blocks,):
+                raise TamperedWriteError(
+                    f"layer {layer}: {sums.shape} checksums sent for {layout.blocks} blocks"
+                )
+            return sums
+        return _as_written(parallel_layer_checksums(written, layout), sums, layer)
 
     def _write_ssd_layer(
         self, state: WriteState, layer: int, block: np.ndarray, sums: np.ndarray | None = None
