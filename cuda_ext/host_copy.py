@@ -4,9 +4,11 @@ One core's memcpy does not reach the memory bus's rate, and numpy releases the G
 copies, so a copy of megabytes is cut into pieces that a small pool of threads copies at once
 (measured here: 1.2-1.7x a single ``np.copyto`` with two cores; ``benchmarks/stages.py``).
 Small copies stay on the caller's thread: below ``SPLIT_BYTES`` a handoff costs more than
-it saves. So do all copies while the machine has no idle core (the load average, read at most
-once a second, is at least the cores): a handoff then waits for a core, and measured 0.1-0.8x
-of one thread's copy at load 26 on 2 cores.
+it saves. So do all copies while other processes leave this one no idle core: a handoff then
+waits for a core, and measured 0.1-0.8x of one thread's copy at load 26 on 2 cores. The cores
+left to this process are read from ``/proc/stat`` (idle time) and its own CPU time, at most
+once a second: the load average counts this process's own copy threads, so a process that
+copied hard for a minute read it as a busy machine and went down to one thread.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _pool_lock = threading.Lock()
 
 
 _idle = (0.0, 1)  # (when read, threads worth using then)
+_last_cpu: tuple[float, float, float] | None = None  # (when, idle core seconds, own seconds)
 
 
 def copy_threads() -> int:
@@ -42,16 +45,42 @@ def copy_threads() -> int:
 
 
 def idle_threads() -> int:
-    """Copy threads worth using now: the cores not taken by the load average (at least 1,
-    at most ``copy_threads()``), read at most once a second."""
-    global _idle
+    """Copy threads worth using now: the cores other processes leave idle (at least 1, at
+    most ``copy_threads()``), read at most once a second."""
+    global _idle, _last_cpu
     now = time.monotonic()
     when, threads = _idle
     if now - when > 1.0:
-        idle = copy_threads() - int(os.getloadavg()[0])
-        threads = max(1, min(copy_threads(), idle + 1))
+        sample = cpu_sample()
+        free = None
+        if sample is not None and _last_cpu is not None and sample[0] > _last_cpu[0]:
+            free = free_cores(_last_cpu, sample)
+        _last_cpu = sample
+        if free is None:  # no /proc/stat, or the first reading: the load average
+            free = copy_threads() - int(os.getloadavg()[0]) + 1
+        threads = max(1, min(copy_threads(), round(free)))
         _idle = (now, threads)
     return threads
+
+
+def cpu_sample() -> tuple[float, float, float] | None:
+    """(now, the machine's idle core seconds so far, this process's CPU seconds so far), or
+    None where ``/proc/stat`` cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as stat:
+            fields = stat.readline().split()
+        idle = (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")  # idle + iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    own = os.times()
+    return time.monotonic(), idle, own.user + own.system
+
+
+def free_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores other processes left to this one between two samples: the idle ones plus those
+    this process kept busy itself."""
+    wall = after[0] - before[0]
+    return max(0.0, (after[1] - before[1] + after[2] - before[2]) / wall)
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -53,6 +53,26 @@ def test_run_split_raises_the_first_error_after_every_task_ended() -> None:
     assert sorted(ran) == [0, 1, 2]
 
 
+@pytest.mark.parametrize(
+    ("idle_seconds", "own_seconds", "threads"),
+    [(0.0, 4.0, 2), (0.0, 0.0, 1), (2.0, 0.0, 1), (4.0, 0.0, 2), (1.0, 2.0, 2)],
+    ids=["busy-copying-itself", "others-take-both", "one-idle", "both-idle", "half-and-own"],
+)
+def test_copies_split_over_the_cores_other_processes_leave(
+    monkeypatch, idle_seconds: float, own_seconds: float, threads: int
+) -> None:
+    """Over 2 s on 2 cores: the machine's idle core seconds plus this process's own CPU
+    seconds are the cores left to it (its own copies never count as a busy machine)."""
+    samples = iter([(10.0, 100.0, 5.0), (12.0, 100.0 + idle_seconds, 5.0 + own_seconds)])
+    monkeypatch.setattr(host_copy, "cpu_sample", lambda: next(samples))
+    monkeypatch.setattr(host_copy, "copy_threads", lambda: 2)
+    monkeypatch.setattr(host_copy, "_last_cpu", None)
+    for _ in range(2):
+        monkeypatch.setattr(host_copy, "_idle", (float("-inf"), 1))
+        found = host_copy.idle_threads()
+    assert found == threads
+
+
 @pytest.mark.parametrize("pages", [1, 5, 37])
 def test_put_checksums_equal_the_readers_whatever_the_split(threads: int, pages: int) -> None:
     layout = SegmentLayout(pages=pages, layers=1, page_bytes=4096, check_pages=4)

@@ -75,3 +75,16 @@ def test_the_native_batch_digests_are_the_hashlib_digests(namespace, keys):
         return
     assert module._native.digest_str_keys(prefix, keys) == expected
     assert module._native.digest_str_keys(prefix, [*keys, 7]) is None
+
+
+@pytest.mark.parametrize("namespace", ["", b"bytes", 7])
+def test_a_namespace_that_is_not_a_non_empty_str_is_refused_on_every_path(namespace):
+    """The client's packed request and the node's digests refuse it alike (an empty one
+    never falls back to the default namespace)."""
+    from flatcake_ray.core.keys import key_digests, request_digests
+
+    for keys in (["a", "b"], [b"a", "b"]):
+        with pytest.raises(InvalidKeyError):
+            request_digests(keys, namespace)
+        with pytest.raises(InvalidKeyError):
+            key_digests(keys, namespace)

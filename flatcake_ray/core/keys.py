@@ -133,7 +133,8 @@ def request_digests(keys: Sequence[KeyLike | PageKey], namespace: str | None) ->
     """The digests of one request's keys (one namespace): what a client sends a node, one
     packed array instead of the keys (16 bytes a page, hashed once, by the caller)."""
     # All plain str keys (the common request) name no PageKey: no namespace to split out.
-    raw = _digest_text_keys(namespace_frame(namespace or DEFAULT_NAMESPACE), keys)
+    frame = namespace_frame(DEFAULT_NAMESPACE if namespace is None else namespace)
+    raw = _digest_text_keys(frame, keys)
     if raw is not None:
         return _packed(raw)
     resolved, bare = split_namespace(keys, namespace)
@@ -192,8 +193,7 @@ def key_digests(
     carry their namespace: naming one as well is an :class:`InvalidKeyError`)."""
     packed = as_digests(keys)
     if packed is None:
-        resolved, bare = split_namespace(keys, namespace)  # type: ignore[arg-type]
-        return digest_keys(resolved, bare)
+        return request_digests(keys, namespace)  # type: ignore[arg-type]
     if namespace is not None:
         raise InvalidKeyError("packed digests carry their namespace; pass none")
     return packed

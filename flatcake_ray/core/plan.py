@@ -242,13 +242,17 @@ class RestorePlan:
         layout = part.layout
         blocks = np.unique(part.src_pages // layout.check_pages)
         assert part.checksums is not None  # a live segment: written with its sums
-        spans = []
-        for block in blocks.tolist():
-            first, end = layout.block_pages(block)
-            check = StreamingCheck(int(part.checksums[layer, block]), part.scope_id)
-            offset = base + first * layout.page_bytes
-            spans.append(HashSpan(layer, check, offset, (end - first) * layout.page_bytes, True))
-        return spans
+        # Thousands of blocks a restore: their numbers worked out in arrays, then one object each.
+        first = blocks * layout.check_pages
+        end = np.minimum(first + layout.check_pages, layout.pages)
+        offsets = (base + first * layout.page_bytes).tolist()
+        lengths = ((end - first) * layout.page_bytes).tolist()
+        expected = part.checksums[layer, blocks].tolist()
+        scope, new = part.scope_id, tuple.__new__
+        return [
+            new(HashSpan, (layer, StreamingCheck(sum_, scope), offset, length, True))
+            for sum_, offset, length in zip(expected, offsets, lengths, strict=True)
+        ]
 
     # ---- filled media: coalesced reads into slots ----------------------------------------
     def _filled_chunks(
