@@ -29,7 +29,6 @@ shrinks to the scope's first position).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -46,7 +45,7 @@ from flatcake_ray.core.parts import (
     first_positions,
     page_ranges,
 )
-from flatcake_ray.core.runs import align_down, run_bounds
+from flatcake_ray.core.runs import SpansByOffset, align_down, run_bounds
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
 
@@ -219,7 +218,7 @@ class RestorePlan:
         chunks: list[LayerChunk] = []
         for part in parts:
             base, page_bytes = part.extent_offset(layer), part.layout.page_bytes
-            spans = _SpansByOffset(self._block_spans(part, layer, base) if access.verify else [])
+            spans = SpansByOffset(self._block_spans(part, layer, base) if access.verify else [])
             longest = max(1, self.capacity // page_bytes)
             if access.verify and longest >= part.layout.check_pages:  # cut runs between blocks
                 longest -= longest % part.layout.check_pages
@@ -403,25 +402,3 @@ def _feed_checks(chunk: LayerChunk, member: _Range, end: int, base: int) -> None
             spans.append(HashSpan(layer, check, at + start, stop - start, False))
             hashed = stop
     member.next_check, member.hashed = index, hashed
-
-
-class _SpansByOffset:
-    """A part's block spans (sorted by offset), each taken once, by the first run that
-    overlaps it."""
-
-    def __init__(self, spans: list[HashSpan]) -> None:
-        self._spans = spans
-        self._starts = [span.offset for span in spans]
-        self._taken = [False] * len(spans)
-
-    def take(self, lo: int, hi: int) -> list[HashSpan]:
-        """The spans not taken yet that overlap bytes ``[lo, hi)``."""
-        found = []
-        index = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        while index < len(self._spans) and self._starts[index] < hi:
-            span = self._spans[index]
-            if not self._taken[index] and span.offset + span.length > lo:
-                self._taken[index] = True
-                found.append(span)
-            index += 1
-        return found
