@@ -207,3 +207,32 @@ def test_a_block_cut_between_two_staging_windows_is_checked_whole(
             got = out[layer, page]
             assert not got.any() or np.array_equal(got, kv[layer, page]), (layer, page)
     assert not out[0, changed_page].any()
+
+
+def test_a_block_changed_on_the_drive_is_a_miss_and_no_wrong_byte_lands(make_store, check_pass):
+    """SSD pages read into a staging slot are copied into consecutive slots and checked
+    there (one pass where the native copy is built): an intact session arrives whole, and a
+    byte flipped on the drive makes its scope a miss with no wrong byte in the destination."""
+    store = make_store(check_bytes=4 * PAGE_BYTES)
+    kv = random_kv(8, seed=13)
+    store.put(keys("d", 8), kv)
+    lease = store.lease(keys("d", 8))
+    assert next(iter(lease.segments.values())).medium is Medium.SSD
+    store.release(lease)
+    count, out = restore(store, keys("d", 8))
+    assert count == 8 and np.array_equal(out, kv)
+
+    gva = int(store.gvas(keys("d", 8)[5:6])[0]) & ((1 << 48) - 1)  # layer 0, page 5
+    file_index, offset = store.pool.locate(gva)
+    with open(store.pool.paths[file_index], "r+b") as pool_file:
+        pool_file.seek(offset + 100)
+        byte = pool_file.read(1)
+        pool_file.seek(offset + 100)
+        pool_file.write(bytes([byte[0] ^ 0xFF]))
+    count, out = restore(store, keys("d", 8))
+    assert count == 0
+    for layer in range(LAYERS):
+        for page in range(8):
+            got = out[layer, page]
+            assert not got.any() or np.array_equal(got, kv[layer, page]), (layer, page)
+    assert not out[0, 5].any()

@@ -6,10 +6,10 @@ are dropped, and the rest are scattered into the destination, on the host (one m
 run) or on the GPU (the slot's device twin, then the scatter kernel on the window's stream).
 On the host, a group's layers are checked and scattered one after another, and each is
 reported in place as soon as it is, so a group's first layer can be waited on before its
-last has landed. A checked chunk of the mapped arena bound for consecutive host slots is
-copied there and checked there (the reader's own memory: one copy, no private one), each
-whole block hashed right after its copy (``restore/copy_check.py``); other whole checksum
-blocks are hashed together on the idle cores (``cuda_ext/host_hash.py``).
+last has landed. A checked chunk (of the mapped arena, or a filled slot) bound for
+consecutive host slots is copied there and checked there (the reader's own memory: one copy,
+no private one), each whole block hashed right after its copy (``restore/copy_check.py``);
+other whole checksum blocks are hashed together on the idle cores (``cuda_ext/host_hash.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 from flatcake_ray.core.plan import HashSpan, LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
+from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.restore.copy_check import copy_and_check
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
@@ -33,6 +34,9 @@ from flatcake_ray.restore.window import Job
 class ChunkDelivery:
     def __init__(self, scatter: ScatterFn, page_bytes: int) -> None:
         self._scatter = scatter
+        # Checked pages go straight into consecutive host slots only when the scatter is the
+        # package's own; one a caller wrapped (tests watch and hold layers) sees every page.
+        self._direct = scatter is scatter_layer
         self.page_bytes = page_bytes
         self._scratch = _Scratch()  # per scatter thread: checked copies of mapped bytes
 
@@ -44,14 +48,15 @@ class ChunkDelivery:
         elif slot is None or slot.device is None:
             targets = self._in_place_targets(job, chunk)
             source = None if targets else self._source_bytes(job, chunk, slot, stats)
+            medium = self._bytes_of(job, chunk, slot) if targets else None
             # Layer by layer, so a group's first layers are waited on before its last lands.
             for layer in sorted(
                 {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
             ):
                 spans = [s for s in chunk.hashes if s.layer == layer]
                 runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
-                if targets:
-                    self._deliver_then_check(job, chunk, runs, spans, targets)
+                if medium is not None:
+                    self._deliver_then_check(job, medium, runs, spans, targets)
                     runs = self._kept(job, runs)
                 else:
                     self._check(job, spans, _Whole(source))
@@ -70,11 +75,12 @@ class ChunkDelivery:
             job.handle._layer_done(chunk.done_layer)
 
     def _in_place_targets(self, job: Job, chunk: LayerChunk) -> dict[int, np.ndarray]:
-        """For a checked chunk of the mapped medium whose every run lands in one contiguous
-        piece of host memory: each run's piece (by ``id(run)``); else empty. Such a chunk is
-        copied straight from the medium into the destination and checked there: the reader's
-        own memory, so what is checked is what it keeps, with no private copy first."""
-        if not (chunk.mapped and chunk.hashes):
+        """For a checked chunk whose every run lands in one contiguous piece of host memory:
+        each run's piece (by ``id(run)``); else empty. Such a chunk is copied straight from
+        the mapped medium (or its slot) into the destination and checked there, each block as
+        it is copied: the reader's own memory, so what is checked is what it keeps, with no
+        private copy first and no second pass over the bytes."""
+        if not (chunk.hashes and self._direct):
             return {}
         targets = {}
         for run in chunk.runs:
@@ -84,19 +90,25 @@ class ChunkDelivery:
             targets[id(run)] = piece
         return targets
 
+    def _bytes_of(self, job: Job, chunk: LayerChunk, slot: Slot | None) -> np.ndarray:
+        """Where a chunk's bytes are on the host: the mapped medium, or its filled slot."""
+        if chunk.mapped:
+            return job.mapped[chunk.medium].view
+        assert slot is not None and slot.host is not None
+        return slot.host
+
     def _deliver_then_check(
         self,
         job: Job,
-        chunk: LayerChunk,
+        medium: np.ndarray,
         runs: list[PageRun],
         spans: list[HashSpan],
         targets: dict[int, np.ndarray],
     ) -> None:
-        """Copy ``runs`` from the mapped medium to their pieces, then check ``spans``: the
-        delivered bytes from the destination, the bytes between runs (a block's pages this
-        restore does not take) from the medium. The pieces of a scope that fails are zeroed:
-        a wrong byte never stays in the destination, even past the pages reported."""
-        medium = job.mapped[chunk.medium].view
+        """Copy ``runs`` from ``medium`` (the mapped medium, or a filled slot) to their
+        pieces, then check ``spans``: the delivered bytes from the destination, the bytes
+        between runs (a block's pages this restore does not take) from the medium. The pieces
+        of a scope that fails are zeroed: a wrong byte never stays in this chunk's pieces."""
         checked = copy_and_check(medium, runs, targets, spans, self.page_bytes)
         if checked is None:  # no native pass: copy every run, then hash
             for run in runs:
