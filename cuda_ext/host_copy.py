@@ -7,8 +7,9 @@ Small copies stay on the caller's thread: below ``SPLIT_BYTES`` a handoff costs 
 it saves. So do all copies while other processes leave this one no idle core: a handoff then
 waits for a core, and measured 0.1-0.8x of one thread's copy at load 26 on 2 cores. The cores
 left to this process are read from ``/proc/stat`` (idle time) and its own CPU time, at most
-once a second: the load average counts this process's own copy threads, so a process that
-copied hard for a minute read it as a busy machine and went down to one thread.
+once a second, over the last seconds: the load average counts this process's own copy
+threads, so a process that copied hard for a minute read it as a busy machine and went down
+to one thread. A process whose last reading is older (it waited) goes by the load average.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 SPLIT_BYTES = 4 << 20  # a copy smaller than this runs on the caller's thread, whole
 PIECE_BYTES = 2 << 20  # a big copy is cut into pieces of about this size
 MAX_THREADS = 4
+WINDOW_S = 3.0  # the longest span between two CPU readings that still says what is idle now
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -52,15 +54,24 @@ def idle_threads() -> int:
     when, threads = _idle
     if now - when > 1.0:
         sample = cpu_sample()
-        free = None
-        if sample is not None and _last_cpu is not None and sample[0] > _last_cpu[0]:
-            free = free_cores(_last_cpu, sample)
+        free = _free_since(_last_cpu, sample)
         _last_cpu = sample
-        if free is None:  # no /proc/stat, or the first reading: the load average
+        if free is None:  # no /proc/stat, or no reading of the last seconds: the load average
             free = copy_threads() - int(os.getloadavg()[0]) + 1
         threads = max(1, min(copy_threads(), round(free)))
         _idle = (now, threads)
     return threads
+
+
+def _free_since(
+    before: tuple[float, float, float] | None, after: tuple[float, float, float] | None
+) -> float | None:
+    """:func:`free_cores` between two readings a few seconds apart at most; None otherwise:
+    a window reaching back past a wait (many processes that waited, then copy at once)
+    would count cores long since taken as idle."""
+    if before is None or after is None or not 0 < after[0] - before[0] <= WINDOW_S:
+        return None
+    return free_cores(before, after)
 
 
 def cpu_sample() -> tuple[float, float, float] | None:

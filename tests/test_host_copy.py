@@ -73,6 +73,20 @@ def test_copies_split_over_the_cores_other_processes_leave(
     assert found == threads
 
 
+def test_a_process_that_waited_goes_by_the_load_average(monkeypatch) -> None:
+    """Readings further apart than a few seconds would count a quiet spell as idle cores now
+    (many processes that waited, then copy at once): the load average decides instead."""
+    samples = iter([(10.0, 100.0, 5.0), (40.0, 160.0, 5.0)])  # both cores idle for 30 s
+    monkeypatch.setattr(host_copy, "cpu_sample", lambda: next(samples))
+    monkeypatch.setattr(host_copy, "copy_threads", lambda: 2)
+    monkeypatch.setattr(host_copy.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    monkeypatch.setattr(host_copy, "_last_cpu", None)
+    for _ in range(2):
+        monkeypatch.setattr(host_copy, "_idle", (float("-inf"), 1))
+        found = host_copy.idle_threads()
+    assert found == 1
+
+
 @pytest.mark.parametrize("pages", [1, 5, 37])
 def test_put_checksums_equal_the_readers_whatever_the_split(threads: int, pages: int) -> None:
     layout = SegmentLayout(pages=pages, layers=1, page_bytes=4096, check_pages=4)
