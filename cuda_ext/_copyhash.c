@@ -3,10 +3,11 @@
  * and a put that writes into the owner's memory otherwise read every byte twice (a copy, then
  * a hash pass over bytes long evicted), and the second pass cost more than the copy.
  *
- * The hash is the caller's XXH3-64 (libxxhash's XXH3_64bits, passed as an address that
- * cuda_ext/host_hash.py found through ctypes), so this file needs no xxhash header and hashes
- * exactly what core/integrity.py does. The GIL is released for the whole batch: several
- * threads run disjoint index ranges of one batch at once (cuda_ext/copy_hash.py). */
+ * The hash is the caller's XXH3-64 (libxxhash's, its vector dispatcher where it has one,
+ * passed as an address that cuda_ext/host_hash.py found through ctypes), so this file needs
+ * no xxhash header and hashes exactly what core/integrity.py does. The GIL is released for
+ * the whole batch: several threads run disjoint index ranges of one batch at once
+ * (cuda_ext/host_hash.py copy_and_hash). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

@@ -84,7 +84,7 @@ def copy_and_hash(ops: np.ndarray) -> np.ndarray | None:
     module, address = native
     ops = np.ascontiguousarray(ops, dtype=np.int64)
     sums = np.zeros(len(ops), dtype=np.uint64)
-    ends = np.cumsum(ops[:, LENGTH]) if len(ops) else np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(ops[:, LENGTH])
     total = int(ends[-1]) if len(ends) else 0
     threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(ops)))
     shares = np.linspace(0, total, threads + 1)[1:-1]

@@ -247,9 +247,10 @@ class RestorePlan:
         offsets = (base + first * layout.page_bytes).tolist()
         lengths = ((end - first) * layout.page_bytes).tolist()
         expected = part.checksums[layer, blocks].tolist()
-        scope, new = part.scope_id, tuple.__new__
+        scope = part.scope_id
+        as_span = tuple.__new__  # a NamedTuple's own constructor costs twice this
         return [
-            new(HashSpan, (layer, StreamingCheck(sum_, scope), offset, length, True))
+            as_span(HashSpan, (layer, StreamingCheck(sum_, scope), offset, length, True))
             for sum_, offset, length in zip(expected, offsets, lengths, strict=True)
         ]
 

@@ -37,11 +37,13 @@ def copy_and_check(
     if not fused():
         return None
     ordered = sorted(runs, key=lambda run: run.offset)
+    lengths = [len(run.positions) * page_bytes for run in ordered]
     run_lo = np.array([run.offset for run in ordered], dtype=np.int64)
-    run_hi = run_lo + np.array([len(run.positions) for run in ordered], dtype=np.int64) * page_bytes
-    bases = np.array([_address(targets[id(run)], hi - lo) for run, lo, hi in
-                      zip(ordered, run_lo.tolist(), run_hi.tolist(), strict=True)],
-                     dtype=np.int64)  # fmt: skip
+    run_hi = run_lo + np.array(lengths, dtype=np.int64)
+    bases = np.array(
+        [_address(targets[id(run)], n) for run, n in zip(ordered, lengths, strict=True)],
+        dtype=np.int64,
+    )
     if len(ordered) and (run_lo[0] < 0 or int(run_hi.max()) > medium.nbytes):
         raise AssertionError("a page run lies outside the mapped medium")
     hashed, left = _whole_inside(spans, run_lo, run_hi)
