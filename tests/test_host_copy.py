@@ -101,7 +101,10 @@ def test_a_fused_copy_moves_the_bytes_and_hashes_each_block_like_the_reader(
     threads: int, nbytes: int, monkeypatch
 ) -> None:
     if not host_hash.fused():
-        pytest.skip("no fused copy: cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, no compiler) or no libxxhash")
+        pytest.skip(
+            "no fused copy: cuda_ext/_copyhash.c not built "
+            "(FLATCAKE_NATIVE=0, no compiler) or no libxxhash"
+        )
     monkeypatch.setattr(host_hash, "idle_threads", lambda: threads)
     monkeypatch.setattr(host_hash, "SPLIT_BYTES", 1 << 12)
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)

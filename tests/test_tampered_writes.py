@@ -111,7 +111,10 @@ def check_pass(request, monkeypatch) -> str:
     """The reader's check as one native pass (a block hashed right after its copy,
     ``cuda_ext/_copyhash.c``) and as the copy, then the hash, where that is not built."""
     if request.param == "fused" and not host_hash.fused():
-        pytest.skip("no fused copy: cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, no compiler) or no libxxhash")
+        pytest.skip(
+            "no fused copy: cuda_ext/_copyhash.c not built "
+            "(FLATCAKE_NATIVE=0, no compiler) or no libxxhash"
+        )
     if request.param == "copy-then-hash":
         monkeypatch.setattr(host_hash, "_native", lambda: None)
     return request.param
