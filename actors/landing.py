@@ -7,9 +7,10 @@ with one O_DIRECT command straight from it. The node names the memory, never the
 a put's bytes can only come from memory the node handed out (``docs/security.md``). Slots go
 back when the put commits, aborts or expires (``PutHandle.on_done``).
 
-Like the arena, the area is ``chunks`` files, each holding one tenant's slots at a time (the
+Like the arena, the area is ``chunks`` memfds, each holding one tenant's slots at a time (the
 owned allocation of ``core/extents.py``): a put's ticket names only the chunk its slots are
-in, its own tenant's; a chunk with no slot left taken is free for any tenant again.
+in, its own tenant's, and the node sends a client only its tenant's chunks
+(``actors/memory_handout.py``); a chunk with no slot left taken is free for any tenant again.
 """
 
 from __future__ import annotations
@@ -26,21 +27,17 @@ from flatcake_ray.media.arena import ArenaChunk, DramArena
 
 class LandingArea:
     def __init__(self, nbytes: int, name: str, chunks: int = 1) -> None:
-        # Shared memory a client of this node maps by path: no huge pages needed (one put's
-        # slots are rewritten per layer, never held).
+        # Shared memory a client of this node maps from the descriptor it is sent: no huge
+        # pages needed (one put's slots are rewritten per layer, never held).
         chunk = -(-nbytes // chunks // 4096) * 4096 if chunks > 1 else nbytes
         self.memory = DramArena(nbytes, name, hugepages="off", chunk_bytes=chunk)
-        count = len(self.memory.chunk_paths)
+        count = self.memory.chunks
         # Slots are freed by their put's end, which the put table expires: no TTL here.
         self._space = MediumSpace(chunk, count, 4096, total=nbytes, owned=count > 1)
         self._held: dict[int, ScopeRuns] = {}  # random ids: only their owner gives them back
         self._lock = threading.Lock()
         self._exporter: Any = None
         self.peer: Any = None  # NixlPeerInfo once exported
-
-    @property
-    def path(self) -> str:
-        return self.memory.path
 
     @property
     def nbytes(self) -> int:
@@ -73,8 +70,13 @@ class LandingArea:
                 self._space.release(runs)
 
     def chunk_at(self, offset: int) -> ArenaChunk:
-        """The chunk file that holds ``offset`` (what a put's ticket names)."""
+        """The chunk that holds ``offset`` (what a put's ticket names)."""
         return self.memory.chunk(offset // self.memory.chunk_bytes)
+
+    def chunks_of(self, owner: str) -> tuple[ArenaChunk, ...]:
+        """The chunks ``owner`` holds slots in now (every chunk of an area of one)."""
+        with self._lock:
+            return tuple(self.memory.chunk(region) for region in self._space.regions_of(owner))
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.memory.view[offset : offset + nbytes]

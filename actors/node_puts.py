@@ -32,11 +32,17 @@ WHOLE_SHARE = 8
 
 class NodePuts:
     def __init__(
-        self, store: FlatCakeStore, landing: LandingArea, counters: dict[str, int]
+        self,
+        store: FlatCakeStore,
+        landing: LandingArea,
+        counters: dict[str, int],
+        owner: tuple[int, float],
     ) -> None:
+        """``owner``: (process id, start time) of this node, on every ticket."""
         self.store = store
         self.landing = landing
         self.counters = counters
+        self.owner = owner
         self.arena_peer: Any = None  # the node's exports, set once made (NodeExports)
 
     def begin(self, tenant: str, keys: Any, options: dict[str, Any]) -> PutTicket:
@@ -59,7 +65,7 @@ class NodePuts:
             offsets = handle.arena_offsets()
             # A segment lies in one chunk: the caller's tenant's (core/extents.py).
             chunk = self.store.arena.chunk(offsets[0] // self.store.arena.chunk_bytes)
-            return _in_chunk(PutMemory.ARENA, offsets, handle, chunk, self.arena_peer)
+            return self._in_chunk(PutMemory.ARENA, offsets, handle, chunk, self.arena_peer)
         taken = self._take_slots(handle, tenant)
         if taken is None:
             return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)
@@ -68,7 +74,7 @@ class NodePuts:
         offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
         handle.slots = offsets
         chunk = self.landing.chunk_at(start)  # the slots' chunk, this tenant's
-        return _in_chunk(PutMemory.LANDING, offsets, handle, chunk, self.landing.peer)
+        return self._in_chunk(PutMemory.LANDING, offsets, handle, chunk, self.landing.peer)
 
     def _take_slots(self, handle: PutHandle, tenant: str) -> tuple[int, tuple[int, int]] | None:
         """(slots, region) of landing space: a slot per layer for a small put, else two, else
@@ -125,6 +131,27 @@ class NodePuts:
         self.counters["puts"] += 1
         return result
 
+    def _in_chunk(
+        self,
+        memory: PutMemory,
+        offsets: tuple[int, ...],
+        handle: PutHandle,
+        chunk: ArenaChunk,
+        peer: Any,
+    ) -> PutTarget:
+        """A target in one chunk of the node's memory (the only chunk its ticket names)."""
+        return PutTarget(
+            memory,
+            offsets,
+            handle.layer_bytes,
+            handle.new_positions,
+            nbytes=chunk.nbytes,
+            peer=peer,
+            chunk_offset=chunk.offset,
+            check_pages=handle.check_pages,
+            owner=self.owner,
+        )
+
     def abort(self, tenant: str, put_id: object) -> None:
         self.store.puts.get(put_id, tenant).abort()
         self.counters["puts_aborted"] += 1
@@ -162,20 +189,3 @@ def _layer_sums(sums: Any, layers: int) -> list[np.ndarray | None]:
     if not isinstance(sums, (list, tuple)) or len(sums) != layers:
         raise ShapeError("sums must be a list with one entry per in_place layer")
     return [_sums(entry) for entry in sums]
-
-
-def _in_chunk(
-    memory: PutMemory, offsets: tuple[int, ...], handle: PutHandle, chunk: ArenaChunk, peer: Any
-) -> PutTarget:
-    """A target in one chunk file of the node's memory (its only path on the ticket)."""
-    return PutTarget(
-        memory,
-        offsets,
-        handle.layer_bytes,
-        handle.new_positions,
-        path=chunk.path,
-        nbytes=chunk.nbytes,
-        peer=peer,
-        path_offset=chunk.offset,
-        check_pages=handle.check_pages,
-    )

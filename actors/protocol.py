@@ -37,7 +37,7 @@ class NodeDescription:
     layers: int
     page_bytes: int
     # The arena chunks the caller's tenant holds now (every chunk of an arena of one): the
-    # only arena files it is handed. A tenant that grows describes the node again.
+    # only ones the node hands it (``hand_chunks``, to a process on the node's machine).
     arena_chunks: tuple[ArenaChunk, ...]
     arena_bytes: int
     pool_paths: tuple[str, ...]
@@ -126,8 +126,8 @@ class PutTarget:
     ``offsets[n % len(offsets)]`` of the owner's landing area, then ``land``; with a slot per
     layer, landed at commit), ``INLINE`` (LAST RESORT, the landing area was full: each
     layer's bytes in its ``land`` call) or ``NONE`` (every key is stored already). A client
-    on the owner's node maps ``path`` (``nbytes``) shared and writable (for ``ARENA``, the one
-    chunk of the arena the put's pages are in, whose byte 0 is arena offset ``path_offset``);
+    on the owner's node maps the chunk of that memory at ``chunk_offset`` (``nbytes``; sent by
+    ``hand_chunks``) shared and writable, the one chunk the put's pages or slots are in;
     one on another node WRITEs to ``peer`` over NIXL, and sends the checksums of what it
     wrote (``check_pages``).
     Only the put's new pages are written, in key order: ``new_positions`` of the put's keys.
@@ -137,10 +137,12 @@ class PutTarget:
     offsets: tuple[int, ...]
     layer_bytes: int
     new_positions: np.ndarray = field(repr=False)
-    path: str = ""
     nbytes: int = 0
     peer: Any = None
-    path_offset: int = 0
+    chunk_offset: int = 0
+    # (process id, start time) of the node that handed it out: a client maps a chunk once
+    # per node process (a restarted node's chunks are new memory).
+    owner: tuple[int, float] = (0, 0.0)
     # Pages per checksum block: a client that writes in place sends each layer's block
     # checksums with its land or commit call (``core/integrity.py`` ``block_checksums``).
     check_pages: int = 1

@@ -19,6 +19,7 @@ and its ship buffer over NIXL (``actors/node_exports.py``), and answers:
 - ``begin_put`` / ``land`` / ``commit_put`` / ``abort_put``: a layer-wise put (the store's one
   put path, ``PutHandle``) whose bytes the client writes into memory this node hands out: the
   arena in place for DRAM, landing slots for SSD (``actors/node_puts.py``).
+- ``hand_chunks``: the caller's tenant's memory, as descriptors, to a client on this machine.
 - ``ship``/``unship`` and ``read_ranges`` (the labelled object-store fallback): bytes of
   ranges the caller's tenant holds a lease on, at most ``ship_bytes`` per call;
   ``ship_stream``/``ship_stop``: a whole restore's shipped windows in one streaming call.
@@ -44,6 +45,11 @@ from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.leased_bytes import LeasedBytes
 from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.membership import Membership
+from flatcake_ray.actors.memory_handout import (
+    MemoryHandout,
+    keep_memory_private,
+    memory_is_private,
+)
 from flatcake_ray.actors.node_exports import NodeExports
 from flatcake_ray.actors.node_puts import NodePuts
 from flatcake_ray.actors.node_tenants import NodeTenants
@@ -79,6 +85,8 @@ class StorageNode(HomeCalls):
     def __init__(self, config: ServiceConfig, service_secret: str) -> None:
         import ray
 
+        if config.private_node_memory:
+            keep_memory_private()  # before any chunk exists
         self.config = config
         self.ray_node_id = ray_node_id = ray.get_runtime_context().get_node_id()
         self.started_at = time.time()
@@ -107,7 +115,8 @@ class StorageNode(HomeCalls):
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         landing_name = f"{config.namespace}-landing-{self.node_id}"
         landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
-        self.puts = NodePuts(self.store, landing, self.counters)
+        self.puts = NodePuts(self.store, landing, self.counters, (os.getpid(), self.started_at))
+        self.handout = MemoryHandout(self.store, landing, config.rpc_timeout_s)
         self.exports = NodeExports(
             self.node_id, self.store.arena, self.ship_buffer, landing, self._peers_hold
         )
@@ -210,6 +219,7 @@ class StorageNode(HomeCalls):
             "leases_held": len(self.leases),
             "ship_regions_held": self.ship_buffer.regions.held,
             "nixl": self.exports.nixl_reason or "ok",
+            "memory_private": memory_is_private(),  # non-dumpable (private_node_memory)
         }
         if mine is not None:
             stats["tenants"] = {mine: stats["tenants"].get(mine, {})}
@@ -234,6 +244,14 @@ class StorageNode(HomeCalls):
             raise ServiceError("remote failpoints are off on this node")
         failpoints.disarm_all()
         return len(failpoints.arm_from_spec(spec))
+
+    def hand_chunks(
+        self, secret: object, socket_name: object, memory: object, offsets: Any = None
+    ) -> tuple[int, int]:
+        """The caller's tenant's chunks of ``memory`` sent to its process listening on
+        ``socket_name`` (``actors/memory_handout.py``): how many, and this process's id."""
+        sent = self.handout.hand(self._tenant(secret).name, socket_name, memory, offsets)
+        return sent, os.getpid()
 
     def accept_rdma(self, secret: object, reader: Any) -> Any:
         """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""

@@ -33,7 +33,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import numpy as np
 
-from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas, start_local_cluster
+from flatcake_ray.cli.benchkit import bench_service_config, start_local_cluster
 
 NAMESPACE = "flatcake-ctl"
 RESOURCE = "ctlbench"
@@ -116,7 +116,6 @@ def run_cluster(nodes: int, pages_list: list[int], chains: int, repeats: int) ->
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-        remove_arenas(root)
 
 
 class _Method:

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 
 from flatcake_ray.cli import bench_control
-from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas
+from flatcake_ray.cli.benchkit import bench_service_config
 from flatcake_ray.client import deploy
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -89,7 +89,6 @@ def measure(nodes: int, seconds: float, settle_s: float = 15.0) -> dict:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-        remove_arenas(root)
     kinds = sorted(used.items(), key=lambda item: -item[1][0])
     return {
         "nodes": nodes,

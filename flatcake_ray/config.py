@@ -290,6 +290,10 @@ class ServiceConfig:
     ramp_floor: float = 0.1  # ... starting from this fraction of it
     nvmeof_root: str = ""  # where remote pools appear on this node, e.g. /mnt/nvmeof/{node_id}
     node_concurrency: int = 16  # concurrent RPCs a storage node serves
+    # A storage node's process is non-dumpable: no process of its OS user reads its memory
+    # or descriptors through /proc or ptrace (docs/security.md). False: debuggers and py-spy
+    # may attach (and so may every process of that user).
+    private_node_memory: bool = True
     # A client without a tenant secret is the default tenant (the service's geometry, no
     # quota) while no named tenant exists; False: every client presents a tenant's secret
     # (docs/security.md). default_beside_tenants keeps it open beside named tenants too

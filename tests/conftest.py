@@ -153,22 +153,6 @@ class RayService:
         return str(self.config.namespace)
 
 
-def remove_leftover_arenas(root: Path | str) -> None:
-    """A killed storage node never unlinks its DRAM arena: remove the ones of this root."""
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
-
-
-def remove_dead_landings(namespace: str) -> None:
-    """A killed storage node never unlinks its landing area either (named by namespace and
-    NodeID, not root): remove those of ``namespace`` whose process is gone."""
-    for path in Path("/dev/shm").glob(f"flatcake-{namespace}-landing-*"):
-        pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            path.unlink(missing_ok=True)
-
-
 @pytest.fixture(scope="module")
 def ray_service(tmp_path_factory):
     """Start the service on a Ray of its own: ``ray_service(namespace, **config)``.
@@ -262,8 +246,6 @@ def _stop_service(service: RayService, saved_env: dict[str, str | None]) -> None
             else:
                 os.environ[name] = value
         shutil.rmtree(service.root, ignore_errors=True)
-        remove_leftover_arenas(service.root)
-        remove_dead_landings(service.namespace)
 
 
 T = TypeVar("T")

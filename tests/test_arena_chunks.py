@@ -1,11 +1,11 @@
-"""A node's arena in chunk files, each holding one tenant's pages at a time (issue 23): the
-store hands a tenant its own chunks only, a tenant grows into a free chunk and gives an
-emptied one back, and a reader can map and read only the chunks it was handed."""
+"""A node's arena in chunks (memfds, no path), each holding one tenant's pages at a time
+(issue 23): the store hands a tenant its own chunks only, a tenant grows into a free chunk
+and gives an emptied one back, and a reader can map and read only the chunks it was handed."""
 
 from __future__ import annotations
 
 import mmap
-from pathlib import Path
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from flatcake_ray.client.put_targets import map_shared
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.tenants import Tenant, new_secret, secret_hash
 from flatcake_ray.errors import ForeignMemoryError
+from flatcake_ray.media.fd_handout import HandedChunk
 from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_dram import LocalDramTransport
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
@@ -45,11 +46,13 @@ def test_each_tenant_is_handed_its_own_chunks_only(store):
     put(store, "alpha", 1)
     put(store, "beta", 2)
     alpha, beta = store.arena_chunks("alpha"), store.arena_chunks("beta")
-    assert len(alpha) == len(beta) == 1 and alpha[0].path != beta[0].path
-    assert len({Path(p).name for p in store.arena.chunk_paths}) == 4  # a file per chunk
+    assert len(alpha) == len(beta) == 1 and alpha[0].offset != beta[0].offset
+    assert store.arena.chunks == len(set(store.arena.chunk_fds)) == 4  # a memfd per chunk
     for chunk in (*alpha, *beta):
-        assert Path(chunk.path).stat().st_mode & 0o777 == 0o600
-        assert Path(chunk.path).stat().st_size == chunk.nbytes == CHUNK
+        fd = store.arena.chunk_fd(chunk.offset)
+        # No path reaches it: a memfd's name is a label, not a file anyone can open.
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:flatcake-")
+        assert os.fstat(fd).st_size == chunk.nbytes == CHUNK
     gva = int(store.gvas(["alpha-1-0"], tenant="alpha")[0])
     assert alpha[0].offset <= gva < alpha[0].offset + alpha[0].nbytes  # its pages are in it
 
@@ -71,18 +74,18 @@ def test_a_tenant_grows_into_a_free_chunk_and_gives_an_emptied_one_back(store):
     assert len(held) == 2  # grown by a chunk; its first pages stayed where they were
     assert np.array_equal(store.gvas(first, tenant="alpha"), where)
     put(store, "beta", 20, pages=4)
-    assert not {c.path for c in held} & {c.path for c in store.arena_chunks("beta")}
+    assert not set(held) & set(store.arena_chunks("beta"))
     store.remove_tenant("alpha")  # its chunks empty: they belong to no one again
     assert store.arena_chunks("alpha") == ()
     grow(store, "beta", 3, 21)  # beyond the two chunks alpha never held: one it gave back
-    assert {c.path for c in held} & {c.path for c in store.arena_chunks("beta")}
+    assert set(held) & set(store.arena_chunks("beta"))
 
 
 def test_a_reader_reads_its_chunks_and_nothing_else(store):
     keys = put(store, "alpha", 1)
     put(store, "beta", 2)
     mine, theirs = store.arena_chunks("alpha")[0], store.arena_chunks("beta")[0]
-    reader = LocalDramTransport.attach([mine], store.arena.nbytes, lambda: [mine])
+    reader = LocalDramTransport.attach(lambda: [handed(store, mine)], store.arena.nbytes)
     try:
         gva = int(store.gvas(keys[:1], tenant="alpha")[0])
         out = np.zeros(PAGE_BYTES, dtype=np.uint8)
@@ -95,12 +98,20 @@ def test_a_reader_reads_its_chunks_and_nothing_else(store):
         reader.close()
 
 
+def handed(store, chunk) -> HandedChunk:
+    """``chunk`` as a client gets it: a descriptor of its own (the reader closes it)."""
+    return HandedChunk(chunk.offset, chunk.nbytes, os.dup(store.arena.chunk_fd(chunk.offset)))
+
+
 def test_a_chunk_cannot_be_mapped_or_written_past_its_end(store):
     put(store, "alpha", 1)
-    mine = store.arena_chunks("alpha")[0]
-    with pytest.raises(ValueError, match="mmap length is greater than file size"):
-        map_shared(mine.path, mine.nbytes + mmap.PAGESIZE)
-    mapping, view = map_shared(mine.path, mine.nbytes)
+    mine = handed(store, store.arena_chunks("alpha")[0])
+    try:
+        with pytest.raises(ValueError, match="mmap length is greater than file size"):
+            map_shared(mine.fd, mine.nbytes + mmap.PAGESIZE)
+        mapping, view = map_shared(mine.fd, mine.nbytes)
+    finally:
+        os.close(mine.fd)
     with pytest.raises(ValueError):
         view[mine.nbytes - 8 : mine.nbytes + 8] = np.ones(16, np.uint8)  # 8 bytes past it
     del view
@@ -115,7 +126,8 @@ def test_landing_slots_come_from_a_chunk_their_tenant_holds():
         alpha_id, alpha_at = area.take(CHUNK // 2, "alpha")
         beta_id, beta_at = area.take(CHUNK // 2, "beta")
         alpha, beta = area.chunk_at(alpha_at), area.chunk_at(beta_at)
-        assert alpha.path != beta.path and alpha.nbytes == CHUNK
+        assert alpha.offset != beta.offset and alpha.nbytes == CHUNK
+        assert area.chunks_of("alpha") == (alpha,) and area.chunks_of("beta") == (beta,)
         assert area.chunk_at(area.take(CHUNK // 4, "alpha")[1]) == alpha  # fills its own first
         area.give(alpha_id, "beta")  # not beta's: nothing changes
         assert area.take(CHUNK, "beta") is not None  # a free chunk, not alpha's half-empty one

@@ -225,12 +225,6 @@ def test_a_drive_is_formatted_only_when_it_holds_no_file_system(drive_command):
 
 
 # ---- its commands on a local cluster --------------------------------------------------------
-def remove_leftover_arenas(root: Path) -> None:
-    slug = root.resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
-
-
 @pytest.fixture
 def run_on_local_cluster(tmp_path):
     """Starts the runner (its own process group) and removes what it may leave behind."""
@@ -256,7 +250,6 @@ def run_on_local_cluster(tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    remove_leftover_arenas(tmp_path / "nodes")
 
 
 @pytest.mark.ray

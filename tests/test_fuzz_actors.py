@@ -103,6 +103,7 @@ NODE_TENANT_CALLS = {
     "ship_stream": 4,
     "ship_stop": 1,
     "read_ranges": 3,
+    "hand_chunks": 3,
 }
 NODE_SERVICE_CALLS = {
     "coordinator_view": 0,
@@ -338,7 +339,8 @@ def test_a_staged_put_from_an_arbitrary_file_is_refused(service):
         description = ray.get(service["node"].describe.remote(service["alpha"]))
         assert ticket.target.memory is not PutMemory.NONE  # two new pages: somewhere to go
         if ticket.target.memory is PutMemory.ARENA:  # the node's memory, a chunk of alpha's
-            assert ticket.target.path in {chunk.path for chunk in description.arena_chunks}
+            offsets = {chunk.offset for chunk in description.arena_chunks}
+            assert ticket.target.chunk_offset in offsets
     finally:
         ray.get(service["node"].abort_put.remote(service["alpha"], ticket.put_id))
 

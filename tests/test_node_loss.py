@@ -35,7 +35,6 @@ from tests.conftest import (  # noqa: E402
     QUICK_NODE_DEATH,
     SMALL_SERVICE,
     random_kv,
-    remove_leftover_arenas,
     wait_for,
 )
 from tests.test_service import pinned_client  # noqa: E402  (its client on a node, by value)
@@ -94,7 +93,6 @@ def loss(ray_service, tmp_path_factory):
         "state": {},
     }
     driver.close()
-    remove_leftover_arenas(host_root)  # the removed nodes' processes are gone
 
 
 def secret() -> str:

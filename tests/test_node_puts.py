@@ -6,6 +6,8 @@ The client's side (mapped files, NIXL WRITE) runs against a real service in test
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def owner(make_store):
         area = LandingArea(landing, f"test-landing-{len(made)}-{id(store)}")
         counters = {name: 0 for name in ("puts", "puts_layerwise", "puts_aborted")}
         counters.update({f"puts_{memory.value}": 0 for memory in PutMemory})
-        puts = NodePuts(store, area, counters)
+        puts = NodePuts(store, area, counters, (os.getpid(), 0.0))
         made.append(puts)
         return store, puts, counters
 

@@ -33,8 +33,6 @@ from tests.conftest import (  # noqa: E402
     LAYERS,
     PAGE_BYTES,
     QUICK_NODE_DEATH,
-    remove_dead_landings,
-    remove_leftover_arenas,
     wait_for,
 )
 from tests.test_service import kv_for, pinned_client  # noqa: E402
@@ -64,8 +62,6 @@ def cluster():
             ray.shutdown()
             head.shutdown()
             shutil.rmtree(DEFAULT_BASE, ignore_errors=True)
-            remove_leftover_arenas(DEFAULT_BASE)
-            remove_dead_landings(NAMESPACE)
 
 
 def start(cluster) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from flatcake_ray.config import PlacementConfig
 from flatcake_ray.errors import StoreWriteError
-from flatcake_ray.node.store import FlatCakeStore, PutHints
+from flatcake_ray.node.store import PutHints
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
 
 SHORT_CHAT = PutHints(turn=2, prior_reply_tokens=10)  # Table 2: DRAM
@@ -231,20 +231,24 @@ def test_another_process_reads_the_arena_and_cannot_change_it(make_store, tmp_pa
     kv = random_kv(2, seed=14)
     store.put(["m0", "m1"], kv, hints=SHORT_CHAT)
     offset = int(store.gvas(["m0"])[0])  # a DRAM GVA is its own arena offset (medium and node 0)
-    script = (
-        "import sys, numpy as np\n"
-        "from flatcake_ray.media.arena import DramArena\n"
-        "mapping, view = DramArena.attach(sys.argv[1], int(sys.argv[2]))\n"
-        "at = int(sys.argv[3])\n"
+    script = (  # a reader's mapping of a chunk it was handed (transports/local_dram.py)
+        "import sys\n"
+        "from flatcake_ray.media.chunk_map import ChunkMap\n"
+        "fd, nbytes, at = (int(arg) for arg in sys.argv[1:])\n"
+        "chunks = ChunkMap(nbytes)\n"
+        "chunks.place(0, fd, nbytes, shared=False)\n"
+        "view = chunks.view\n"
         "sys.stdout.write(view[at : at + 64].tobytes().hex())\n"
         "view[at : at + 64] = 0  # lands in this process's private copy only\n"
         "sys.stdout.write(' ' + view[at : at + 64].tobytes().hex())\n"
     )
+    fd = store.arena.chunk_fd(0)
     shown = subprocess.run(
-        [sys.executable, "-c", script, store.arena.path, str(store.config.dram_bytes), str(offset)],
+        [sys.executable, "-c", script, str(fd), str(store.config.dram_bytes), str(offset)],
         capture_output=True,
         text=True,
         check=True,
+        pass_fds=(fd,),
     ).stdout
     assert shown == kv[0, 0, :64].tobytes().hex() + " " + "00" * 64
     assert np.array_equal(store.arena.view[offset : offset + 64], kv[0, 0, :64])  # unchanged
@@ -252,7 +256,9 @@ def test_another_process_reads_the_arena_and_cannot_change_it(make_store, tmp_pa
     assert store.get(["m0", "m1"], out) == 2 and np.array_equal(out, kv)
 
 
-def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):
+def test_an_arena_has_no_path_and_goes_with_its_process(tmp_path):
+    """The arena is memfds: no file another process could open by name, and nothing left
+    behind by a process that dies without closing its store."""
     import subprocess
     import sys
 
@@ -262,8 +268,8 @@ def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):
         "from flatcake_ray.config import StoreConfig\n"
         "from flatcake_ray.node.store import FlatCakeStore\n"
         "store = FlatCakeStore(StoreConfig(**eval(sys.argv[1])))\n"
-        "print(store.arena.path, flush=True)\n"
-        "os._exit(0)  # dies without closing: the arena file stays behind\n"
+        "print(os.readlink(f'/proc/self/fd/{store.arena.chunk_fds[0]}'), flush=True)\n"
+        "os._exit(0)  # dies without closing\n"
     )
     fields = {
         k: getattr(config, k)
@@ -277,11 +283,12 @@ def test_arena_names_are_per_process_and_stale_ones_are_removed(tmp_path):
             "fsync",
         )
     }
-    stale = subprocess.run(
+    folders = [Path("/dev/shm"), Path("/dev/hugepages")]
+    before = {p for folder in folders if folder.is_dir() for p in folder.iterdir()}
+    link = subprocess.run(
         [sys.executable, "-c", script, repr(fields)], capture_output=True, text=True, check=True
     ).stdout.strip()
-    assert Path(stale).exists()
-    with FlatCakeStore(config) as store:
-        assert store.arena.path != stale
-        assert not Path(stale).exists()
-    assert not Path(store.arena.path).exists()
+    assert link.startswith("/memfd:flatcake-"), link  # anonymous: no directory holds it
+    after = {p for folder in folders if folder.is_dir() for p in folder.iterdir()}
+    slug = tmp_path.resolve().as_posix().strip("/").replace("/", "-")
+    assert not [p for p in after - before if slug in p.name]

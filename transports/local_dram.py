@@ -1,11 +1,11 @@
 """Local DRAM: memcpy from this node's DRAM arena, mapped read-only into the reader.
 
-The storage node owns the arena (chunk files in /dev/shm or on hugetlbfs); a client on the
-same node maps the chunks its tenant was handed read-only, each at its arena offset in one
-reserved range (:class:`ChunkMap`), and copies pages straight out of them. A range outside
-them is :class:`ForeignMemoryError` (a miss), after one look for chunks its tenant took
-since (``refresh``). Nothing crosses a process boundary but the lease that says where the
-pages are.
+The storage node owns the arena (chunk memfds, no path); a client on the same node maps the
+chunks its tenant was handed (as descriptors, ``media/fd_handout.py``) privately, each at
+its arena offset in one reserved range (:class:`ChunkMap`), and copies pages straight out of
+them. A range outside them is :class:`ForeignMemoryError` (a miss), after one more hand-out
+of the chunks its tenant holds now (it may have taken more since). Nothing crosses a process
+boundary but the lease that says where the pages are.
 A copy to a GPU is the caller's torch copy on a stream (see ``flatcake_ray/buffers.py``).
 
 Also here: :func:`merge_contiguous`, shared by every transport, which folds ranges that are
@@ -14,6 +14,7 @@ back to back in both source and destination into one (one memcpy, one NIXL descr
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -21,8 +22,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from flatcake_ray.errors import ForeignMemoryError, TransportClosedError
-from flatcake_ray.media.arena import ArenaChunk
 from flatcake_ray.media.chunk_map import ChunkMap
+from flatcake_ray.media.fd_handout import HandedChunk
 from flatcake_ray.transports.base import LOCAL_DRAM, ReadBatch, TransferStats, Transport
 
 
@@ -62,32 +63,35 @@ class LocalDramTransport(Transport):
         arena_view: np.ndarray,
         *,
         chunks: ChunkMap | None = None,
-        refresh: Callable[[], Iterable[ArenaChunk]] | None = None,
+        hand: Callable[[], Iterable[HandedChunk]] | None = None,
     ) -> None:
         self._view: np.ndarray | None = arena_view
         self._chunks = chunks  # None: the whole view is this process's to read
-        self._refresh = refresh
+        self._hand = hand
         self._lock = threading.Lock()
 
     @classmethod
     def attach(
-        cls,
-        chunks: Iterable[ArenaChunk],
-        arena_bytes: int,
-        refresh: Callable[[], Iterable[ArenaChunk]] | None = None,
+        cls, hand: Callable[[], Iterable[HandedChunk]], arena_bytes: int
     ) -> LocalDramTransport:
-        """Map the arena chunks another process handed this one, read-only (the client's
-        local-DRAM path); ``refresh`` answers the chunks handed now (its tenant grew)."""
+        """Map the arena chunks another process hands this one (the client's local-DRAM
+        path): ``hand`` answers the chunks its tenant holds now (asked again when a read
+        reaches past them: the tenant grew)."""
         mapped = ChunkMap(arena_bytes)
-        transport = cls(mapped.view, chunks=mapped, refresh=refresh)
-        transport._map(chunks)
+        transport = cls(mapped.view, chunks=mapped, hand=hand)
+        transport._map(hand())
         return transport
 
-    def _map(self, chunks: Iterable[ArenaChunk]) -> None:
+    def _map(self, handed: Iterable[HandedChunk]) -> None:
         assert self._chunks is not None
-        for chunk in chunks:
-            if chunk.offset not in self._chunks.mapped:
-                self._chunks.place(chunk.offset, chunk.path, chunk.nbytes, shared=False)
+        chunks = list(handed)
+        try:
+            for chunk in chunks:
+                if chunk.offset not in self._chunks.mapped:
+                    self._chunks.place(chunk.offset, chunk.fd, chunk.nbytes, shared=False)
+        finally:
+            for chunk in chunks:  # the mapping keeps the memory; no descriptor stays open
+                os.close(chunk.fd)
 
     def holds(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
         """Whether every range lies in chunks handed to this process (looking once for
@@ -96,8 +100,8 @@ class LocalDramTransport(Transport):
         if chunks is None or chunks.covers(starts, lengths):
             return True
         with self._lock:
-            if self._refresh is not None:
-                self._map(self._refresh())
+            if self._hand is not None:
+                self._map(self._hand())
             return chunks.covers(starts, lengths)
 
     def _check_handed(self, reads: ReadBatch) -> None:

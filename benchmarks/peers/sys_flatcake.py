@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.peers.workload import Workload, check_bytes, gbps, median
-from flatcake_ray.cli.benchkit import bench_service_config, remove_arenas, start_local_cluster
+from flatcake_ray.cli.benchkit import bench_service_config, start_local_cluster
 
 NAMESPACE = "flatcake-peers"
 RESOURCE = "peersbench"
@@ -181,7 +181,6 @@ class FlatCakeBench:
             if self.cluster is not None:
                 self.cluster.shutdown()
             shutil.rmtree(self.root, ignore_errors=True)
-            remove_arenas(self.root)
 
     # ---- helpers ------------------------------------------------------------------------
     def first(self, node_id: int) -> Any:

@@ -46,7 +46,6 @@ import numpy as np
 from flatcake_ray.cli.benchkit import (
     bench_folder,
     bench_service_config,
-    remove_arenas,
     start_local_cluster,
 )
 from flatcake_ray.core.catalog import PutHints
@@ -258,7 +257,6 @@ def run_size(nodes: int, args: argparse.Namespace) -> dict[str, Any]:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-        remove_arenas(root)
 
 
 def run_control(args: argparse.Namespace) -> dict[str, Any]:

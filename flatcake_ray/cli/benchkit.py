@@ -15,7 +15,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -194,7 +193,6 @@ def running_service(
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(root, ignore_errors=True)
-        remove_arenas(root)
 
 
 def bench_service_config(
@@ -229,13 +227,6 @@ def bench_service_config(
         fsync=False,
         rpc_timeout_s=60.0,
     )
-
-
-def remove_arenas(root: str) -> None:
-    """Arenas of storage nodes that did not shut down cleanly stay in /dev/shm: drop ours."""
-    slug = Path(root).resolve().as_posix().strip("/").replace("/", "-")
-    for path in Path("/dev/shm").glob(f"flatcake-{slug}*"):
-        path.unlink(missing_ok=True)
 
 
 # ---- when a run's figures may go into BENCHMARKS.md -------------------------------------------

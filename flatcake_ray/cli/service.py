@@ -46,7 +46,7 @@ _CONFIG_FLAGS: tuple[str, ...] = (
     "ssd_dirs",
     "ssd_files_per_dir",
 )
-_CONFIG_FLAGS += ("secret_file", "open_default", "default_beside_tenants")
+_CONFIG_FLAGS += ("secret_file", "open_default", "default_beside_tenants", "private_node_memory")
 _LIMIT_FLAGS = {
     "tenant_calls_per_s": "calls a second each tenant may make of each node (0: no limit)",
     "tenant_call_burst": "calls a tenant may make at once above that rate",
@@ -101,6 +101,14 @@ def _add_start(subparsers: Any) -> None:
         const=True,
         help="keep the open default tenant open when named tenants exist (trusts every Ray "
         "job with the default tenant's pages)",
+    )
+    start.add_argument(
+        "--debuggable-nodes",
+        dest="private_node_memory",
+        action="store_const",
+        const=False,
+        help="let debuggers and py-spy attach to the storage nodes (and with them every "
+        "process of the service's OS user: it can then read every tenant's memory)",
     )
     start.add_argument("--resource", help="only Ray nodes offering this custom resource")
     start.add_argument("--local-cpus", type=int, default=2, help="CPUs of a local Ray it starts")

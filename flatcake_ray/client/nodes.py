@@ -25,6 +25,7 @@ from flatcake_ray.client.calls import BoundNode
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import AccessDeniedError, ServiceError
+from flatcake_ray.media.fd_handout import ChunkReceiver, HandedChunk
 from flatcake_ray.transports import base
 from flatcake_ray.transports.local_dram import LocalDramTransport
 from flatcake_ray.transports.local_ssd import GdsSsdTransport, LocalSsdTransport
@@ -106,7 +107,7 @@ class NodeLink:
         timeout = self.config.rpc_timeout_s
         pool_bytes = d.pool_file_bytes * len(d.pool_paths)
         if path == base.LOCAL_DRAM:
-            return LocalDramTransport.attach(d.arena_chunks, d.arena_bytes, self._chunks_now)
+            return LocalDramTransport.attach(lambda: self.hand_chunks("arena"), d.arena_bytes)
         if path == base.LOCAL_SSD:
             return LocalSsdTransport.open(d.pool_paths, d.pool_file_bytes)
         if path == base.LOCAL_SSD_GDS:
@@ -132,13 +133,17 @@ class NodeLink:
             return self._rdma(timeout)
         raise ServiceError(f"no transport named {path!r}")
 
-    def _chunks_now(self) -> tuple[Any, ...]:
-        """The arena chunks this tenant holds on the node now (it took more since described)."""
+    def hand_chunks(self, memory: str, offsets: list[int] | None = None) -> list[HandedChunk]:
+        """This tenant's chunks of the node's ``memory`` ("arena" or "landing"; at
+        ``offsets``, None: every one it holds now), as descriptors this process owns: the
+        node is on this machine (``media/fd_handout.py``)."""
         import ray
 
-        handle = self.handle.describe.remote()
-        description = ray.get(handle, timeout=self.config.rpc_timeout_s)
-        return tuple(description.arena_chunks)
+        timeout = self.config.rpc_timeout_s
+        with ChunkReceiver() as receiver:
+            ref = self.handle.hand_chunks.remote(receiver.name, memory, offsets)
+            count, sender = ray.get(ref, timeout=timeout)
+            return receiver.receive(sender, count, timeout)
 
     def _rdma(self, timeout: float) -> Any:
         import ray

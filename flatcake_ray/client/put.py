@@ -41,7 +41,7 @@ IN_FLIGHT = 2  # inline layers of one put crossing at once
 class Reach(Enum):
     """How this client gets a layer's bytes into the owner's memory."""
 
-    MAPPED = "mapped"  # the owner is on this node: its file, mapped here
+    MAPPED = "mapped"  # the owner is on this node: its chunk, mapped here
     NIXL = "nixl"  # one-sided WRITE
     CALL = "call"  # LAST RESORT: in the ``land`` call
 
@@ -146,8 +146,8 @@ class RemotePut:
             self._route.targets.write(target.peer, offset, data, positions)
             return None
         count = len(data) if positions is None else len(positions)
-        memory = self._route.targets.mapped(target.path, target.nbytes)
-        start = offset - target.path_offset
+        memory = self._route.targets.mapped(self._link, target)
+        start = offset - target.chunk_offset
         into = memory[start : start + count * self._page_bytes].reshape(count, -1)
         if positions is not None:
             np.take(data, positions, axis=0, out=into)

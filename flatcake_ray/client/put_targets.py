@@ -1,7 +1,8 @@
 """How a client reaches the memory an owner hands out for a put (``PutTarget``).
 
-On the owner's node the client maps the owner's file (its arena, or its landing area) shared
-and writable, once per file, and copies a layer's pages straight in. From another node it
+On the owner's node the client maps the owner's chunk (of its arena, or of its landing area;
+sent as a descriptor, ``media/fd_handout.py``) shared and writable, once per chunk, and
+copies a layer's pages straight in. From another node it
 WRITEs them over NIXL: the pages are gathered into a region of the client's own staging
 memory (registered once) and written with one one-sided WRITE, no owner CPU involved.
 """
@@ -16,23 +17,22 @@ from typing import Any
 
 import numpy as np
 
+from flatcake_ray.actors.protocol import PutTarget
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.media.fd_handout import HandedChunk
 
-MAX_MAPPINGS = 8  # owners' files mapped at once (a node restart makes a new file)
+MAX_MAPPINGS = 8  # owners' chunks mapped at once
 MAX_WRITERS = 16  # owners' exports with a live NIXL connection
 
 
-def map_shared(path: str, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
-    """Map ``path`` shared and writable (a file the owner handed out, on this node),
-    pre-faulted: a put writing a page this process never touched would otherwise take a
-    write fault per 4 KiB (shared mappings get no fault-around on writes)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, nbytes, flags=flags)
-    finally:
-        os.close(fd)
+def map_shared(fd: int, nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """Map ``nbytes`` of the file open as ``fd`` shared and writable (memory the owner
+    handed out, on this node), pre-faulted: a put writing a page this process never touched
+    would otherwise take a write fault per 4 KiB (shared mappings get no fault-around on
+    writes). The caller keeps ``fd``."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapping = mmap.mmap(fd, nbytes, flags=flags)
     return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 
@@ -40,17 +40,21 @@ class PutTargets:
     def __init__(self, staging: StagingArena, timeout_s: float) -> None:
         self.staging = staging
         self.timeout_s = timeout_s
-        self._maps: OrderedDict[str, tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+        self._maps: OrderedDict[tuple[Any, ...], tuple[mmap.mmap, np.ndarray]] = OrderedDict()
         self._writers: OrderedDict[str, Any] = OrderedDict()
         self._agent: Any = None
         self._lock = threading.Lock()
 
-    def mapped(self, path: str, nbytes: int) -> np.ndarray:
+    def mapped(self, link: Any, target: PutTarget) -> np.ndarray:
+        """The one chunk ``target`` is in, mapped shared and writable (handed out by its
+        node on the first put there)."""
+        memory, offset = target.memory.value, target.chunk_offset
+        key = (link.description.actor_name, target.owner, memory, offset)
         with self._lock:
-            known = self._maps.get(path)
+            known = self._maps.get(key)
             if known is None:
-                known = self._maps[path] = map_shared(path, nbytes)
-            self._maps.move_to_end(path)
+                known = self._maps[key] = _map_handed(link.hand_chunks(memory, [offset]))
+            self._maps.move_to_end(key)
             while len(self._maps) > MAX_MAPPINGS:
                 self._maps.popitem(last=False)  # unmapped once its last view goes
             return known[1]
@@ -100,3 +104,12 @@ class PutTargets:
             if self._agent is not None:
                 self._agent.close()
                 self._agent = None
+
+
+def _map_handed(handed: list[HandedChunk]) -> tuple[mmap.mmap, np.ndarray]:
+    try:
+        (chunk,) = handed
+        return map_shared(chunk.fd, chunk.nbytes)
+    finally:
+        for chunk in handed:
+            os.close(chunk.fd)

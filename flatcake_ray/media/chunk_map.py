@@ -1,6 +1,6 @@
 """Files mapped side by side into one reserved range of address space, by ``MAP_FIXED``.
 
-The arena of a node is several files (its chunks, ``media/arena.py``), but everything that
+The arena of a node is several memfds (its chunks, ``media/arena.py``), but everything that
 reads or writes it (the writer, the readers, the NIXL and RDMA exports) wants one contiguous
 view addressed by arena offset. So the range is reserved (``PROT_NONE``, no memory behind
 it) and each chunk's file is mapped over its own part of it. A client maps only the chunks
@@ -60,16 +60,13 @@ class ChunkMap:
         self.view = np.frombuffer(self._array, dtype=np.uint8)[:nbytes]
         self.mapped: dict[int, int] = {}  # offset -> bytes of every chunk mapped
 
-    def place(self, offset: int, path: str, nbytes: int, *, shared: bool) -> None:
-        """Map ``nbytes`` of file ``path`` at ``offset``: ``shared`` writable (the owner), or
-        private from a read-only descriptor (a reader: it can never change the file)."""
-        fd = os.open(path, os.O_RDWR if shared else os.O_RDONLY)
-        try:
-            prot = mmap.PROT_READ | mmap.PROT_WRITE
-            kind = mmap.MAP_SHARED | _MAP_POPULATE if shared else mmap.MAP_PRIVATE
-            _mmap(self.base + offset, nbytes, prot, kind | _MAP_FIXED, fd)
-        finally:
-            os.close(fd)
+    def place(self, offset: int, fd: int, nbytes: int, *, shared: bool) -> None:
+        """Map ``nbytes`` of the file open as ``fd`` at ``offset``: ``shared`` writable (the
+        owner; a put writing in place), or private (a reader: its writes, were it to make
+        any, would land in its own copy, never the file). The caller keeps ``fd``."""
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        kind = mmap.MAP_SHARED | _MAP_POPULATE if shared else mmap.MAP_PRIVATE
+        _mmap(self.base + offset, nbytes, prot, kind | _MAP_FIXED, fd)
         self.mapped[offset] = nbytes
 
     def covers(self, starts: np.ndarray, lengths: np.ndarray) -> bool:

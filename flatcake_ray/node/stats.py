@@ -113,7 +113,7 @@ def store_stats(store: StoreParts) -> dict[str, Any]:
         "leases_open": summed["leases_open"],
         "puts_open": len(store.puts),
         "puts_expired": store.puts.expired,
-        "arena_chunks": len(store.arena.chunk_paths),  # their paths go to their owners only
+        "arena_chunks": store.arena.chunks,  # each handed to its owner only
         "arena_hugepages": store.arena.huge,
         "ssd_o_direct": store.pool.direct,
         "tenants": tenants,
