@@ -37,7 +37,6 @@ class LandingArea:
         self._held: dict[int, ScopeRuns] = {}  # random ids: only their owner gives them back
         self._lock = threading.Lock()
         self._exporter: Any = None
-        self.peer: Any = None  # NixlPeerInfo once exported
 
     @property
     def nbytes(self) -> int:
@@ -46,8 +45,13 @@ class LandingArea:
     def export(self, agent: Any) -> None:
         from flatcake_ray.transports.nixl_dram import NixlArenaExporter
 
-        self._exporter = NixlArenaExporter(agent.name, self.memory.view, agent=agent)
-        self.peer = self._exporter.peer_info()
+        self._exporter = NixlArenaExporter(
+            agent.name, self.memory.view, agent=agent, chunk_bytes=self.memory.chunk_bytes
+        )
+
+    def peer_of(self, chunk: ArenaChunk) -> Any:
+        """The NixlPeerInfo of this chunk alone (None: the area is not exported)."""
+        return None if self._exporter is None else self._exporter.peer_info([chunk.offset])
 
     def take(self, nbytes: int, owner: str) -> tuple[int, int] | None:
         """(region id, offset) of ``nbytes`` for ``owner``, in a chunk it holds or takes;

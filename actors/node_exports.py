@@ -1,19 +1,22 @@
 """What a storage node exports for one-sided access: its arena, ship buffer and landing area
 over NIXL (one agent, one progress thread; peers READ the first two and WRITE puts into the
-arena and the landing area), and its arena as an RDMA memory region. Each export is
+arena and the landing area), and its arena as an RDMA memory region. The arena and the
+landing area are registered a chunk at a time, and a tenant is given the NIXL metadata of
+its own chunks only (:meth:`NodeExports.arena_peer`, ``LandingArea.peer_of``): its NIXL
+refuses any other address of the node. Each export is
 optional: NIXL or RDMA missing, or a node with no DRAM, leaves it out and says why (readers
 and writers then take another path).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.shipping import ShipBuffer
 from flatcake_ray.errors import ServiceError
-from flatcake_ray.media.arena import DramArena
+from flatcake_ray.media.arena import ArenaChunk, DramArena
 
 
 class NodeExports:
@@ -30,7 +33,6 @@ class NodeExports:
         self._arena_exporter: Any = None
         self._agent: Any = None
         self._busy = busy
-        self.arena_peer: Any = None
         self.ship_peer: Any = None
         self.nixl_reason = self._export_nixl(f"fc{node_id}", arena, ship_buffer, landing)
         self._rdma = self._export_rdma(arena)
@@ -47,11 +49,18 @@ class NodeExports:
             return reason
         self._agent = exporter_agent(unique_agent_name(f"{tag}-export"), self._busy)
         if arena.nbytes:  # a node may run SSD-only
-            self._arena_exporter = NixlArenaExporter(tag, arena.view, agent=self._agent)
-            self.arena_peer = self._arena_exporter.peer_info()
+            self._arena_exporter = NixlArenaExporter(
+                tag, arena.view, agent=self._agent, chunk_bytes=arena.chunk_bytes
+            )
         self.ship_peer = ship_buffer.export(self._agent)
         landing.export(self._agent)
         return None
+
+    def arena_peer(self, chunks: Iterable[ArenaChunk]) -> Any:
+        """The NixlPeerInfo of these arena chunks alone (None: the arena is not exported)."""
+        if self._arena_exporter is None:
+            return None
+        return self._arena_exporter.peer_info([chunk.offset for chunk in chunks])
 
     @staticmethod
     def _export_rdma(arena: DramArena) -> Any:

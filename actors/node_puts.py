@@ -11,6 +11,7 @@ then publishes: keys become visible only after the last layer is in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,8 @@ class NodePuts:
         self.landing = landing
         self.counters = counters
         self.owner = owner
-        self.arena_peer: Any = None  # the node's exports, set once made (NodeExports)
+        # The NIXL peer of one arena chunk (NodeExports.arena_peer), set once exported.
+        self.arena_peer: Callable[[list[ArenaChunk]], Any] = lambda chunks: None
 
     def begin(self, tenant: str, keys: Any, options: dict[str, Any]) -> PutTicket:
         handle = self.store.begin_put(keys, tenant=tenant, **options)
@@ -65,7 +67,8 @@ class NodePuts:
             offsets = handle.arena_offsets()
             # A segment lies in one chunk: the caller's tenant's (core/extents.py).
             chunk = self.store.arena.chunk(offsets[0] // self.store.arena.chunk_bytes)
-            return self._in_chunk(PutMemory.ARENA, offsets, handle, chunk, self.arena_peer)
+            peer = self.arena_peer([chunk])
+            return self._in_chunk(PutMemory.ARENA, offsets, handle, chunk, peer)
         taken = self._take_slots(handle, tenant)
         if taken is None:
             return PutTarget(PutMemory.INLINE, (), handle.layer_bytes, positions)
@@ -74,7 +77,8 @@ class NodePuts:
         offsets = tuple(start + slot * handle.layer_stride for slot in range(slots))
         handle.slots = offsets
         chunk = self.landing.chunk_at(start)  # the slots' chunk, this tenant's
-        return self._in_chunk(PutMemory.LANDING, offsets, handle, chunk, self.landing.peer)
+        peer = self.landing.peer_of(chunk)
+        return self._in_chunk(PutMemory.LANDING, offsets, handle, chunk, peer)
 
     def _take_slots(self, handle: PutHandle, tenant: str) -> tuple[int, tuple[int, int]] | None:
         """(slots, region) of landing space: a slot per layer for a small put, else two, else

@@ -44,7 +44,8 @@ class NodeDescription:
     pool_file_bytes: int
     pool_direct: bool
     started_at: float  # wall clock; a changed value means the node restarted
-    arena_nixl: Any = None  # NixlPeerInfo of the arena, None when NIXL is unusable there
+    # NixlPeerInfo of the caller's tenant's arena chunks (none other), None without NIXL
+    arena_nixl: Any = None
     ship_nixl: Any = None  # NixlPeerInfo of the ship (bounce) buffer
     nixl_reason: str | None = None  # why NIXL is unusable on that node
     rdma: bool = False  # the arena is exported for one-sided RDMA READs (accept_rdma)

@@ -173,7 +173,7 @@ class StorageNode(HomeCalls):
             pool_file_bytes=store.pool.file_bytes,
             pool_direct=store.pool.direct,
             started_at=self.started_at,
-            arena_nixl=exports.arena_peer,
+            arena_nixl=exports.arena_peer(store.arena_chunks(tenant.name)),
             ship_nixl=exports.ship_peer,
             nixl_reason=exports.nixl_reason,
             rdma=exports.rdma,

@@ -26,7 +26,7 @@ import pytest
 from flatcake_ray.actors.protocol import PutMemory
 from flatcake_ray.client.put_targets import map_shared
 from flatcake_ray.core.catalog import PutHints
-from flatcake_ray.errors import ForeignMemoryError, TamperedWriteError
+from flatcake_ray.errors import ForeignMemoryError, TamperedWriteError, TransferError
 from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
 from tests.same_user import opened_through_proc
 
@@ -118,6 +118,49 @@ def test_a_tenant_is_handed_its_own_arena_chunks_and_reads_no_other(service):
             reader.read(ReadBatch([victims], [64], [0]), np.zeros(64, np.uint8))
     finally:
         reader.close()
+
+
+def test_a_tenant_is_given_the_nixl_metadata_of_its_own_chunks_only(service):
+    """Over NIXL (another machine's path) too: the arena is registered a chunk at a time and
+    a tenant is given the metadata of its own chunks only, in ``describe`` and in a put's
+    ticket. It reads its own pages; the victim's chunk is refused by the transport and, with
+    a descriptor it was not given, by NIXL itself."""
+    from flatcake_ray.core.gva import decode
+    from flatcake_ray.transports.base import ReadBatch
+    from flatcake_ray.transports.nixl_agent import unique_agent_name
+    from flatcake_ray.transports.nixl_dram import NixlDramTransport, descriptors
+
+    links = {name: client.nodes.links[1] for name, client in service.items()}
+    data = kv(2, 21)
+    service["mallory"].put(["m/nixl/0", "m/nixl/1"], data, hints=DRAM)
+    service["victim"].put(["v/nixl/0"], kv(1, 22), hints=DRAM)
+    described = {n: ray.get(link.handle.describe.remote(), timeout=30) for n, link in links.items()}
+    peer = described["mallory"].arena_nixl
+    if peer is None:
+        pytest.skip(f"the node exports no NIXL here: {described['mallory'].nixl_reason}")
+    assert set(peer.chunks) == {(c.offset, c.nbytes) for c in described["mallory"].arena_chunks}
+    victims = described["victim"].arena_chunks[0]
+    at = decode(int(service["mallory"].gvas(["m/nixl/0"])[0])).offset
+    reader = NixlDramTransport(unique_agent_name("mallory"), peer)
+    out = np.zeros(PAGE_BYTES, np.uint8)
+    try:
+        reader.read(ReadBatch([at], [PAGE_BYTES], [0]), out)  # layer 0 of its page
+        assert np.array_equal(out, data[0, 0])
+        with pytest.raises(ForeignMemoryError):
+            reader.read(ReadBatch([victims.offset], [64], [0]), out)
+        agent = reader._live_agent
+        with agent.destinations.use(out), pytest.raises(TransferError, match="NOT_FOUND"):
+            local = descriptors(np.array([out.ctypes.data]), np.array([64]))
+            remote = descriptors(np.array([peer.base_address + victims.offset]), np.array([64]))
+            agent.read(reader._peer_name, local, remote, "DRAM", timeout_s=30, dst=out)
+    finally:
+        reader.close()
+    ticket = ray.get(links["mallory"].handle.begin_put.remote(["m/t2"], hints=DRAM), timeout=30)
+    try:  # a put's ticket: the one chunk it writes into
+        target = ticket.target
+        assert target.peer.chunks == ((target.chunk_offset, target.nbytes),)
+    finally:
+        ray.get(links["mallory"].handle.abort_put.remote(ticket.put_id), timeout=30)
 
 
 def node_pid(link) -> int:

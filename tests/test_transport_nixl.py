@@ -389,3 +389,84 @@ def test_nixl_itself_refuses_a_write_to_memory_its_peer_did_not_register(nixl_us
     finally:
         writer.close()
         owner_agent.close()
+
+
+CHUNK = 1 << 20
+
+
+def test_a_peer_given_some_chunks_reaches_those_and_nixl_refuses_the_rest(nixl_usable, monkeypatch):
+    """Per-tenant NIXL (issue 23): an exporter registers each chunk on its own and gives a
+    peer the metadata of the chunks it names only. The peer reads and writes those; a read
+    or write elsewhere is refused by the transport (``ForeignMemoryError``), and, when the
+    transport's own check is bypassed with a descriptor the peer was not given, by NIXL
+    itself, nothing posted. Chunks given later (``refresh``) are learnt, and a read across
+    two of them is cut at their border (one registration each)."""
+    from flatcake_ray.errors import ForeignMemoryError
+    from flatcake_ray.transports.nixl_dram import NixlArenaExporter, descriptors
+    from flatcake_ray.transports.nixl_write import NixlDramWriter
+
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    owner = agent_over("tcp", monkeypatch)
+    arena = pattern(4 * CHUNK, 5).copy()
+    exporter = NixlArenaExporter(owner.name, arena, agent=owner, chunk_bytes=CHUNK)
+    given = [0]
+    reader = NixlDramTransport(
+        agent_over("tcp", monkeypatch),
+        exporter.peer_info(given),
+        refresh=lambda: exporter.peer_info(given),
+    )
+    writer = NixlDramWriter(agent_over("tcp", monkeypatch), exporter.peer_info([2 * CHUNK]))
+    out = np.zeros(CHUNK, np.uint8)
+    try:
+        reader.read(ReadBatch([100], [4096], [0]), out)
+        assert np.array_equal(out[:4096], arena[100:4196])
+        with pytest.raises(ForeignMemoryError):  # chunk 1: not given
+            reader.read(ReadBatch([CHUNK + 100], [4096], [0]), out)
+        agent = reader._live_agent  # past the transport's check: NIXL's own
+        with agent.destinations.use(out), pytest.raises(TransferError, match="NOT_FOUND"):
+            local = descriptors(np.array([out.ctypes.data]), np.array([64]))
+            remote = descriptors(np.array([exporter.base_address + 3 * CHUNK]), np.array([64]))
+            agent.read(reader._peer_name, local, remote, "DRAM", timeout_s=30, dst=out)
+        given.append(CHUNK)  # its tenant took chunk 1: learnt on the next read beyond
+        reader.read(ReadBatch([CHUNK - 2048], [4096], [0]), out)  # across the border
+        assert np.array_equal(out[:4096], arena[CHUNK - 2048 : CHUNK + 2048])
+        data = np.full(4096, 9, np.uint8)
+        writer.write(data, 2 * CHUNK + 8192)
+        assert np.array_equal(arena[2 * CHUNK + 8192 : 2 * CHUNK + 12288], data)
+        for offset in (0, 3 * CHUNK):  # chunks the writer was not given
+            with pytest.raises(ForeignMemoryError):
+                writer.write(data, offset)
+        assert not np.array_equal(arena[:4096], data[:4096])
+    finally:
+        reader.close()
+        writer.close()
+        exporter.close()
+        owner.close()
+
+
+def test_over_tcp_the_owner_side_checks_nothing_a_stale_descriptor_still_reads(
+    nixl_usable, monkeypatch
+):
+    """What ``docs/security.md`` says NIXL over UCX's TCP emulation does not protect: the
+    check is the initiator's. A peer that loaded the metadata of a region READs it still
+    after the owner deregistered it (on RDMA the NIC would refuse the dead remote key). If
+    this ever fails, UCX checks at the target now: update the threat model."""
+    from flatcake_ray.transports.nixl_dram import descriptors
+
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    owner, reader = agent_over("tcp", monkeypatch), agent_over("tcp", monkeypatch)
+    region, out = pattern(1 << 20, 8).copy(), np.zeros(4096, np.uint8)
+    try:
+        registration = owner.register(region)
+        peer = reader.add_peer(owner.metadata())
+        owner.deregister(registration)
+        local = descriptors(np.array([out.ctypes.data]), np.array([4096]))
+        remote = descriptors(np.array([region.ctypes.data]), np.array([4096]))
+        with reader.destinations.use(out):
+            reader.read(peer, local, remote, "DRAM", timeout_s=30, dst=out)
+        assert np.array_equal(out, region[:4096])
+    finally:
+        reader.close()
+        owner.close()

@@ -208,6 +208,15 @@ class NixlAgent:
         """Everything a peer needs to reach this agent's registered memory."""
         return self._live.get_agent_metadata()
 
+    def partial_metadata(self, buffers: Sequence[np.ndarray]) -> bytes:
+        """What a peer needs to reach ``buffers`` (each a whole registration) and nothing
+        else this agent registered: the peer's NIXL refuses any other address of ours."""
+        agent = self._live
+        rows = [(buffer_address(b), b.nbytes, 0) for b in buffers]
+        table = np.array(rows, dtype=np.uint64).reshape(-1, 3)  # none: the connection alone
+        descs = _nixl_api().nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], table)
+        return self._call("partial metadata", agent.get_partial_agent_metadata, descs, True, [])
+
     def add_peer(self, metadata: bytes) -> str:
         try:
             name = self._live.add_remote_agent(metadata)

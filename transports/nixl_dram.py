@@ -1,7 +1,9 @@
 """Remote DRAM over NIXL (UCX backend): one-sided READs of another node's arena.
 
-Owner (StorageNode): ``NixlArenaExporter(name, arena)`` registers the arena once;
-``peer_info()`` is the picklable :class:`NixlPeerInfo` a reader needs, sent in one Ray call.
+Owner (StorageNode): ``NixlArenaExporter(name, arena, chunk_bytes=...)`` registers the arena
+once per chunk; ``peer_info(offsets)`` is the picklable :class:`NixlPeerInfo` a reader needs
+for those chunks only (NIXL's partial metadata: a peer that loaded it can name no other
+chunk, ``docs/security.md``), sent in one Ray call.
 Reader: ``NixlDramTransport(local_agent, peer_info)`` reads a :class:`ReadBatch` of arena
 ranges with one NIXL transfer, one descriptor per range. On RDMA-capable UCX transports the
 owner's CPU takes no part; over TCP UCX emulates READ with the owner's progress thread.
@@ -11,12 +13,17 @@ The agent itself (registrations, transfers, progress) is ``nixl_agent.py``.
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from flatcake_ray.core.runs import spans_cover
 from flatcake_ray.errors import (
+    ForeignMemoryError,
     TransferError,
     TransportClosedError,
 )
@@ -36,27 +43,70 @@ from flatcake_ray.transports.nixl_agent import (
 
 @dataclass(frozen=True)
 class NixlPeerInfo:
-    """What a reader needs to reach an exported arena; picklable for a Ray call."""
+    """What a reader needs to reach chunks of an exported buffer; picklable for a Ray call.
+
+    ``chunks``: the chunks ``metadata`` reaches, (offset, bytes) each, every one of them its
+    own registration (a transfer never spans two); empty: none yet."""
 
     agent_name: str
     metadata: bytes
     base_address: int
     length: int
+    chunks: tuple[tuple[int, int], ...] = ()
+
+    def holds(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
+        """Whether every range lies inside :attr:`chunks`."""
+        return spans_cover(self.chunks, starts, lengths)
+
+    def learned(self, newer: NixlPeerInfo) -> NixlPeerInfo:
+        """This peer with ``newer``'s chunks added (one export: same agent and buffer)."""
+        chunks = tuple(sorted({*self.chunks, *newer.chunks}))
+        return NixlPeerInfo(self.agent_name, self.metadata, self.base_address, self.length, chunks)
+
+    def same_export(self, other: NixlPeerInfo) -> bool:
+        return (self.agent_name, self.base_address, self.length) == (
+            other.agent_name,
+            other.base_address,
+            other.length,
+        )
+
+
+_PEERS_KEPT = 256  # peer infos an exporter keeps made (one per set of chunks asked for)
 
 
 class NixlArenaExporter:
-    """Owner side: registers ``buffer`` (the arena) with a NIXL agent for remote READs.
+    """Owner side: registers ``buffer`` with a NIXL agent for remote READs and WRITEs, one
+    registration per ``chunk_bytes`` (0: one for the whole buffer).
 
     The buffer must stay alive and unmoved until ``close()``; the exporter keeps a reference.
     Pass ``agent`` to share one agent with this process's readers (it is then not closed).
     """
 
-    def __init__(self, name: str, buffer: np.ndarray, *, agent: NixlAgent | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        buffer: np.ndarray,
+        *,
+        agent: NixlAgent | None = None,
+        chunk_bytes: int = 0,
+    ) -> None:
         self._base = buffer_address(buffer)
         self._buffer = buffer
         self._owns_agent = agent is None
         self._agent = agent if agent is not None else NixlAgent(name)
-        self._registration = self._agent.register(buffer)
+        self.chunk_bytes = chunk_bytes or max(buffer.nbytes, 1)
+        self._chunks = {
+            start: buffer[start : start + self.chunk_bytes]
+            for start in range(0, buffer.nbytes, self.chunk_bytes)
+        }
+        self._peers: dict[tuple[int, ...], NixlPeerInfo] = {}  # by the chunks they reach
+        self._registrations: list[Any] | None = []
+        try:
+            for chunk in self._chunks.values():
+                self._registrations.append(self._agent.register(chunk))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def base_address(self) -> int:
@@ -69,15 +119,30 @@ class NixlArenaExporter:
     def metadata(self) -> bytes:
         return self._agent.metadata()
 
-    def peer_info(self) -> NixlPeerInfo:
-        return NixlPeerInfo(self._agent.name, self.metadata(), self._base, self.length)
+    def peer_info(self, offsets: Iterable[int] | None = None) -> NixlPeerInfo:
+        """What a peer needs to reach the chunks that start at ``offsets`` (None: every
+        chunk), and only those."""
+        wanted = tuple(sorted(self._chunks if offsets is None else set(offsets)))
+        known = self._peers.get(wanted)
+        if known is None:
+            chunks = [self._chunks[offset] for offset in wanted]
+            metadata = self._agent.partial_metadata(chunks)
+            spans = tuple(
+                (offset, int(chunk.nbytes)) for offset, chunk in zip(wanted, chunks, strict=True)
+            )
+            known = NixlPeerInfo(self._agent.name, metadata, self._base, self.length, spans)
+            if len(self._peers) >= _PEERS_KEPT:
+                self._peers.clear()
+            self._peers[wanted] = known
+        return known
 
     def close(self) -> None:
-        if self._registration is None:
+        if self._registrations is None:
             return
-        registration, self._registration = self._registration, None
+        registrations, self._registrations = self._registrations, None
         try:
-            self._agent.deregister(registration)
+            for registration in registrations:
+                self._agent.deregister(registration)
         finally:
             if self._owns_agent:
                 self._agent.close()
@@ -92,6 +157,28 @@ class NixlArenaExporter:
 def descriptors(addresses: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray:
     device_column = np.full(addresses.shape, device, dtype=np.uint64)
     return np.column_stack((addresses.astype(np.uint64), lengths.astype(np.uint64), device_column))
+
+
+def split_at(batch: ReadBatch, bounds: np.ndarray) -> ReadBatch:
+    """The same copies, each range cut where it crosses one of ``bounds`` (source offsets):
+    a NIXL transfer descriptor lies inside one registration."""
+    src, lengths, dst = batch.src_offsets, batch.lengths, batch.dst_offsets
+    if not len(src) or not len(bounds):
+        return batch
+    bounds = np.sort(bounds)
+    crossing = np.searchsorted(bounds, src + lengths, "left") > np.searchsorted(
+        bounds, src, "right"
+    )
+    if not crossing.any():
+        return batch
+    pieces: list[tuple[int, int, int]] = []
+    for s, n, d, cut in zip(
+        src.tolist(), lengths.tolist(), dst.tolist(), crossing.tolist(), strict=True
+    ):
+        edges = [s, *(int(b) for b in bounds if s < b < s + n), s + n] if cut else [s, s + n]
+        pieces += [(a, b - a, d + a - s) for a, b in itertools.pairwise(edges)]
+    columns = np.array(pieces, dtype=np.int64).T
+    return ReadBatch(columns[0], columns[1], columns[2])
 
 
 class _NixlReader(Transport):
@@ -161,6 +248,9 @@ class NixlDramTransport(_NixlReader):
     ``local_agent`` is a name (an agent is created and owned) or a shared :class:`NixlAgent`.
     Destination buffers are registered on first use and cached by address range (see
     :class:`RegistrationCache`): reuse one staging buffer, or slices of it, across reads.
+    ``peer`` reaches some chunks of the arena; a read beyond them asks ``refresh`` once for
+    the chunks reachable now (its tenant took more since), then is
+    :class:`ForeignMemoryError` (a miss).
     """
 
     name = REMOTE_DRAM_NIXL
@@ -172,6 +262,7 @@ class NixlDramTransport(_NixlReader):
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_registrations: int = 8,
+        refresh: Callable[[], NixlPeerInfo | None] | None = None,
     ) -> None:
         if isinstance(local_agent, str):
             agent, owns = NixlAgent(local_agent, max_registrations=max_registrations), True
@@ -179,6 +270,7 @@ class NixlDramTransport(_NixlReader):
             agent, owns = local_agent, False
         super().__init__(agent, owns, timeout_s)
         self.peer = peer
+        self._refresh = refresh
         try:
             self._peer_name: str | None = agent.add_peer(peer.metadata)
         except BaseException:
@@ -192,10 +284,23 @@ class NixlDramTransport(_NixlReader):
     def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
         source = f"the arena of {self.peer.agent_name}"
         reads = self._checked(reads, dst, self.peer.length, source)
-        remote = descriptors(self.peer.base_address + reads.src_offsets, reads.lengths)
         if self._peer_name is None:
             raise TransportClosedError(f"{self.name} lost its peer; build a new one")
+        self._check_reachable(reads)
+        reads = split_at(reads, np.array([start for start, _ in self.peer.chunks]))
+        remote = descriptors(self.peer.base_address + reads.src_offsets, reads.lengths)
         return self._transfer(self._peer_name, reads, dst, remote, "DRAM")
+
+    def _check_reachable(self, reads: ReadBatch) -> None:
+        if self.peer.holds(reads.src_offsets, reads.lengths):
+            return
+        newer = self._refresh() if self._refresh is not None else None
+        if newer is not None and newer.same_export(self.peer):
+            assert self._peer_name is not None
+            self._live_agent.add_peer(newer.metadata)  # NIXL adds the chunks it names
+            self.peer = self.peer.learned(newer)
+        if not self.peer.holds(reads.src_offsets, reads.lengths):
+            raise ForeignMemoryError("a range outside the arena chunks exported to this tenant")
 
     def _drop_connection(self) -> None:
         name, self._peer_name = self._peer_name, None

@@ -10,7 +10,12 @@ import time
 
 import numpy as np
 
-from flatcake_ray.errors import ReadRangeError, TransferError, TransportClosedError
+from flatcake_ray.errors import (
+    ForeignMemoryError,
+    ReadRangeError,
+    TransferError,
+    TransportClosedError,
+)
 from flatcake_ray.transports.base import (
     REMOTE_DRAM_NIXL,
     TransferStats,
@@ -45,8 +50,17 @@ class NixlDramWriter:
     def broken(self) -> bool:
         return self._peer_name is None
 
+    def learn(self, peer: NixlPeerInfo) -> None:
+        """Reach ``peer``'s chunks too (another chunk of the same export, handed out since)."""
+        if self._agent is None or self._peer_name is None:
+            raise TransportClosedError(f"the NIXL writer to {self.peer.agent_name} is closed")
+        if not set(peer.chunks) <= set(self.peer.chunks):
+            self._agent.add_peer(peer.metadata)  # NIXL adds the chunks it names
+            self.peer = self.peer.learned(peer)
+
     def write(self, src: np.ndarray, offset: int) -> TransferStats:
-        """Copy all of ``src`` (1-D uint8, C-contiguous) to ``offset`` of the peer's memory."""
+        """Copy all of ``src`` (1-D uint8, C-contiguous) to ``offset`` of the peer's memory,
+        inside one chunk the writer was given."""
         if self._agent is None or self._peer_name is None:
             raise TransportClosedError(f"the NIXL writer to {self.peer.agent_name} is closed")
         check_destination_buffer(src)
@@ -54,6 +68,8 @@ class NixlDramWriter:
             raise ReadRangeError(
                 f"[{offset}, +{src.nbytes}) lies outside the {self.peer.length} exported bytes"
             )
+        if not self.peer.holds(np.array([offset]), np.array([src.nbytes])):
+            raise ForeignMemoryError(f"[{offset}, +{src.nbytes}) lies outside the chunks given")
         start = time.perf_counter()
         local = descriptors(np.array([src.ctypes.data]), np.array([src.nbytes]))
         remote = descriptors(np.array([self.peer.base_address + offset]), local[:, 1])

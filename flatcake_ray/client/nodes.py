@@ -124,7 +124,10 @@ class NodeLink:
         from flatcake_ray.transports.nixl_dram import NixlDramTransport
 
         if path == base.REMOTE_DRAM_NIXL:
-            return NixlDramTransport(agent("arena"), d.arena_nixl, timeout_s=timeout)
+            refresh = self._arena_nixl_now
+            return NixlDramTransport(
+                agent("arena"), d.arena_nixl, timeout_s=timeout, refresh=refresh
+            )
         if path == base.REMOTE_SSD_SHIPPED:
             reader = NixlDramTransport(agent("ship"), d.ship_nixl, timeout_s=timeout)
             self._extra.append(reader)
@@ -132,6 +135,13 @@ class NodeLink:
         if path == base.REMOTE_DRAM_RDMA:
             return self._rdma(timeout)
         raise ServiceError(f"no transport named {path!r}")
+
+    def _arena_nixl_now(self) -> Any:
+        """The NIXL peer of the arena chunks this tenant holds on the node now."""
+        import ray
+
+        description = ray.get(self.handle.describe.remote(), timeout=self.config.rpc_timeout_s)
+        return description.arena_nixl
 
     def hand_chunks(self, memory: str, offsets: list[int] | None = None) -> list[HandedChunk]:
         """This tenant's chunks of the node's ``memory`` ("arena" or "landing"; at

@@ -82,9 +82,11 @@ class PutTargets:
 
         with self._lock:
             writer = self._writers.get(peer.agent_name)
-            if writer is not None and (writer.broken or writer.peer != peer):
+            if writer is not None and (writer.broken or not writer.peer.same_export(peer)):
                 writer.close()  # a failed write, or the owner re-exported (restarted)
                 writer = None
+            if writer is not None:
+                writer.learn(peer)  # the chunk this put's ticket gave (known, or one more)
             if writer is None:
                 if self._agent is None:
                     self._agent = reader_agent(unique_agent_name("fc-put"))

@@ -1,10 +1,12 @@
-"""Small arithmetic idioms shared by every floor: alignment, runs of consecutive numbers, and
-byte spans handed out once each to the ranges that overlap them."""
+"""Small arithmetic idioms shared by every floor: alignment, runs of consecutive numbers,
+byte spans handed out once each to the ranges that overlap them, and whether ranges lie in a
+set of chunks."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterable
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
@@ -18,6 +20,26 @@ def align_up(value: int, alignment: int = ALIGN) -> int:
 
 def align_down(value: int, alignment: int = ALIGN) -> int:
     return value // alignment * alignment
+
+
+def spans_cover(chunks: Iterable[tuple[int, int]], starts: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether every range ``[start, start + length)`` lies inside the ``(offset, bytes)``
+    chunks, chunks back to back joined (a range may cross from one into the next)."""
+    if not len(starts):
+        return True
+    spans: list[list[int]] = []
+    for offset, nbytes in sorted(chunks):
+        if spans and spans[-1][1] == offset:
+            spans[-1][1] += nbytes
+        else:
+            spans.append([offset, offset + nbytes])
+    if not spans:
+        return False
+    table = np.array(spans, dtype=np.int64)
+    starts = np.asarray(starts, dtype=np.int64)
+    at = np.searchsorted(table[:, 0], starts, side="right") - 1
+    ends = starts + np.asarray(lengths, dtype=np.int64)
+    return bool(((at >= 0) & (ends <= table[at.clip(0), 1])).all())
 
 
 def run_bounds(values: np.ndarray, max_len: int | None = None) -> list[tuple[int, int]]:

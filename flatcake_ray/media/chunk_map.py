@@ -20,6 +20,8 @@ import weakref
 
 import numpy as np
 
+from flatcake_ray.core.runs import spans_cover
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = (
@@ -71,19 +73,4 @@ class ChunkMap:
 
     def covers(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
         """Whether every range ``[start, start + length)`` lies in mapped chunks."""
-        if not len(starts):
-            return True
-        spans: list[list[int]] = []  # mapped chunks, neighbours joined
-        for offset, nbytes in sorted(self.mapped.copy().items()):  # a copy: place() may add
-            if spans and spans[-1][1] == offset:
-                spans[-1][1] += nbytes
-            else:
-                spans.append([offset, offset + nbytes])
-        if not spans:
-            return False
-        heads = np.array([span[0] for span in spans], dtype=np.int64)
-        tails = np.array([span[1] for span in spans], dtype=np.int64)
-        starts = np.asarray(starts, dtype=np.int64)
-        span = np.searchsorted(heads, starts, side="right") - 1
-        ends = starts + np.asarray(lengths, dtype=np.int64)
-        return bool(((span >= 0) & (ends <= tails[span.clip(0)])).all())
+        return spans_cover(self.mapped.copy().items(), starts, lengths)  # place() may add
