@@ -56,7 +56,7 @@ def test_a_handout_arrives_whole_and_from_the_sender_only(memfd):
     impostor = (
         "import os, socket, sys\n"
         "fd = os.memfd_create('fake', 0); os.ftruncate(fd, 4096); os.pwrite(fd, b'garbage', 0)\n"
-        "with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:\n"
+        "with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:\n"
         "    sock.connect('\\0' + sys.argv[1])\n"
         "    header = (0).to_bytes(8, 'little') + (4096).to_bytes(8, 'little')\n"
         "    socket.send_fds(sock, [header], [fd])\n"
@@ -169,3 +169,19 @@ def test_private_node_memory_comes_from_every_source(tmp_path):
     config_file.write_text('{"private_node_memory": false}')
     parsed = build_parser().parse_args(["start", "--config", str(config_file)])
     assert config_from_args(parsed).private_node_memory is False
+
+
+def test_a_handout_of_many_chunks_arrives_whole_in_several_messages():
+    """More chunks than one message carries (a tenant holding many chunks of a big arena)."""
+    made = [os.memfd_create(f"many-{i}", os.MFD_CLOEXEC) for i in range(300)]
+    try:
+        with ChunkReceiver() as receiver:
+            send_chunks(receiver.name, [(i * CHUNK, CHUNK, fd) for i, fd in enumerate(made)], 5.0)
+            chunks = receiver.receive(os.getpid(), len(made), timeout_s=5.0)
+        assert [c.offset for c in chunks] == [i * CHUNK for i in range(300)]
+        for chunk, fd in zip(chunks, made, strict=True):
+            assert os.fstat(chunk.fd).st_ino == os.fstat(fd).st_ino
+            os.close(chunk.fd)
+    finally:
+        for fd in made:
+            os.close(fd)

@@ -25,7 +25,8 @@ import numpy as np
 from flatcake_ray.errors import ForeignMemoryError, ShapeError, TransferTimeoutError
 
 SOCKET_PREFIX = "flatcake-fd-"
-MAX_CHUNKS = 64  # per hand-out (SCM_RIGHTS takes at most 253 descriptors a message)
+MAX_CHUNKS = 4096  # per hand-out: every chunk of the largest arena (config.MAX_DRAM_CHUNKS)
+_PER_MESSAGE = 250  # descriptors a message (SCM_RIGHTS takes at most 253)
 _NAME_BYTES = len(SOCKET_PREFIX) + 32
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -52,11 +53,11 @@ def check_socket_name(name: object) -> str:
 
 
 def send_chunks(socket_name: str, chunks: Sequence[tuple[int, int, int]], timeout_s: float) -> None:
-    """Send (offset, bytes, fd) of each chunk to the process listening on ``socket_name``."""
+    """Send (offset, bytes, fd) of each chunk to the process listening on ``socket_name``,
+    in messages of at most ``_PER_MESSAGE`` (an empty hand-out is one empty message)."""
     if len(chunks) > MAX_CHUNKS:
         raise ShapeError(f"at most {MAX_CHUNKS} chunks a hand-out")
-    header = np.array([(offset, nbytes) for offset, nbytes, _ in chunks], dtype="<i8")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(timeout_s)
         try:
             sock.connect("\0" + check_socket_name(socket_name))
@@ -64,7 +65,10 @@ def send_chunks(socket_name: str, chunks: Sequence[tuple[int, int, int]], timeou
             raise ForeignMemoryError(
                 f"no process of this machine listens for the chunks: {error}"
             ) from error
-        socket.send_fds(sock, [header.tobytes() or b"\0"], [fd for _, _, fd in chunks])
+        for first in range(0, max(len(chunks), 1), _PER_MESSAGE):
+            batch = chunks[first : first + _PER_MESSAGE]
+            header = np.array([(offset, nbytes) for offset, nbytes, _ in batch], dtype="<i8")
+            socket.send_fds(sock, [header.tobytes() or b"\0"], [fd for _, _, fd in batch])
 
 
 class ChunkReceiver:
@@ -72,7 +76,7 @@ class ChunkReceiver:
 
     def __init__(self) -> None:
         self.name = SOCKET_PREFIX + secrets.token_hex(16)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._sock.bind("\0" + self.name)
             self._sock.listen(8)
@@ -109,13 +113,22 @@ class ChunkReceiver:
 
 def _read_chunks(conn: socket.socket, count: int) -> list[HandedChunk]:
     conn.settimeout(5.0)  # the sender wrote before its call returned
-    data, fds, flags, _ = socket.recv_fds(conn, 16 * MAX_CHUNKS, MAX_CHUNKS)
-    pairs = np.frombuffer(data[: 16 * len(fds)], dtype="<i8").reshape(-1, 2)
-    if flags & socket.MSG_CTRUNC or len(fds) != count or len(pairs) != count:
+    fds: list[int] = []
+    spans: list[tuple[int, int]] = []
+    try:
+        cut = False
+        while not cut:  # the sender sends at least one message, full ones but the last
+            data, got, flags, _ = socket.recv_fds(conn, 16 * _PER_MESSAGE, _PER_MESSAGE)
+            fds += got
+            pairs = np.frombuffer(data[: 16 * len(got)], dtype="<i8").reshape(-1, 2)
+            spans += [(int(offset), int(size)) for offset, size in pairs]
+            cut = bool(flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC)) or len(spans) != len(fds)
+            if len(got) < _PER_MESSAGE or len(fds) >= count:
+                break
+        if cut or len(fds) != count:
+            raise ForeignMemoryError(f"a hand-out of {len(fds)} chunks, {count} expected")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ForeignMemoryError(f"a hand-out of {len(fds)} chunks, {count} expected")
-    return [
-        HandedChunk(int(offset), int(nbytes), fd)
-        for (offset, nbytes), fd in zip(pairs.tolist(), fds, strict=True)
-    ]
+        raise
+    return [HandedChunk(o, n, fd) for (o, n), fd in zip(spans, fds, strict=True)]
