@@ -15,14 +15,22 @@ to one thread. A process whose last reading is older (it waited) goes by the loa
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
+
+# The columns of a native batch (an int64 array, one row an op): copy ``LENGTH`` bytes from
+# ``SRC`` to ``DST`` (when ``DST`` is not 0), then hash the ``LENGTH`` bytes at ``HASH_AT``
+# (when it is not 0; ``cuda_ext/host_hash.py``).
+DST, SRC, LENGTH, HASH_AT = range(4)
+ROW_BYTES = 1 << 20  # a thread claims about this many bytes of rows at a time
 
 SPLIT_BYTES = 4 << 20  # a copy smaller than this runs on the caller's thread, whole
 PIECE_BYTES = 2 << 20  # a big copy is cut into pieces of about this size
@@ -126,7 +134,16 @@ def _pieces(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
 
 def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """``np.copyto(dst, src)`` for every ``(dst, src)`` pair (same shapes, no overlaps between
-    pairs), the bytes spread over the copy threads when there are enough of them."""
+    pairs), the bytes spread over the copy threads when there are enough of them. Pairs of
+    contiguous arrays of one dtype go through the native pass where it is built (any
+    alignment at full speed, ``cuda_ext/_copyhash.c``)."""
+    module = native_module()
+    if module is not None:
+        flat = [_native_pair(dst, src) for dst, src in pairs]
+        rows = [row for row in flat if row is not None]
+        if rows:
+            run_ops(module, np.array(rows, dtype=np.int64), 0)
+        pairs = [pair for pair, row in zip(pairs, flat, strict=True) if row is None]
     total = sum(dst.nbytes for dst, _ in pairs)
     threads = idle_threads() if total >= SPLIT_BYTES else 1
     if threads == 1:
@@ -144,6 +161,67 @@ def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         groups[-1].append(piece)
         filled += piece[0].nbytes
     run_split([functools.partial(_copy_group, group) for group in groups])
+
+
+def _native_pair(dst: np.ndarray, src: np.ndarray) -> tuple[int, int, int, int] | None:
+    """A native copy row for ``dst <- src`` (contiguous, one dtype and shape, apart), or None."""
+    if not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.flags.writeable):
+        return None
+    if dst.dtype != src.dtype or dst.shape != src.shape or np.may_share_memory(dst, src):
+        return None
+    return (dst.ctypes.data, src.ctypes.data, dst.nbytes, 0) if dst.nbytes else None
+
+
+@functools.cache
+def native_module() -> Any:
+    """``cuda_ext/_copyhash`` (built by pip install), or None where it was not built."""
+    try:
+        return importlib.import_module("flatcake_ray.cuda_ext._copyhash")
+    except ImportError:
+        return None
+
+
+def run_ops(module: Any, ops: np.ndarray, address: int) -> np.ndarray:
+    """A batch of native ops (int64 rows ``DST, SRC, LENGTH, HASH_AT``; every address a valid
+    range of the caller's live arrays; ``address``: XXH3's, 0 where no row hashes) on the
+    idle copy threads, each thread claiming the next rows; returns each row's hash (0 where
+    it hashes nothing). A long row that only copies is cut first, so that no thread is left
+    alone with one big row at the end."""
+    ops = np.ascontiguousarray(ops, dtype=np.int64).reshape(-1, 4)
+    total = int(ops[:, LENGTH].sum())
+    threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(ops)))
+    long = (ops[:, HASH_AT] == 0) & (ops[:, LENGTH] > ROW_BYTES)
+    work = np.concatenate([ops[~long], _cut(ops[long])]) if threads > 1 and long.any() else ops
+    sums = np.zeros(len(work), dtype=np.uint64)
+    claimed = np.zeros(1, dtype=np.int64)
+    step = _step(work, threads)
+    run_split([functools.partial(module.copy_hash, work, sums, claimed, address, step)] * threads)
+    if work is ops:
+        return sums
+    found = np.zeros(len(ops), dtype=np.uint64)
+    found[~long] = sums[: int((~long).sum())]
+    return found
+
+
+def _step(ops: np.ndarray, threads: int) -> int:
+    """Rows a thread claims at a time: about ``ROW_BYTES`` of them (all, on one thread)."""
+    if threads == 1 or not len(ops):
+        return max(1, len(ops))
+    mean = max(1, int(ops[:, LENGTH].sum()) // len(ops))
+    return max(1, ROW_BYTES // mean)
+
+
+def _cut(rows: np.ndarray) -> np.ndarray:
+    """Copy-only ``rows`` cut into rows of at most ``ROW_BYTES``."""
+    pieces = -(-rows[:, LENGTH] // ROW_BYTES)
+    owner = np.repeat(np.arange(len(rows)), pieces)
+    within = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    skip = within * ROW_BYTES
+    cut = rows[owner].copy()
+    cut[:, DST] += skip
+    cut[:, SRC] += skip
+    cut[:, LENGTH] = np.minimum(ROW_BYTES, rows[owner, LENGTH] - skip)
+    return cut
 
 
 def run_split(tasks: Sequence[Callable[[], None]]) -> None:

@@ -16,19 +16,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import importlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
 
-from flatcake_ray.cuda_ext.host_copy import SPLIT_BYTES, idle_threads, run_split
-
-# The columns of a copy-and-hash batch (an int64 array, one row an op): copy ``LENGTH`` bytes
-# from ``SRC`` to ``DST`` (when ``DST`` is not 0), then hash the ``LENGTH`` bytes at
-# ``HASH_AT`` (when it is not 0).
-DST, SRC, LENGTH, HASH_AT = range(4)
+from flatcake_ray.cuda_ext.host_copy import (  # the batch's columns, for the callers
+    DST,
+    HASH_AT,
+    LENGTH,
+    SPLIT_BYTES,
+    SRC,
+    idle_threads,
+    native_module,
+    run_ops,
+    run_split,
+)
 
 
 @functools.cache
@@ -58,11 +62,8 @@ def xxh3_function() -> Callable[[int, int], int] | None:
 def _native() -> tuple[Any, int] | None:
     """(the ``_copyhash`` module, libxxhash's XXH3 address), or None where either is missing."""
     xxh3 = xxh3_function()
-    try:
-        module = importlib.import_module("flatcake_ray.cuda_ext._copyhash")
-    except ImportError:
-        return None
-    if xxh3 is None:
+    module = native_module()
+    if module is None or xxh3 is None:
         return None
     address = ctypes.cast(cast(Any, xxh3), ctypes.c_void_p).value  # a ctypes function
     return None if address is None else (module, address)
@@ -75,27 +76,14 @@ def fused() -> bool:
 
 def copy_and_hash(ops: np.ndarray) -> np.ndarray | None:
     """Run a batch of ``ops`` (int64 rows of ``DST, SRC, LENGTH, HASH_AT``; every address a
-    valid range of the caller's live arrays) split by bytes over the idle copy threads, and
-    return each op's hash (uint64; 0 where ``HASH_AT`` is 0); None, with nothing done, where
-    the native module or libxxhash is missing."""
+    valid range of the caller's live arrays) on the idle copy threads, and return each op's
+    hash (uint64; 0 where ``HASH_AT`` is 0); None, with nothing done, where the native module
+    or libxxhash is missing."""
     native = _native()
     if native is None:
         return None
     module, address = native
-    ops = np.ascontiguousarray(ops, dtype=np.int64)
-    sums = np.zeros(len(ops), dtype=np.uint64)
-    ends = np.cumsum(ops[:, LENGTH])
-    total = int(ends[-1]) if len(ends) else 0
-    threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(ops)))
-    shares = np.linspace(0, total, threads + 1)[1:-1]
-    bounds = [0, *np.searchsorted(ends, shares, side="right").tolist(), len(ops)]
-    run_split(
-        [
-            functools.partial(module.copy_hash, ops, sums, first, end, address)
-            for first, end in itertools.pairwise(bounds)
-        ]
-    )
-    return sums
+    return run_ops(module, ops, address)
 
 
 def copy_hashing_source(dst: np.ndarray, src: np.ndarray, block_bytes: int) -> np.ndarray | None:

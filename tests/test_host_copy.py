@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flatcake_ray.core.integrity import block_checksums, layer_checksums
 from flatcake_ray.core.layout import SegmentLayout
@@ -21,6 +23,7 @@ def threads(request, monkeypatch) -> int:
     monkeypatch.setattr(checksums, "idle_threads", lambda: request.param)
     monkeypatch.setattr(host_copy, "PIECE_BYTES", 1 << 16)  # many pieces from small arrays
     monkeypatch.setattr(host_copy, "SPLIT_BYTES", 1 << 16)
+    monkeypatch.setattr(host_copy, "ROW_BYTES", 1 << 14)  # long rows cut, claimed in turns
     monkeypatch.setattr(checksums, "SPLIT_BYTES", 1 << 16)
     return request.param
 
@@ -32,6 +35,27 @@ def test_copy_many_moves_every_byte_of_every_pair(threads: int) -> None:
     host_copy.copy_many(list(zip(targets, sources, strict=True)))
     for target, source in zip(targets, sources, strict=True):
         assert np.array_equal(target, source)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    src_at=st.integers(0, 63),
+    dst_at=st.integers(0, 63),
+    nbytes=st.one_of(st.integers(0, 600), st.integers(60_000, 200_000)),
+)
+def test_a_copy_moves_the_same_bytes_wherever_its_arrays_start(
+    threads: int, src_at: int, dst_at: int, nbytes: int
+) -> None:
+    """The native copy takes aligned stores whatever the arrays' alignment (glibc's memcpy
+    ran at half speed or less for some): every byte lands, none outside the target."""
+    rng = np.random.default_rng(nbytes)
+    source = rng.integers(0, 256, nbytes + 64, dtype=np.uint8)
+    target = np.zeros(nbytes + 128, dtype=np.uint8)
+    host_copy.copy_into(target[dst_at : dst_at + nbytes], source[src_at : src_at + nbytes])
+    assert np.array_equal(target[dst_at : dst_at + nbytes], source[src_at : src_at + nbytes])
+    assert not target[:dst_at].any() and not target[dst_at + nbytes :].any()
 
 
 def test_copy_into_a_strided_destination_copies_row_by_row(threads: int) -> None:
@@ -105,8 +129,7 @@ def test_a_fused_copy_moves_the_bytes_and_hashes_each_block_like_the_reader(
             "no fused copy: cuda_ext/_copyhash.c not built "
             "(FLATCAKE_NATIVE=0, no compiler) or no libxxhash"
         )
-    monkeypatch.setattr(host_hash, "idle_threads", lambda: threads)
-    monkeypatch.setattr(host_hash, "SPLIT_BYTES", 1 << 12)
+    monkeypatch.setattr(host_copy, "SPLIT_BYTES", 1 << 12)
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     target = np.zeros_like(source)
     sums = host_hash.copy_hashing_source(target, source, 4 * 4096)

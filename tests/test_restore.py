@@ -206,6 +206,43 @@ def test_verify_dram_checks_arena_extents_too(make_store, pipelines):
     assert store.stats()["quarantined_scopes"] == 1
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    wanted=st.sets(st.integers(0, 23), min_size=1),
+    flipped=st.tuples(st.integers(0, LAYERS - 1), st.integers(0, 23)),
+    slot_pages=st.integers(2, 9),
+    consecutive=st.booleans(),
+)
+def test_a_checked_dram_restore_checks_each_block_it_takes_pages_of_and_no_other(
+    wanted, flipped, slot_pages, consecutive
+):
+    """With ``verify_dram``, a restore of any pages of an arena extent (runs with gaps, blocks
+    cut between chunks; into consecutive slots, copied and checked in one pass, or scattered
+    ones) fails on a byte flipped in a block holding a page it takes, and not on one flipped
+    in a block it takes nothing of."""
+    keys = sorted(wanted)
+    layer, page = flipped
+    with tempfile.TemporaryDirectory() as root:
+        store = FlatCakeStore(small_config(root, verify_dram=True, check_bytes=2 * PAGE_BYTES))
+        pipeline = RestorePipeline(store.source, slot_bytes=slot_pages * PAGE_BYTES + 4096)
+        try:
+            kv = random_kv(24, seed=11)
+            store.put(list(range(24)), kv, hints=DRAM)
+            gva = int(store.gvas([page])[0])  # a DRAM GVA is its arena offset; one scope
+            store.arena.view[gva + layer * 24 * PAGE_BYTES] ^= 0xFF
+            slots = np.arange(len(keys)) if consecutive else scattered_slots(len(keys), seed=2)
+            pool = make_pool("layer_first")
+            got = pipeline.submit(keys, pool, slots, "layer_first").wait(WAIT)
+            if page // 2 in {key // 2 for key in keys}:
+                assert got == 0 and store.stats()["quarantined_scopes"] == 1
+            else:
+                assert got == len(keys)
+                assert np.array_equal(pool_pages(pool, "layer_first", slots), kv[:, keys])
+        finally:
+            pipeline.close()
+            store.close()
+
+
 # ---- layer ordering and double buffering -----------------------------------------------------
 
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
+from flatcake_ray.core.block_checks import BlockRows, HashSpan, RowsByOffset
 from flatcake_ray.core.coalesce import CoalescedReads, coalesce
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import StreamingCheck
@@ -45,7 +45,7 @@ from flatcake_ray.core.parts import (
     first_positions,
     page_ranges,
 )
-from flatcake_ray.core.runs import SpansByOffset, align_down, run_bounds
+from flatcake_ray.core.runs import align_down, run_bounds
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
 
@@ -68,14 +68,6 @@ class SlotRead:
     slot_offset: int
 
 
-class HashSpan(NamedTuple):  # a tuple: a restore makes one per checksum block
-    layer: int
-    check: StreamingCheck
-    offset: int  # bytes into the chunk's source (its slot, or the mapped medium)
-    length: int
-    last: bool  # the block's final bytes: decide the check after feeding these
-
-
 @dataclass(frozen=True)
 class PageRun:
     """Pages of ``layer`` back to back in a chunk's source, bound for ``positions`` in order."""
@@ -93,10 +85,19 @@ class LayerChunk:
     mapped: bool  # the source is the mapped medium (offsets are medium offsets), else the slot
     nbytes: int = 0  # bytes of the slot used (mapped: bytes of its runs)
     reads: list[SlotRead] = field(default_factory=list)
-    hashes: list[HashSpan] = field(default_factory=list)
+    hashes: list[HashSpan] = field(default_factory=list)  # filled chunks
+    blocks: list[BlockRows] = field(default_factory=list)  # mapped chunks: whole blocks
     runs: list[PageRun] = field(default_factory=list)
     scopes: set[int] = field(default_factory=set)  # whose bytes this chunk carries
     done_layer: int | None = None  # every layer up to this one is in place after this chunk
+
+    @property
+    def checked(self) -> bool:
+        return bool(self.hashes) or any(len(rows) for rows in self.blocks)
+
+    def all_spans(self) -> list[HashSpan]:
+        """Every check of the chunk as spans (a mapped chunk's rows made into objects)."""
+        return self.hashes + [span for rows in self.blocks for span in rows.spans()]
 
 
 @dataclass
@@ -218,7 +219,7 @@ class RestorePlan:
         chunks: list[LayerChunk] = []
         for part in parts:
             base, page_bytes = part.extent_offset(layer), part.layout.page_bytes
-            spans = SpansByOffset(self._block_spans(part, layer, base) if access.verify else [])
+            rows = RowsByOffset(BlockRows.of_part(part, layer, base)) if access.verify else None
             longest = max(1, self.capacity // page_bytes)
             if access.verify and longest >= part.layout.check_pages:  # cut runs between blocks
                 longest -= longest % part.layout.check_pages
@@ -230,29 +231,15 @@ class RestorePlan:
                 offset = base + int(part.src_pages[start]) * page_bytes
                 # A block is checked with the chunk that copies its first pages: the reader
                 # hashes those right after copying them (``restore/copy_check.py``).
-                chunk.hashes.extend(spans.take(offset, offset + nbytes))
+                if rows is not None:
+                    chunk.blocks.append(rows.take(offset, offset + nbytes))
                 run = PageRun(layer, offset, part.dst_positions[start:stop], part.scope_id)
                 chunk.runs.append(run)
                 chunk.scopes.add(part.scope_id)
                 chunk.nbytes += nbytes
+        for chunk in chunks:
+            chunk.blocks = [BlockRows.joined(layer, chunk.blocks)] if chunk.blocks else []
         return chunks
-
-    def _block_spans(self, part: LeasePart, layer: int, base: int) -> list[HashSpan]:
-        layout = part.layout
-        blocks = np.unique(part.src_pages // layout.check_pages)
-        assert part.checksums is not None  # a live segment: written with its sums
-        # Thousands of blocks a restore: their numbers worked out in arrays, then one object each.
-        first = blocks * layout.check_pages
-        end = np.minimum(first + layout.check_pages, layout.pages)
-        offsets = (base + first * layout.page_bytes).tolist()
-        lengths = ((end - first) * layout.page_bytes).tolist()
-        expected = part.checksums[layer, blocks].tolist()
-        scope = part.scope_id
-        as_span = tuple.__new__  # a NamedTuple's own constructor costs twice this
-        return [
-            as_span(HashSpan, (layer, StreamingCheck(sum_, scope), offset, length, True))
-            for sum_, offset, length in zip(expected, offsets, lengths, strict=True)
-        ]
 
     # ---- filled media: coalesced reads into slots ----------------------------------------
     def _filled_chunks(

@@ -1,13 +1,10 @@
-"""Small arithmetic idioms shared by every floor: alignment, runs of consecutive numbers,
-byte spans handed out once each to the ranges that overlap them, and whether ranges lie in a
-set of chunks."""
+"""Small arithmetic idioms shared by every floor: alignment, runs of consecutive numbers, and
+whether ranges lie in a set of chunks."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable
-from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -62,35 +59,3 @@ def paired_run_bounds(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int]]
         return []
     cuts = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     return list(itertools.pairwise([0, *cuts.tolist(), len(src)]))
-
-
-class Span(Protocol):
-    @property
-    def offset(self) -> int: ...
-    @property
-    def length(self) -> int: ...
-
-
-S = TypeVar("S", bound=Span)
-
-
-class SpansByOffset(Generic[S]):
-    """Non-overlapping spans (sorted by offset), each taken once, by the first range that
-    overlaps it."""
-
-    def __init__(self, spans: list[S]) -> None:
-        self._spans = spans
-        self._starts = [span.offset for span in spans]
-        self._taken = [False] * len(spans)
-
-    def take(self, lo: int, hi: int) -> list[S]:
-        """The spans not taken yet that overlap bytes ``[lo, hi)``."""
-        found = []
-        index = max(bisect.bisect_right(self._starts, lo) - 1, 0)
-        while index < len(self._spans) and self._starts[index] < hi:
-            span = self._spans[index]
-            if not self._taken[index] and span.offset + span.length > lo:
-                self._taken[index] = True
-                found.append(span)
-            index += 1
-        return found

@@ -14,47 +14,84 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flatcake_ray.core.plan import HashSpan, PageRun
+from flatcake_ray.core.block_checks import BlockRows, HashSpan
+from flatcake_ray.core.plan import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_hash import DST, HASH_AT, LENGTH, SRC, copy_and_hash, fused
 
 
 @dataclass(frozen=True)
+class LayerChecks:
+    """The checks of one layer of a chunk, as rows: a mapped chunk's block rows as planned,
+    or a filled chunk's spans (kept, in order, for those fed piece by piece)."""
+
+    rows: BlockRows
+    whole: np.ndarray  # bool: the row is a whole block in one span, not started
+    spans: list[HashSpan] | None  # what the rows were made of; None: the plan's own rows
+
+    @classmethod
+    def of(cls, chunk: LayerChunk, layer: int) -> LayerChecks:
+        blocks = [rows for rows in chunk.blocks if rows.layer == layer]
+        spans = [span for span in chunk.hashes if span.layer == layer]
+        if blocks and not spans:
+            rows = BlockRows.joined(layer, blocks)
+            return cls(rows, np.ones(len(rows), dtype=bool), None)
+        spans += [span for rows in blocks for span in rows.spans()]
+        rows = BlockRows(
+            layer,
+            np.array([span.offset for span in spans], dtype=np.int64),
+            np.array([span.length for span in spans], dtype=np.int64),
+            np.array([span.check.expected for span in spans], dtype=np.uint64),
+            np.array([span.check.scope_id for span in spans], dtype=np.int64),
+        )
+        whole = np.array([span.last and not span.check.started for span in spans], dtype=bool)
+        return cls(rows, whole.reshape(-1), spans)
+
+    def spans_at(self, index: np.ndarray) -> list[HashSpan]:
+        """The checks at ``index`` (ascending) as spans, in order."""
+        if self.spans is None:
+            return self.rows.at(index).spans()
+        return [self.spans[i] for i in index.tolist()]
+
+
+@dataclass(frozen=True)
 class CopyChecked:
-    failed: list[HashSpan]  # hashed after the copy, and wrong
-    left: list[HashSpan]  # not hashed here: the caller checks them (in their order)
+    failed: np.ndarray  # indexes of rows hashed after the copy, and wrong
+    left: np.ndarray  # indexes of rows not hashed here, ascending: the caller checks them
 
 
 def copy_and_check(
     medium: np.ndarray,
     runs: list[PageRun],
     targets: dict[int, np.ndarray],
-    spans: list[HashSpan],
+    checks: LayerChecks,
     page_bytes: int,
 ) -> CopyChecked | None:
     """Copy each of ``runs`` from ``medium`` into its target piece (``targets[id(run)]``) and
-    hash the whole blocks of ``spans`` that lie inside one run as they are copied. None, with
+    hash the whole blocks of ``checks`` that lie inside one run as they are copied. None, with
     nothing copied, where the fused native pass is not built."""
     if not fused():
         return None
     ordered = sorted(runs, key=lambda run: run.offset)
-    lengths = [len(run.positions) * page_bytes for run in ordered]
+    lengths = np.array([len(run.positions) for run in ordered], dtype=np.int64) * page_bytes
     run_lo = np.array([run.offset for run in ordered], dtype=np.int64)
-    run_hi = run_lo + np.array(lengths, dtype=np.int64)
+    run_hi = run_lo + lengths
     bases = np.array(
-        [_address(targets[id(run)], n) for run, n in zip(ordered, lengths, strict=True)],
+        [_address(targets[id(run)], int(n)) for run, n in zip(ordered, lengths, strict=True)],
         dtype=np.int64,
     )
     if len(ordered) and (run_lo[0] < 0 or int(run_hi.max()) > medium.nbytes):
         raise AssertionError("a page run lies outside the mapped medium")
-    hashed, left = _whole_inside(spans, run_lo, run_hi)
-    span_lo = np.array([span.offset for span in hashed], dtype=np.int64)
-    span_hi = span_lo + np.array([span.length for span in hashed], dtype=np.int64)
+    rows = checks.rows
+    inside = _whole_inside(rows, checks.whole, run_lo, run_hi)
+    hashed = np.flatnonzero(inside)
+    span_lo = rows.offset[hashed]
+    span_hi = span_lo + rows.length[hashed]
     # Pieces: the runs cut at the hashed blocks' ends, so each hashed block is one piece.
     cuts = np.unique(np.concatenate([run_lo, run_hi, span_lo, span_hi]))
     lo, hi = cuts[:-1], cuts[1:]
     owner = np.searchsorted(run_lo, lo, side="right") - 1
-    inside = (owner >= 0) & (hi <= run_hi[np.maximum(owner, 0)])
-    lo, hi, owner = lo[inside], hi[inside], owner[inside]
+    kept = (owner >= 0) & (hi <= run_hi[np.maximum(owner, 0)])
+    lo, hi, owner = lo[kept], hi[kept], owner[kept]
     ops = np.zeros((len(lo), 4), dtype=np.int64)
     ops[:, DST] = bases[owner] + (lo - run_lo[owner])
     ops[:, SRC] = medium.ctypes.data + lo
@@ -63,9 +100,8 @@ def copy_and_check(
     ops[piece_of_span, HASH_AT] = ops[piece_of_span, DST]
     sums = copy_and_hash(ops)
     assert sums is not None  # fused() said the native pass is there
-    expected = np.array([span.check.expected for span in hashed], dtype=np.uint64)
-    wrong = np.flatnonzero(sums[piece_of_span] != expected)
-    return CopyChecked([hashed[index] for index in wrong.tolist()], left)
+    wrong = sums[piece_of_span] != rows.expected[hashed]
+    return CopyChecked(hashed[wrong], np.flatnonzero(~inside))
 
 
 def _address(piece: np.ndarray, nbytes: int) -> int:
@@ -76,16 +112,11 @@ def _address(piece: np.ndarray, nbytes: int) -> int:
 
 
 def _whole_inside(
-    spans: list[HashSpan], run_lo: np.ndarray, run_hi: np.ndarray
-) -> tuple[list[HashSpan], list[HashSpan]]:
-    """(whole blocks inside one run, the other spans), each in the order of ``spans``."""
-    if not len(run_lo) or not spans:
-        return [], list(spans)
-    offsets = np.array([span.offset for span in spans], dtype=np.int64)
-    ends = offsets + np.array([span.length for span in spans], dtype=np.int64)
-    whole = np.array([span.last and not span.check.started for span in spans], dtype=bool)
-    owner = np.searchsorted(run_lo, offsets, side="right") - 1
-    inside = whole & (owner >= 0) & (ends <= run_hi[np.maximum(owner, 0)])
-    hashed = [span for span, yes in zip(spans, inside.tolist(), strict=True) if yes]
-    left = [span for span, yes in zip(spans, inside.tolist(), strict=True) if not yes]
-    return hashed, left
+    rows: BlockRows, whole: np.ndarray, run_lo: np.ndarray, run_hi: np.ndarray
+) -> np.ndarray:
+    """Per row: a whole block that lies inside one run (hashed as it is copied)."""
+    if not len(run_lo) or not len(rows):
+        return np.zeros(len(rows), dtype=bool)
+    ends = rows.offset + rows.length
+    owner = np.searchsorted(run_lo, rows.offset, side="right") - 1
+    return whole & (owner >= 0) & (ends <= run_hi[np.maximum(owner, 0)])

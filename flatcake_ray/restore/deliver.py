@@ -21,11 +21,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from flatcake_ray.core.plan import HashSpan, LayerChunk, PageRun
+from flatcake_ray.core.block_checks import HashSpan
+from flatcake_ray.core.plan import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.cuda_ext.scatter import scatter_layer
-from flatcake_ray.restore.copy_check import copy_and_check
+from flatcake_ray.restore.copy_check import LayerChecks, copy_and_check
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
 from flatcake_ray.restore.window import Job
@@ -49,17 +50,17 @@ class ChunkDelivery:
             targets = self._in_place_targets(job, chunk)
             source = None if targets else self._source_bytes(job, chunk, slot, stats)
             medium = self._bytes_of(job, chunk, slot) if targets else None
+            spans = [] if targets else chunk.all_spans()
+            layers = {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
             # Layer by layer, so a group's first layers are waited on before its last lands.
-            for layer in sorted(
-                {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
-            ):
-                spans = [s for s in chunk.hashes if s.layer == layer]
+            for layer in sorted(layers | {rows.layer for rows in chunk.blocks}):
                 runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
                 if medium is not None:
-                    self._deliver_then_check(job, medium, runs, spans, targets)
+                    checks = LayerChecks.of(chunk, layer)
+                    self._deliver_then_check(job, medium, runs, checks, targets)
                     runs = self._kept(job, runs)
                 else:
-                    self._check(job, spans, _Whole(source))
+                    self._check(job, [s for s in spans if s.layer == layer], _Whole(source))
                     runs = self._kept(job, runs)
                     self._scatter_host(job, runs, source)
                 self._count(job, chunk, runs, stats)
@@ -67,7 +68,7 @@ class ChunkDelivery:
                     job.handle._layer_done(layer)
         else:
             source = self._source_bytes(job, chunk, slot, stats)
-            self._check(job, chunk.hashes, _Whole(source))
+            self._check(job, chunk.all_spans(), _Whole(source))
             runs = self._kept(job, chunk.runs)
             self._count(job, chunk, runs, stats)
             self._scatter_device(job, chunk, runs, source, slot, stats)
@@ -80,7 +81,7 @@ class ChunkDelivery:
         the mapped medium (or its slot) into the destination and checked there, each block as
         it is copied: the reader's own memory, so what is checked is what it keeps, with no
         private copy first and no second pass over the bytes."""
-        if not (chunk.hashes and self._direct):
+        if not (chunk.checked and self._direct):
             return {}
         targets = {}
         for run in chunk.runs:
@@ -102,22 +103,23 @@ class ChunkDelivery:
         job: Job,
         medium: np.ndarray,
         runs: list[PageRun],
-        spans: list[HashSpan],
+        checks: LayerChecks,
         targets: dict[int, np.ndarray],
     ) -> None:
         """Copy ``runs`` from ``medium`` (the mapped medium, or a filled slot) to their
-        pieces, then check ``spans``: the delivered bytes from the destination, the bytes
+        pieces, then check ``checks``: the delivered bytes from the destination, the bytes
         between runs (a block's pages this restore does not take) from the medium. The pieces
         of a scope that fails are zeroed: a wrong byte never stays in this chunk's pieces."""
-        checked = copy_and_check(medium, runs, targets, spans, self.page_bytes)
+        checked = copy_and_check(medium, runs, targets, checks, self.page_bytes)
         if checked is None:  # no native pass: copy every run, then hash
             for run in runs:
                 length = len(run.positions) * self.page_bytes
                 copy_into(targets[id(run)], medium[run.offset : run.offset + length])
+            spans = checks.spans_at(np.arange(len(checks.rows)))
         else:
-            for span in checked.failed:
-                self._failed(job, span)
-            spans = checked.left
+            for scope_id in set(checks.rows.scope[checked.failed].tolist()):
+                self._failed_scope(job, scope_id)
+            spans = checks.spans_at(checked.left)
         self._check(job, spans, _Delivered(medium, runs, targets, self.page_bytes))
         for run in runs:
             if run.scope_id in job.outcome.bad_scopes:
@@ -129,9 +131,9 @@ class ChunkDelivery:
         place could change before they are scattered; a private copy is what is checked and
         what is delivered. The copy goes into this thread's scratch buffer, reused (its
         chunk is delivered before the next one is). Unchecked ones are read in place."""
-        if not chunk.hashes:
+        if not chunk.checked:
             return view
-        ends = [(span.offset, span.offset + span.length) for span in chunk.hashes]
+        ends = [(span.offset, span.offset + span.length) for span in chunk.all_spans()]
         ends += [(r.offset, r.offset + len(r.positions) * self.page_bytes) for r in chunk.runs]
         lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
         scratch = self._scratch.buffer
@@ -183,8 +185,11 @@ class ChunkDelivery:
                 self._failed(job, span)
 
     def _failed(self, job: Job, span: HashSpan) -> None:
-        job.outcome.bad_scopes.add(span.check.scope_id)
-        job.handle._shrink(job.plan.scope_first[span.check.scope_id])
+        self._failed_scope(job, span.check.scope_id)
+
+    def _failed_scope(self, job: Job, scope_id: int) -> None:
+        job.outcome.bad_scopes.add(scope_id)
+        job.handle._shrink(job.plan.scope_first[scope_id])
 
     def _scatter_host(self, job: Job, runs: list[PageRun], source) -> None:
         page_bytes = self.page_bytes
