@@ -155,6 +155,9 @@ def service(ray_service):
         report_interval_s=0.5,
         ramp_seconds=0.0,
         open_default=False,  # a missing secret is refused, not the default tenant
+        # Readers check no DRAM block, so a restore waits for the owner's word on its lease
+        # (test_the_client_drops_pages_whose_release_is_not_confirmed).
+        verify_dram=False,
     )
     alpha = tenants.add_tenant(NAMESPACE, "alpha", layers=LAYERS, page_bytes=PAGE_BYTES)
     client = FlatCakeClient(NAMESPACE, config=ClientConfig(tenant_secret=alpha))
@@ -303,6 +306,9 @@ def test_malformed_payloads_changed_nothing(service):
 
 # ---- leases: the client drops what it read when the release is not answered True ------------
 def test_the_client_drops_pages_whose_release_is_not_confirmed(service):
+    """A read whose bytes were not all checked (DRAM with ``verify_dram`` off) counts only
+    once the owner says its lease held; a checked one waits for no word
+    (``tests/test_service.py``)."""
     node, client = service["node"], service["client"]
     names, data = service["known"]["dram"]
     ray.get(node.arm_failpoints.remote(service["service_secret"], "node.release=oserror*1"))

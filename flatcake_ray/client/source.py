@@ -164,6 +164,13 @@ class TransportSource(Source):
             return MediumAccess(mapped, description.verify_dram, MAX_OFFSET + 1)
         return MediumAccess(False, True, description.pool_file_bytes, ALIGN, description.gap_bytes)
 
+    @staticmethod
+    def _all_checked(leased: Leased) -> bool:
+        """Whether a reader checks every block of the lease it delivers: SSD always, DRAM
+        where the node says readers check it (``verify_dram``)."""
+        has_dram = any(part.medium is Medium.DRAM for part in leased.parts)
+        return not has_dram or leased.token.link.description.verify_dram
+
     def _handed(self, leased: Leased) -> bool:
         """Whether the leased DRAM segments lie in arena chunks this process maps (else they
         are read through the transport, which refuses them: misses, never a fault)."""
@@ -241,10 +248,18 @@ class TransportSource(Source):
         while held.streams:  # before the lease goes: a stopped stream frees its regions
             held.streams.popitem()[1].close()
         if held.link is not None and held.reply is not None:
-            good = self.locator.release_held(held.link, held.reply, outcome.bad_scopes, held.report)
             late = time.monotonic() - held.started > self._lease_ttl_s - LEASE_MARGIN_S
-            if late or not good:
-                held.report.lease_expired = True  # the owner let go (or may have): bytes reused
-                pages = 0
+            if self._all_checked(leased) and not outcome.bad_scopes and not late:
+                # Every byte delivered was checked, in this process's memory, against the
+                # sums the lease named: a scope freed and written over while leased is a
+                # miss already, so nothing waits for the owner's word. The release rides on
+                # the next lookup to that node (or goes alone shortly after).
+                self.locator.let_go(held.link, held.reply)
+            else:
+                bad = outcome.bad_scopes
+                good = self.locator.release_held(held.link, held.reply, bad, held.report)
+                if late or not good:
+                    held.report.lease_expired = True  # the owner let go (or may have)
+                    pages = 0
         self._on_release(held, outcome, pages)
         return pages
