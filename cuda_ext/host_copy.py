@@ -134,11 +134,12 @@ def _pieces(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
 
 def copy_many(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """``np.copyto(dst, src)`` for every ``(dst, src)`` pair (same shapes, no overlaps between
-    pairs), the bytes spread over the copy threads when there are enough of them. Pairs of
-    contiguous arrays of one dtype go through the native pass where it is built (any
-    alignment at full speed, ``cuda_ext/_copyhash.c``)."""
+    pairs), the bytes spread over the copy threads when there are enough of them. Big
+    copies of contiguous arrays of one dtype go through the native pass where it is built
+    (any alignment at full speed, ``cuda_ext/_copyhash.c``); small ones stay with numpy,
+    whose call costs half as much (33 against 63 us for 1.4 MB in three pairs)."""
     module = native_module()
-    if module is not None:
+    if module is not None and sum(dst.nbytes for dst, _ in pairs) >= SPLIT_BYTES:
         flat = [_native_pair(dst, src) for dst, src in pairs]
         rows = [row for row in flat if row is not None]
         if rows:
