@@ -4,6 +4,8 @@ same sums as one thread's, whatever the split (``cuda_ext/host_copy.py``,
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -136,6 +138,31 @@ def test_a_fused_copy_moves_the_bytes_and_hashes_each_block_like_the_reader(
     assert np.array_equal(target, source)
     assert sums is not None
     assert np.array_equal(sums, block_checksums(source, 4 * 4096))
+
+
+def test_a_batch_of_long_copies_and_hashed_blocks_keeps_each_rows_sum_in_place(
+    threads: int,
+) -> None:
+    """Long copy-only rows are cut for the threads to claim in turns; the sums still come
+    back one per row of the batch as given, 0 where a row hashes nothing."""
+    if not host_hash.fused():
+        pytest.skip("no fused copy: cuda_ext/_copyhash.c not built or no libxxhash")
+    rng = np.random.default_rng(threads)
+    source = rng.integers(0, 256, 600_000, dtype=np.uint8)
+    target = np.zeros_like(source)
+    cuts = [0, 150_000, 151_000, 400_000, 401_000, 600_000]  # long, short, long, short, long
+    ops = np.zeros((len(cuts) - 1, 4), dtype=np.int64)
+    for row, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        ops[row, host_hash.DST] = target.ctypes.data + lo
+        ops[row, host_hash.SRC] = source.ctypes.data + lo
+        ops[row, host_hash.LENGTH] = hi - lo
+        if row % 2:  # the short rows are hashed where they land
+            ops[row, host_hash.HASH_AT] = target.ctypes.data + lo
+    sums = host_hash.copy_and_hash(ops)
+    assert sums is not None and np.array_equal(target, source)
+    for row, (lo, hi) in enumerate(itertools.pairwise(cuts)):
+        want = int(block_checksums(source[lo:hi], hi - lo)[0]) if row % 2 else 0
+        assert int(sums[row]) == want
 
 
 def test_ssd_reads_are_cut_into_pieces_that_cover_each_range_once() -> None:
