@@ -366,6 +366,7 @@ class FlatCakeClient:
                     **self.counters,
                     "fanouts": self._locator.fanouts,
                     "release_calls": self._locator.release_calls,
+                    "releases_unawaited": self._locator.releases_unawaited,
                 },
                 "paths": {p: vars(t).copy() for p, t in self.paths.items()},
                 "local_node_id": self.nodes.local_node_id,

@@ -66,6 +66,7 @@ class Locator:
         self._let_go: dict[int, list[int]] = {}  # node id -> lease ids not yet sent
         self._wake = threading.Event()
         self.release_calls = 0  # releases no lookup carried, sent by themselves
+        self.releases_unawaited = 0  # releases of checked reads, sent and not waited for
         self._closed = False
         threading.Thread(target=self._send_uncarried, daemon=True).start()
 
@@ -257,6 +258,13 @@ class Locator:
         held throughout, so what was read under it is good). Unread leases need no answer."""
         report.actor_calls += 1
         return link.handle.release.remote(reply.lease_id, list(bad_scopes))
+
+    def release_unawaited(self, link: NodeLink, reply: LeaseReply, report: RestoreReport) -> None:
+        """Release a lease read under whose reader needs no answer (it checked every byte
+        it kept): sent now, so the node lets go of it before it serves this client's next
+        call (a node runs one caller's calls in order), and never waited for."""
+        self.release(link, reply, (), report)
+        self.releases_unawaited += 1
 
     def let_go(self, link: NodeLink, reply: LeaseReply) -> None:
         """Give back a lease no reader used and nobody waits on: its id goes with the next

@@ -252,9 +252,9 @@ class TransportSource(Source):
             if self._all_checked(leased) and not outcome.bad_scopes and not late:
                 # Every byte delivered was checked, in this process's memory, against the
                 # sums the lease named: a scope freed and written over while leased is a
-                # miss already, so nothing waits for the owner's word. The release rides on
-                # the next lookup to that node (or goes alone shortly after).
-                self.locator.let_go(held.link, held.reply)
+                # miss already, so nothing waits for the owner's word. The release is sent
+                # now all the same: a lease held on would keep its scopes from eviction.
+                self.locator.release_unawaited(held.link, held.reply, held.report)
             else:
                 bad = outcome.bad_scopes
                 good = self.locator.release_held(held.link, held.reply, bad, held.report)
