@@ -10,6 +10,11 @@ left to this process are read from ``/proc/stat`` (idle time) and its own CPU ti
 once a second, over the last seconds: the load average counts this process's own copy
 threads, so a process that copied hard for a minute read it as a busy machine and went down
 to one thread. A process whose last reading is older (it waited) goes by the load average.
+
+Where ``cuda_ext/_copyhash.c`` is built, big copies of contiguous arrays go through it
+(:func:`run_ops`): one batch of rows that every copy thread works through at once, each
+claiming the next rows, at full speed whatever the arrays' alignment; the checksums of
+``cuda_ext/host_hash.py`` ride in the same batches.
 """
 
 from __future__ import annotations
