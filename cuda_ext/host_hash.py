@@ -7,8 +7,8 @@ install does), a batch of copies and hashes runs on the copy threads with the GI
 (``host_copy.run_ops``), and a piece that is copied is hashed right after its copy, while it
 is in cache (:func:`copy_and_hash`). Without it, ``xxh3_many`` calls libxxhash through
 ctypes per piece (ctypes releases the GIL too) and :func:`copy_and_hash` answers None: the
-callers copy, then hash. Where libxxhash is not installed either, the callers hash with ``core.integrity`` on
-their own thread.
+callers copy, then hash. Where libxxhash is not installed either, the callers hash with
+``core.integrity`` on their own thread.
 """
 
 from __future__ import annotations
