@@ -255,8 +255,8 @@ def test_a_warm_locate_with_lease_is_one_call_and_lets_its_lease_go(deployment):
 def test_a_checked_restore_waits_for_no_release_and_its_lease_still_goes_back(deployment):
     """Where readers check every block (``verify_dram``, the service's default), a restore's
     pages count once checked: its release is sent and not waited for. The node still lets
-    go of every lease (it runs a caller's calls in order, so before that client's next one),
-    every release one it knew."""
+    go of every lease, every release one it knew, and the client's stats (as its puts) are
+    asked once its releases have run."""
     writer = next(iter(deployment["by_node_id"].values()))
     ray.get(writer.put.remote("checked", 8, 9, DRAM))
     with FlatCakeClient(NAMESPACE) as reader:
@@ -269,7 +269,7 @@ def test_a_checked_restore_waits_for_no_release_and_its_lease_still_goes_back(de
             assert reader.restore_report(keys_for("checked", 8), out).pages == 8
             assert np.array_equal(out, kv_for(8, 9))
         assert reader.stats(nodes=False)["client"]["releases_unawaited"] == unawaited + 4
-        after = reader.stats()["nodes"][owner]  # asked after the releases: none held
+        after = reader.stats()["nodes"][owner]  # asked once the releases ran: none held
         assert after["leases_held"] == 0
         assert after["releases"] - before["releases"] == 4
         assert after["lease_misses"] == before["lease_misses"]

@@ -309,6 +309,7 @@ class FlatCakeClient:
         self._check_open()
         first_digest(keys, namespace)  # every key checked before any call
         first = first_digest(keys[anchor_index(len(keys)) :], namespace)  # its anchor
+        self._locator.settle_unawaited()  # this client's own leases keep nothing from eviction
         report = RestoreReport(len(keys))
         link = self._owners.owner(first, namespace, session_id, parent, report)
         nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
@@ -359,7 +360,8 @@ class FlatCakeClient:
     # ---- stats and lifecycle ---------------------------------------------------------------
     def stats(self, *, nodes: bool = True) -> dict[str, Any]:
         """This client's counters and per-path tallies; with ``nodes``, each node's stats
-        (one call per node: control plane, not for the serving loop)."""
+        (one call per node: control plane, not for the serving loop), asked once this
+        client's releases have run there."""
         with self._lock:
             out: dict[str, Any] = {
                 "client": {
@@ -374,6 +376,7 @@ class FlatCakeClient:
             }
         out["metrics"] = self.metrics.snapshot()
         if nodes:
+            self._locator.settle_unawaited()
             out["nodes"] = self.nodes.stats(self.config.rpc_timeout_s)
         return out
 

@@ -46,6 +46,8 @@ LOCATION_CACHE_ENTRIES = 1 << 17
 # lookup carried within this long is released by a call of its own (scopes stay pinned that
 # much longer at most).
 RELEASE_CARRY_S = 0.05
+# Releases sent and not waited for are looked over (the answered ones dropped) this often.
+UNAWAITED_PRUNE = 64
 
 
 def hits(answer: LeaseReply | Probe | int | None) -> int:
@@ -67,6 +69,7 @@ class Locator:
         self._wake = threading.Event()
         self.release_calls = 0  # releases no lookup carried, sent by themselves
         self.releases_unawaited = 0  # releases of checked reads, sent and not waited for
+        self._unawaited: list[Any] = []  # their answers' references, until one settles them
         self._closed = False
         threading.Thread(target=self._send_uncarried, daemon=True).start()
 
@@ -261,10 +264,37 @@ class Locator:
 
     def release_unawaited(self, link: NodeLink, reply: LeaseReply, report: RestoreReport) -> None:
         """Release a lease read under whose reader needs no answer (it checked every byte
-        it kept): sent now, so the node lets go of it before it serves this client's next
-        call (a node runs one caller's calls in order), and never waited for."""
-        self.release(link, reply, (), report)
-        self.releases_unawaited += 1
+        it kept): sent now and not waited for. A node serves calls on several threads, so a
+        later call of this client may run before it: ``settle_unawaited`` is what orders it."""
+        ref = self.release(link, reply, (), report)
+        with self._lock:
+            self._unawaited.append(ref)
+            self.releases_unawaited += 1
+            if len(self._unawaited) >= UNAWAITED_PRUNE:
+                self._unawaited = self._pending(self._unawaited, 0.0)
+
+    def settle_unawaited(self) -> None:
+        """Wait until every release sent by ``release_unawaited`` has run at its node (or
+        failed there: its lease then ends by TTL). Called before a put, whose owner may
+        evict: a lease of this client's still held there would keep its scopes, and what is
+        evicted would depend on which of the two calls a node thread took first."""
+        with self._lock:
+            refs, self._unawaited = self._unawaited, []
+        left = self._pending(refs, self.rpc_timeout_s)
+        if left:
+            with self._lock:
+                self._unawaited.extend(left)
+
+    @staticmethod
+    def _pending(refs: list[Any], timeout_s: float) -> list[Any]:
+        """Those of ``refs`` not answered within ``timeout_s`` (the answers are not read: a
+        release's outcome matters only to a reader that did not check what it read)."""
+        if not refs:
+            return refs
+        import ray
+
+        _, left = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        return left
 
     def let_go(self, link: NodeLink, reply: LeaseReply) -> None:
         """Give back a lease no reader used and nobody waits on: its id goes with the next
