@@ -40,6 +40,7 @@ import numpy as np
 
 from flatcake_ray import failpoints
 from flatcake_ray.actors.auth import service_gate
+from flatcake_ray.actors.call_channels import CHANNELS_PER_TENANT, CallChannels
 from flatcake_ray.actors.homes import HomeCalls, HomeDirectory
 from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.leased_bytes import LeasedBytes
@@ -128,6 +129,7 @@ class StorageNode(HomeCalls):
             lambda: self.store.arena.view,
             self.counters,
         )
+        self.channels = CallChannels(self._direct, CHANNELS_PER_TENANT, config.rpc_timeout_s)
         self._stop = threading.Event()
         reports = (self._stop, self._tick, self._usage)
         self._reporter = threading.Thread(target=self.membership.run, args=reports, daemon=True)
@@ -217,6 +219,8 @@ class StorageNode(HomeCalls):
             "ray_node_id": self.ray_node_id,
             "root": str(self.slot.root),
             "leases_held": len(self.leases),
+            "direct_calls": self.channels.served,
+            "call_channels": self.channels.count(),
             "ship_regions_held": self.ship_buffer.regions.held,
             "nixl": self.exports.nixl_reason or "ok",
             "memory_private": memory_is_private(),  # non-dumpable (private_node_memory)
@@ -252,6 +256,16 @@ class StorageNode(HomeCalls):
         ``socket_name`` (``actors/memory_handout.py``): how many, and this process's id."""
         sent = self.handout.hand(self._tenant(secret).name, socket_name, memory, offsets)
         return sent, os.getpid()
+
+    def open_calls(self, secret: object, socket_name: object) -> int:
+        """Connect to the caller's process on this machine, listening on ``socket_name``,
+        and serve its lookups and releases there (``actors/call_channels.py``); returns this
+        process's id, which the caller checks the connection came from."""
+        self.channels.open(self._tenant(secret).name, secret, socket_name)
+        return os.getpid()
+
+    def _direct(self, secret: object, method: str, args: tuple[Any, ...]) -> Any:
+        return getattr(self, method)(secret, *args)
 
     def accept_rdma(self, secret: object, reader: Any) -> Any:
         """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""
@@ -395,6 +409,7 @@ class StorageNode(HomeCalls):
         """Stop reporting, drop the NIXL exports and close the store (SSD scopes survive)."""
         self.gate.service(service_secret)
         self._stop.set()
+        self.channels.close()
         self.exports.close()
         self.puts.close()
         self.ship_buffer.close()

@@ -108,6 +108,11 @@ class ServiceError(FlatCakeError):
     """The Ray service is not running, or a storage node cannot be reached."""
 
 
+class ChannelClosedError(ServiceError):
+    """A direct call channel to a node went away (the node died or restarted); the caller
+    asks over Ray instead."""
+
+
 class UnknownNodeError(FlatCakeError, LookupError):
     """A NodeID names no storage node the coordinator knows (e.g. ``flatcake-ray drain 9``)."""
 

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,3 +67,29 @@ def test_matches_a_dict_model(operations):
         model[k] for k in sorted(model)
     ]
     assert len(index) == len(model)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 400), max_size=150),
+    st.lists(st.integers(0, 400), max_size=60),
+)
+def test_the_native_probe_and_numpy_find_the_same_pages(kept, deleted):
+    """``core/_digests.c``'s probe (built by pip install) and the numpy fallback answer every
+    lookup alike, over long probe chains and deleted slots (a small, full table)."""
+    from unittest import mock
+
+    from flatcake_ray.core import index as index_module
+    from flatcake_ray.core.keys import native_module
+
+    if native_module() is None:
+        pytest.skip("core/_digests.c is not built here (pip install -e . builds it)")
+    index = PageIndex(capacity=16)
+    index.insert(digest_keys("ns", kept), np.array(kept) + 3)
+    index.delete(digest_keys("ns", deleted))
+    probe = digest_keys("ns", range(401))
+    native = index.lookup(probe)
+    with mock.patch.object(index_module, "native_module", return_value=None):
+        fallback = index.lookup(probe)
+    assert np.array_equal(native[0], fallback[0]) and np.array_equal(native[1], fallback[1])
+    assert native[0].tolist() == [k in set(kept) - set(deleted) for k in range(401)]

@@ -269,3 +269,83 @@ def test_removing_a_tenant_refuses_it_and_frees_its_pages(service):
         assert "gamma" not in node_stats(service)["tenants"]
     with pytest.raises(TenantError, match="no tenant 'gamma'"):
         tenants.remove_tenant(NAMESPACE, "gamma")
+
+
+def _channel(service, secret):
+    """A direct call channel opened the way a client opens one (``client/direct.py``)."""
+    from flatcake_ray.media.call_frames import CallListener
+
+    with CallListener() as listener:
+        pid = ray.get(service["node"].open_calls.remote(secret, listener.name), timeout=30)
+        return listener.accept_from(pid, 30)
+
+
+def _ask(channel, method, *args):
+    from flatcake_ray.media.call_frames import pack_call, recv_frame, send_frame, unpack_reply
+
+    send_frame(channel, pack_call(method, args))
+    return unpack_reply(recv_frame(channel))
+
+
+def test_direct_calls_act_for_the_tenant_that_opened_them(service):
+    from flatcake_ray.core.keys import request_digests
+
+    alpha, secrets = service["clients"]["alpha"], service["secrets"]
+    names, data = keys("direct", 5), kv(LAYERS, 5, PAGE_BYTES, 60)
+    alpha.put(names, data, hints=DRAM)
+    out = np.zeros_like(data)
+    report = alpha.restore_report(names, out)  # on the node's machine: lookup and release
+    assert report.pages == 5 and np.array_equal(out, data)
+    assert report.direct_calls == 2 and alpha.stats(nodes=False)["client"]["direct_calls"] >= 2
+    digests = request_digests(names, None)
+    with _channel(service, secrets["beta"]) as beta:
+        assert _ask(beta, "exists", digests) == 0  # alpha's pages are not beta's
+        with _channel(service, secrets["alpha"]) as mine:
+            assert _ask(mine, "exists", digests) == 5
+            reply = _ask(mine, "lookup", digests)
+            assert reply.hits == 5
+            assert _ask(beta, "release", reply.lease_id, []) is False  # not beta's lease
+            assert _ask(mine, "release", reply.lease_id, []) is True
+    assert node_stats(service)["direct_calls"] >= 7
+
+
+def test_a_channel_carries_a_requests_calls_only_and_garbage_ends_it(service):
+    from flatcake_ray.errors import ChannelClosedError, InvalidKeyError, ShapeError
+    from flatcake_ray.media.call_frames import CallListener, recv_frame, send_frame
+
+    secret, node = service["secrets"]["alpha"], service["node"]
+    with _channel(service, secret) as channel:
+        for method in ("begin_put", "shutdown", "stats", "open_calls", "hand_chunks"):
+            with pytest.raises(ShapeError, match="not a direct call"):
+                _ask(channel, method, "x")
+        with pytest.raises(InvalidKeyError):  # the node's own checks, typed as over Ray
+            _ask(channel, "lookup", "not keys")
+        send_frame(channel, b"\xc1 is no msgpack")
+        with pytest.raises(ChannelClosedError):  # the node hung up
+            recv_frame(channel)
+    with _channel(service, secret) as channel:
+        channel.sendall((1 << 31).to_bytes(4, "big"))  # a frame past any call
+        with pytest.raises(ChannelClosedError):
+            recv_frame(channel)
+    with CallListener() as listener:
+        refused = raised(node.open_calls.remote("x" * 64, listener.name))
+        assert isinstance(refused, AccessDeniedError)
+    alpha = service["clients"]["alpha"]
+    names, data = keys("after-garbage", 3), kv(LAYERS, 3, PAGE_BYTES, 61)
+    alpha.put(names, data, hints=DRAM)
+    out = np.zeros_like(data)
+    assert alpha.get(names, out) == 3 and np.array_equal(out, data)  # the node serves on
+
+
+def test_a_removed_tenants_open_channel_is_refused(service):
+    from flatcake_ray.client import tenants
+
+    secret = tenants.add_tenant(NAMESPACE, "delta", layers=LAYERS, page_bytes=PAGE_BYTES)
+    names = keys("delta", 2)
+    with _channel(service, secret) as channel:
+        from flatcake_ray.core.keys import request_digests
+
+        assert _ask(channel, "exists", request_digests(names, None)) == 0
+        tenants.remove_tenant(NAMESPACE, "delta")
+        with pytest.raises(AccessDeniedError):
+            _ask(channel, "exists", request_digests(names, None))

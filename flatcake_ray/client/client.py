@@ -90,9 +90,9 @@ class FlatCakeClient:
         self.allowed = frozenset(ALL_PATHS if allow is None else allow)
         if self.allowed - ALL_PATHS:
             raise ValueError(f"unknown remote paths {sorted(self.allowed - ALL_PATHS)}")
-        self.nodes = NodeTable(
-            namespace, self.ray_node_id, self.client_config.tenant_secret or None
-        )
+        secret = self.client_config.tenant_secret or None
+        direct = self.client_config.direct_calls
+        self.nodes = NodeTable(namespace, self.ray_node_id, secret, direct_calls=direct)
         self.nodes.refresh(force=True)
         if not self.nodes.links or self.nodes.config is None:
             raise ServiceError(
@@ -369,6 +369,7 @@ class FlatCakeClient:
                     "fanouts": self._locator.fanouts,
                     "release_calls": self._locator.release_calls,
                     "releases_unawaited": self._locator.releases_unawaited,
+                    **self.nodes.direct_stats(),
                 },
                 "paths": {p: vars(t).copy() for p, t in self.paths.items()},
                 "local_node_id": self.nodes.local_node_id,

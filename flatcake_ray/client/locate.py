@@ -35,11 +35,17 @@ import numpy as np
 
 from flatcake_ray.actors.homes import Found
 from flatcake_ray.actors.protocol import LeaseReply
+from flatcake_ray.client.direct import DIRECT_CALLS
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
 from flatcake_ray.core.homes import anchor_index, anchor_of, home_candidates
-from flatcake_ray.errors import AccessDeniedError, FlatCakeError, TenantLimitError
+from flatcake_ray.errors import (
+    AccessDeniedError,
+    ChannelClosedError,
+    FlatCakeError,
+    TenantLimitError,
+)
 
 LOCATION_CACHE_ENTRIES = 1 << 17
 # A lease let go of without an answer rides on the next lookup to its node; one that no
@@ -210,17 +216,35 @@ class Locator:
 
         if not links:
             return []
-        refs = {
-            getattr(link.handle, method).remote(*self._carrying(link, method, args)): link
-            for link in links
-        }
-        report.actor_calls += len(refs)
-        report.nodes_asked += len(refs)
-        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)
-        for ref in late:  # a late lease runs out by its TTL
-            self.nodes.mark_down(refs[ref], f"{method} took over {self.rpc_timeout_s}s")
+        refs: dict[Any, NodeLink] = {}
+        direct: list[tuple[NodeLink, tuple[Any, ...]]] = []
+        for link in links:
+            sent = self._carrying(link, method, args)
+            if link.direct is not None and method in DIRECT_CALLS:
+                direct.append((link, sent))  # asked once the Ray calls are on their way
+            else:
+                refs[getattr(link.handle, method).remote(*sent)] = link
+        report.actor_calls += len(links)
+        report.nodes_asked += len(links)
         answers: list[tuple[NodeLink, Any]] = []
         limited: FlatCakeError | None = None
+        for link, sent in direct:
+            try:
+                answers.append((link, link.direct.call(method, *sent)))  # type: ignore[union-attr]
+                report.direct_calls += 1
+            except ChannelClosedError:  # asked over Ray instead
+                refs[getattr(link.handle, method).remote(*sent)] = link
+            except (TenantLimitError, AccessDeniedError) as exc:
+                limited = exc
+            except FlatCakeError as exc:  # what a Ray call would raise as a RayTaskError
+                self.nodes.mark_down(link, f"{method} failed: {exc}")
+                report.failures.append(f"node {link.node_id}: {type(exc).__name__}")
+        ready: list[Any] = []
+        late: list[Any] = []
+        if refs:
+            ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.rpc_timeout_s)
+        for ref in late:  # a late lease runs out by its TTL
+            self.nodes.mark_down(refs[ref], f"{method} took over {self.rpc_timeout_s}s")
         for ref in ready:
             try:
                 answers.append((refs[ref], ray.get(ref)))
@@ -264,14 +288,35 @@ class Locator:
 
     def release_unawaited(self, link: NodeLink, reply: LeaseReply, report: RestoreReport) -> None:
         """Release a lease read under whose reader needs no answer (it checked every byte
-        it kept): sent now and not waited for. A node serves calls on several threads, so a
-        later call of this client may run before it: ``settle_unawaited`` is what orders it."""
+        it kept). Over the local node's call channel it is answered before this returns
+        (a round trip costs less than a Ray call's submission); over Ray it is sent now and
+        not waited for, and a node serves calls on several threads, so a later call of this
+        client may run before it: ``settle_unawaited`` is what orders it."""
+        if link.direct is not None and self._released_direct(link, reply, (), report) is not None:
+            return
         ref = self.release(link, reply, (), report)
         with self._lock:
             self._unawaited.append(ref)
             self.releases_unawaited += 1
             if len(self._unawaited) >= UNAWAITED_PRUNE:
                 self._unawaited = self._pending(self._unawaited, 0.0)
+
+    def _released_direct(
+        self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
+    ) -> bool | None:
+        """The node's answer to a release over its call channel; None: the channel could not
+        carry it (the caller releases over Ray)."""
+        assert link.direct is not None
+        report.actor_calls += 1
+        try:
+            good = bool(link.direct.call("release", reply.lease_id, list(bad_scopes)))
+        except ChannelClosedError:
+            return None
+        except FlatCakeError as exc:
+            report.failures.append(f"node {link.node_id}: release {type(exc).__name__}")
+            return False
+        report.direct_calls += 1
+        return good
 
     def settle_unawaited(self) -> None:
         """Wait until every release sent by ``release_unawaited`` has run at its node (or
@@ -345,6 +390,10 @@ class Locator:
         import ray
         from ray.exceptions import RayError
 
+        if link.direct is not None:
+            good = self._released_direct(link, reply, bad_scopes, report)
+            if good is not None:
+                return good
         ref = self.release(link, reply, bad_scopes, report)
         try:
             return bool(ray.get(ref, timeout=self.rpc_timeout_s))

@@ -22,6 +22,7 @@ from typing import Any
 from flatcake_ray.actors.drain import read_drained
 from flatcake_ray.actors.protocol import NO_LOCAL_NODE, NODE_NAME_PREFIX, NodeDescription
 from flatcake_ray.client.calls import BoundNode
+from flatcake_ray.client.direct import DirectCalls
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import AccessDeniedError, ServiceError
@@ -52,13 +53,20 @@ def process_paths() -> frozenset[str]:
 
 class NodeLink:
     def __init__(
-        self, handle: Any, description: NodeDescription, local: bool, config: ServiceConfig
+        self,
+        handle: Any,
+        description: NodeDescription,
+        local: bool,
+        config: ServiceConfig,
+        direct_calls: bool = False,
     ) -> None:
         self.handle = handle
         self.description = description
         self.node_id = description.node_id
         self.local = local
         self.config = config
+        # Lookups and releases over a socket to the node on this machine (client/direct.py).
+        self.direct = DirectCalls(handle, config.rpc_timeout_s) if local and direct_calls else None
         self.down_until = 0.0
         self._transports: dict[tuple[str, Medium], tuple[Any, threading.Lock]] = {}
         self._extra: list[Any] = []  # NIXL readers inside composite transports
@@ -166,6 +174,8 @@ class NodeLink:
         return RdmaVerbsTransport.connected(accept, timeout_s=timeout)
 
     def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         with self._lock:
             for transport, lock in self._transports.values():
                 with lock:
@@ -179,8 +189,11 @@ class NodeLink:
 class NodeTable:
     """Every storage node of the namespace, keyed by NodeID, refreshed by name listing."""
 
-    def __init__(self, namespace: str, my_ray_node_id: str, secret: str | None) -> None:
+    def __init__(
+        self, namespace: str, my_ray_node_id: str, secret: str | None, direct_calls: bool = False
+    ) -> None:
         self.namespace = namespace
+        self.direct_calls = direct_calls  # the local node's lookups over a socket (NodeLink)
         self.secret = secret  # the tenant's (None: the open default tenant)
         self.my_ray_node_id = my_ray_node_id
         self.config: ServiceConfig | None = None
@@ -253,7 +266,7 @@ class NodeTable:
             self._drop(name)
         local = description.ray_node_id == self.my_ray_node_id
         assert self.config is not None  # fetched with the first description
-        link = NodeLink(handle, description, local, self.config)
+        link = NodeLink(handle, description, local, self.config, self.direct_calls)
         self.links[description.node_id] = link
         self._names[name] = description.node_id
 
@@ -294,6 +307,15 @@ class NodeTable:
             except RayError as exc:
                 self.mark_down(link, f"stats failed: {exc}")
         return found
+
+    def direct_stats(self) -> dict[str, int]:
+        """Calls answered over call channels, and channels that failed (those calls went
+        over Ray)."""
+        channels = [link.direct for link in list(self.links.values()) if link.direct is not None]
+        return {
+            "direct_calls": sum(channel.calls for channel in channels),
+            "direct_failures": sum(channel.failures for channel in channels),
+        }
 
     def up(self) -> list[NodeLink]:
         now = time.monotonic()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flatcake_ray.core.keys import DIGEST_DTYPE
+from flatcake_ray.core.keys import DIGEST_DTYPE, native_module
 
 PAGE_BITS = 24
 PAGE_MASK = (1 << PAGE_BITS) - 1
@@ -57,7 +57,16 @@ class PageIndex:
         return self._hi.nbytes + self._lo.nbytes + self._val.nbytes
 
     def _find_slots(self, digests: np.ndarray) -> np.ndarray:
-        """Slot of each digest, or -1 where absent (internal: never leaves this class)."""
+        """Slot of each digest, or -1 where absent (internal: never leaves this class); one
+        native loop where ``core/_digests.c`` is built, numpy passes where it is not."""
+        native = native_module()
+        if native is not None:
+            slots = np.empty(len(digests), dtype=np.int64)
+            native.find_slots(self._hi, self._lo, np.ascontiguousarray(digests), slots)
+            return slots
+        return self._find_slots_numpy(digests)
+
+    def _find_slots_numpy(self, digests: np.ndarray) -> np.ndarray:
         hi, lo = digests["hi"], digests["lo"]
         home = hi & self._mask
         slots = np.full(len(digests), -1, dtype=np.int64)

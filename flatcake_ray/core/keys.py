@@ -38,6 +38,12 @@ def _load_native() -> Any:
 
 _native = _load_native()
 
+
+def native_module() -> Any:
+    """``core/_digests.c`` as built (its digests and the index's probe), or None."""
+    return _native
+
+
 DEFAULT_NAMESPACE = "default"
 KeyLike = bytes | str | int
 

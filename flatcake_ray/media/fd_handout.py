@@ -7,7 +7,7 @@ the node checks that every chunk asked for is that tenant's, connects, and sends
 descriptors before the call returns. The client takes descriptors only from the node's own
 process (``SO_PEERCRED``): abstract names are listed in ``/proc/net/unix``, so another
 process may connect first, and its descriptors are dropped unread. The node never listens:
-nothing reaches it but its actor calls.
+nothing reaches it but its actor calls and the call channels those open (``call_frames.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,108 @@
+"""A client's direct calls to the storage node on its machine (``media/call_frames.py``).
+
+The locator asks the local node its lookups, finds, probes and releases here instead of over
+Ray (``Locator.call_all``, ``Locator.release``): one socket round trip where a Ray actor call
+costs more than the node's work. Connections are pooled (a thread takes one for a call, so
+concurrent restores do not queue behind each other), each opened by one ``open_calls`` actor
+call. Anything wrong with a channel is :class:`ChannelClosedError`, and the caller asks over
+Ray instead; a channel that could not be opened is not tried again for ``RETRY_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+from flatcake_ray.errors import ChannelClosedError, FlatCakeError
+from flatcake_ray.media.call_frames import (
+    DIRECT_CALLS,
+    CallListener,
+    pack_call,
+    recv_frame,
+    send_frame,
+    unpack_reply,
+)
+
+log = logging.getLogger(__name__)
+__all__ = ["DIRECT_CALLS", "DirectCalls"]
+RETRY_AFTER_S = 5.0
+
+IDLE_KEPT = 8  # connections kept for reuse; more are closed when given back
+
+
+class DirectCalls:
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self._handle = handle  # the node's BoundNode: open_calls carries the tenant's secret
+        self._timeout_s = timeout_s
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._retry_at = 0.0
+        self.calls = 0  # answered over a channel
+        self.failures = 0  # channels that failed to open or broke (the calls went over Ray)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The node's answer to ``method(*args)`` (its typed error raised here), or
+        ChannelClosedError when the channel could not carry it."""
+        sock = self._take()
+        try:
+            send_frame(sock, pack_call(method, args))
+            body = recv_frame(sock)
+        except (OSError, FlatCakeError) as exc:
+            sock.close()
+            self._failed(f"direct {method} failed: {exc}", retry_now=True)
+            raise ChannelClosedError(f"direct {method}: {exc}") from exc
+        self._give(sock)
+        self.calls += 1
+        return unpack_reply(body)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def _take(self) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise ChannelClosedError("the link was closed")
+            if self._idle:
+                return self._idle.pop()
+            if time.monotonic() < self._retry_at:
+                raise ChannelClosedError("no call channel to this node for now")
+        return self._open()
+
+    def _give(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < IDLE_KEPT:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _open(self) -> socket.socket:
+        import ray
+        from ray.exceptions import RayError
+
+        try:
+            with CallListener() as listener:
+                ref = self._handle.open_calls.remote(listener.name)
+                pid = ray.get(ref, timeout=self._timeout_s)
+                sock = listener.accept_from(pid, self._timeout_s)
+                sock.settimeout(self._timeout_s)  # a node that hangs: over Ray, then down
+                return sock
+        except (RayError, FlatCakeError, OSError) as exc:
+            self._failed(f"no call channel: {exc}", retry_now=False)
+            raise ChannelClosedError(f"no call channel to the node: {exc}") from exc
+
+    def _failed(self, reason: str, *, retry_now: bool) -> None:
+        """A broken channel is opened again by the next call (the node may have restarted);
+        one that could not be opened waits ``RETRY_AFTER_S``."""
+        log.info("%s; asking over Ray", reason)
+        with self._lock:
+            self.failures += 1
+            if not retry_now:
+                self._retry_at = time.monotonic() + RETRY_AFTER_S

@@ -1,0 +1,215 @@
+"""Direct calls between a client and the storage node on its machine, over a Unix socket.
+
+A Ray actor call costs about 1.4 ms on the project's 2-core machines before the node does
+any work, more than the lookup itself; a local client's lookups, finds and releases go over
+a socket instead (``client/direct.py``, ``actors/call_channels.py``). The connection is made
+the way chunks are handed out (``fd_handout.py``): the client listens on a fresh abstract
+socket and names it in an actor call that carries its tenant's secret; the node connects,
+and the client keeps the connection only if the process that connected is the node's
+(``SO_PEERCRED``). The node never listens, and every call on a connection acts for the
+tenant whose secret opened it.
+
+Frames are a 4-byte length and a body. A call is msgpack (the node unpickles nothing a client
+sends): ``[method, args]``, numpy arrays as an extension type of a few integer dtypes. A reply
+is a pickle made by the node (the client trusts the node's process, as it trusts Ray's).
+"""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+import socket
+import struct
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from flatcake_ray.core.keys import DIGEST_DTYPE
+from flatcake_ray.errors import (
+    ChannelClosedError,
+    FlatCakeError,
+    ServiceError,
+    ShapeError,
+    TransferTimeoutError,
+)
+
+# The calls of every request (a lookup, a chain's find, a prefix probe, a restore's release):
+# the only ones a channel carries.
+DIRECT_CALLS = frozenset({"lookup", "find", "exists", "probe", "gvas", "release"})
+SOCKET_PREFIX = "flatcake-call-"
+_NAME_BYTES = len(SOCKET_PREFIX) + 32
+MAX_CALL_BYTES = 64 << 20  # a lookup of the most keys a call may name is far below this
+_LENGTH = struct.Struct("!I")
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_ARRAY = 1  # msgpack extension code of a numpy array
+# What a direct call carries in arrays: packed digests, lease and scope ids, bytes.
+_DTYPES = {"digest": DIGEST_DTYPE, "i8": np.dtype("<i8"), "u8": np.dtype("<u8")}
+_DTYPES["u1"] = np.dtype("u1")
+
+
+def check_socket_name(name: object) -> str:
+    if (
+        not isinstance(name, str)
+        or len(name) != _NAME_BYTES
+        or not name.startswith(SOCKET_PREFIX)
+        or not all(c in "0123456789abcdef" for c in name[len(SOCKET_PREFIX) :])
+    ):
+        raise ShapeError("a call socket name is the one CallListener made")
+    return name
+
+
+# ---- frames ---------------------------------------------------------------------------------
+def send_frame(sock: socket.socket, body: bytes) -> None:
+    sock.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_CALL_BYTES) -> bytes:
+    (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))
+    if length > max_bytes:
+        raise ShapeError(f"a call frame of {length} bytes (at most {max_bytes})")
+    return _recv_exactly(sock, length)
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+    buffer = bytearray(count)
+    view, got = memoryview(buffer), 0
+    while got < count:
+        step = sock.recv_into(view[got:], count - got)
+        if step == 0:
+            raise ChannelClosedError("the call channel was closed")
+        got += step
+    return bytes(buffer)
+
+
+# ---- calls (client -> node: msgpack) -----------------------------------------------------
+def pack_call(method: str, args: tuple[Any, ...]) -> bytes:
+    return msgpack.packb([method, list(args)], default=_pack_array, use_bin_type=True)
+
+
+def unpack_call(body: bytes) -> tuple[str, tuple[Any, ...]]:
+    """``(method, args)`` of a call, or ShapeError for anything else."""
+    try:
+        call = msgpack.unpackb(body, ext_hook=_unpack_array, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        raise ShapeError(f"a call is msgpack [method, args] ({exc})") from None
+    if not (isinstance(call, list) and len(call) == 2 and isinstance(call[0], str)):
+        raise ShapeError("a call is msgpack [method, args]")
+    if not isinstance(call[1], list):
+        raise ShapeError("a call's args are a list")
+    return call[0], tuple(call[1])
+
+
+def _pack_array(value: Any) -> msgpack.ExtType | int:
+    if isinstance(value, np.integer):
+        return int(value)  # a scope or lease id taken from an array
+    name = _dtype_name(value)
+    if name is None:
+        raise TypeError(f"a direct call does not carry {type(value).__name__}")
+    header = msgpack.packb([name, list(value.shape)])
+    return msgpack.ExtType(_ARRAY, header + np.ascontiguousarray(value).tobytes())
+
+
+def _dtype_name(value: Any) -> str | None:
+    if isinstance(value, np.ndarray):
+        for name, dtype in _DTYPES.items():
+            if value.dtype == dtype:
+                return name
+    return None
+
+
+def _unpack_array(code: int, data: bytes) -> np.ndarray:
+    if code != _ARRAY:
+        raise ValueError(f"extension {code} is not an array")
+    unpacker = msgpack.Unpacker(raw=False)
+    unpacker.feed(data)
+    dtype, shape = unpacker.unpack()
+    body = data[unpacker.tell() :]
+    if dtype not in _DTYPES or not isinstance(shape, list) or not 1 <= len(shape) <= 2:
+        raise ValueError("an array of ints or bytes, of one or two dimensions")
+    if not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError("an array's shape is counts")
+    if len(body) != _DTYPES[dtype].itemsize * int(np.prod(shape)):
+        raise ValueError(f"{len(body)} bytes are not a {dtype} array of shape {shape}")
+    array = np.frombuffer(body, dtype=_DTYPES[dtype])
+    return array.reshape(shape)
+
+
+# ---- replies (node -> client: pickle) ------------------------------------------------------
+def pack_reply(value: Any) -> bytes:
+    return pickle.dumps((True, value), protocol=5)
+
+
+def pack_error(error: BaseException) -> bytes:
+    """A typed error as the node raised it; anything else (a fault in the node, as a Ray
+    call would report it) as ServiceError."""
+    if not isinstance(error, FlatCakeError):
+        error = ServiceError(f"the node failed: {type(error).__name__}: {error}")
+    try:
+        return pickle.dumps((False, error), protocol=5)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return pickle.dumps((False, ServiceError(f"{type(error).__name__}: {error}")))
+
+
+def unpack_reply(body: bytes) -> Any:
+    """The node's answer, or the typed error it raised, raised here."""
+    ok, value = pickle.loads(body)
+    if not ok:
+        raise value
+    return value
+
+
+# ---- connecting ---------------------------------------------------------------------------
+class CallListener:
+    """A fresh abstract socket that takes one connection, from one process."""
+
+    def __init__(self) -> None:
+        self.name = SOCKET_PREFIX + secrets.token_hex(16)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind("\0" + self.name)
+            self._sock.listen(8)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def accept_from(self, pid: int, timeout_s: float) -> socket.socket:
+        """The connection process ``pid`` made (any other process's is closed unread)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError as error:
+                raise TransferTimeoutError(
+                    f"no call channel from process {pid} in {timeout_s:.1f} s"
+                ) from error
+            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            if _PEERCRED.unpack(raw)[0] == pid:
+                conn.settimeout(None)
+                return conn
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> CallListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(socket_name: str, timeout_s: float) -> socket.socket:
+    """The node's end: connect to the client's listener."""
+    address = "\0" + check_socket_name(socket_name)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(address)
+    except OSError as error:
+        sock.close()
+        raise ServiceError(f"no process of this machine listens for calls: {error}") from error
+    sock.settimeout(None)
+    return sock

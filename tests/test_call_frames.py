@@ -1,0 +1,178 @@
+"""Direct call frames (``media/call_frames.py``): what a client sends is msgpack the node
+decodes into plain values or a few integer arrays, anything else is a ShapeError; replies
+carry the node's typed errors; a listener keeps only the connection of the process it
+expects. No Ray here: the channel through the live service is in ``test_tenant_service.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatcake_ray.config import ClientConfig
+from flatcake_ray.core.keys import request_digests
+from flatcake_ray.errors import (
+    AccessDeniedError,
+    ChannelClosedError,
+    ServiceError,
+    ShapeError,
+    TenantLimitError,
+    TransferTimeoutError,
+)
+from flatcake_ray.media.call_frames import (
+    MAX_CALL_BYTES,
+    CallListener,
+    check_socket_name,
+    connect,
+    pack_call,
+    pack_error,
+    pack_reply,
+    recv_frame,
+    send_frame,
+    unpack_call,
+    unpack_reply,
+)
+
+plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    keys=st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=40),
+    ids=st.lists(st.integers(0, 2**63 - 1), max_size=8),
+    extra=plain,
+)
+def test_a_call_comes_back_as_it_was_sent(keys, ids, extra):
+    digests = request_digests(keys, None)
+    method, args = unpack_call(pack_call("lookup", (digests, None, np.array(ids, "<i8"), extra)))
+    assert method == "lookup"
+    got_digests, none, got_ids, got_extra = args
+    assert got_digests.dtype == digests.dtype and np.array_equal(got_digests, digests)
+    assert none is None and got_ids.dtype == np.int64 and got_ids.tolist() == ids
+    assert got_extra == extra
+
+
+def test_scalars_taken_from_arrays_travel_as_ints():
+    _, (lease_id, scopes) = unpack_call(pack_call("release", (np.int64(7), [np.uint64(3)])))
+    assert lease_id == 7 and scopes == [3] and type(lease_id) is int
+
+
+@pytest.mark.parametrize("value", [np.zeros(3, "<f8"), np.zeros(2, "U3"), object()])
+def test_what_no_request_holds_is_not_sent(value):
+    with pytest.raises(TypeError):
+        pack_call("lookup", (value,))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_are_a_call_or_a_shape_error(body):
+    try:
+        method, args = unpack_call(body)
+    except ShapeError:
+        return
+    assert isinstance(method, str) and isinstance(args, tuple)
+
+
+def _array_ext(dtype: str, shape: list, body: bytes) -> bytes:
+    ext = msgpack.ExtType(1, msgpack.packb([dtype, shape]) + body)
+    return msgpack.packb(["lookup", [ext]], use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _array_ext("f8", [1], b"\0" * 8),  # a dtype no call carries
+        _array_ext("i8", [2], b"\0" * 8),  # fewer bytes than the shape says
+        _array_ext("i8", [1, 1, 1], b"\0" * 8),  # three dimensions
+        _array_ext("i8", [2**40, 2**40], b""),  # a count past any array
+        _array_ext("i8", [-1], b""),
+        msgpack.packb(["lookup", [msgpack.ExtType(9, b"x")]]),  # an unknown extension
+        msgpack.packb({"method": "lookup"}),
+        msgpack.packb([1, []]),
+        msgpack.packb(["lookup", "args"]),
+    ],
+)
+def test_a_malformed_call_is_a_shape_error(body):
+    with pytest.raises(ShapeError):
+        unpack_call(body)
+
+
+@pytest.mark.parametrize(
+    "error", [AccessDeniedError("no"), TenantLimitError("slow down"), ShapeError("bad keys")]
+)
+def test_a_typed_error_is_raised_at_the_caller_as_the_node_raised_it(error):
+    with pytest.raises(type(error), match=str(error)):
+        unpack_reply(pack_error(error))
+
+
+def test_a_fault_in_the_node_reaches_the_caller_as_a_service_error():
+    with pytest.raises(ServiceError, match="the node failed: OSError"):
+        unpack_reply(pack_error(OSError(5, "failpoint")))
+    assert unpack_reply(pack_reply({"hits": 3})) == {"hits": 3}
+
+
+def test_frames_keep_their_bounds_and_a_closed_end_is_typed():
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        send_frame(left, b"abc")
+        send_frame(left, b"")
+        assert recv_frame(right) == b"abc" and recv_frame(right) == b""
+        left.sendall((MAX_CALL_BYTES + 1).to_bytes(4, "big"))
+        with pytest.raises(ShapeError):
+            recv_frame(right)
+        left.close()
+        with pytest.raises(ChannelClosedError):
+            recv_frame(right)
+
+
+def test_a_listener_keeps_only_the_expected_process_connection():
+    """Another process that connects first (abstract names are listed in /proc/net/unix)
+    is dropped; the expected process's connection is the one kept."""
+    script = (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect('\\0{}'); "
+        "print('in', flush=True); sys.stdin.read()"
+    )
+    with CallListener() as listener:
+        other = subprocess.Popen(
+            [sys.executable, "-c", script.format(listener.name)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert other.stdout.readline().strip() == "in"  # queued before ours
+            mine = connect(listener.name, 5.0)
+            with mine, listener.accept_from(os.getpid(), 10.0) as conn:
+                send_frame(mine, b"hello")
+                assert recv_frame(conn) == b"hello"
+            with pytest.raises(TransferTimeoutError):
+                listener.accept_from(os.getpid(), 0.2)
+        finally:
+            other.kill()
+            other.communicate()
+
+
+@pytest.mark.parametrize("name", ["", "flatcake-call-xyz", "flatcake-fd-" + "0" * 32, 5])
+def test_only_a_listener_made_name_is_connected_to(name):
+    with pytest.raises(ShapeError):
+        check_socket_name(name)
+    with pytest.raises(ShapeError):
+        connect(name, 1.0)
+
+
+def test_direct_calls_come_from_every_source():
+    assert ClientConfig().direct_calls is True
+    assert ClientConfig.from_env({"FLATCAKE_DIRECT_CALLS": "0"}).direct_calls is False
+    assert ClientConfig.from_env({}, direct_calls=False).direct_calls is False
