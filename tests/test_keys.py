@@ -88,3 +88,19 @@ def test_a_namespace_that_is_not_a_non_empty_str_is_refused_on_every_path(namesp
             request_digests(keys, namespace)
         with pytest.raises(InvalidKeyError):
             key_digests(keys, namespace)
+
+
+@pytest.mark.parametrize("extra", [-2, -1, 0, 1, 2, 129])
+def test_native_digests_at_the_block_edge_are_the_hashlib_digests(extra):
+    """A key whose prefix and bytes end just short of, on, or past one 128-byte block: the
+    native path takes one block while they fit, the general update past it."""
+    from hashlib import blake2b
+
+    from flatcake_ray.core import keys as module
+
+    if module._native is None:
+        pytest.skip("core/_digests.c is not built here (pip install compiles it)")
+    prefix = module.namespace_frame("edge") + b"s"
+    key = "k" * (128 - len(prefix) + extra)
+    expected = blake2b(prefix + key.encode(), digest_size=16).digest()
+    assert module._native.digest_str_keys(prefix, [key, key]) == expected * 2
