@@ -135,3 +135,19 @@ def test_the_scale_table_gives_each_aggregate_as_a_fraction_of_two_clients() -> 
     assert "3.60 (0.90)" in eight and "1.00 (0.50 local, 0.50)" in eight
     two = next(line for line in lines if line.startswith("| 2 (4)"))
     assert "4.00 |" in two and "2.00 (0.50 local)" in two  # no fraction of itself
+
+
+def test_the_control_table_shows_a_remote_and_a_local_owner() -> None:
+    from benchmarks.peers.report import control_table
+
+    remote = {"warm_ms": 3.2, "cold_ms": 3.4, "warm_calls": 1, "cold_calls": 2}
+    local = {"warm_ms": 1.3, "cold_ms": 2.5, "warm_calls": 1, "cold_calls": 3}
+    local |= {"warm_direct": 1, "cold_direct": 2}
+    results = {"config": {"pages": 3421}, "flatcake": {"control": {**remote, "local": local}}}
+    rows = control_table(results)
+    assert rows[2].startswith("| FlatCake `locate(lease=True)`, owner on another node, warm")
+    assert rows[2].endswith("(1 calls, 0 direct) | 3.20 |")
+    assert rows[4].startswith(
+        "| FlatCake `locate(lease=True)`, owner on the client's machine, warm"
+    )
+    assert rows[4].endswith("(1 calls, 1 direct) | 1.30 |") and rows[5].endswith("| 2.50 |")

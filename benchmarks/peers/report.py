@@ -87,14 +87,15 @@ def control_table(results: dict[str, Any]) -> list[str]:
         "|---|---:|",
     ]
     if fc:
-        lines.append(
-            f"| FlatCake `locate(lease=True)`, warm location cache ({fc['warm_calls']} actor "
-            f"calls) | {fc['warm_ms']:.2f} |"
-        )
-        lines.append(
-            f"| FlatCake `locate(lease=True)`, cold ({fc['cold_calls']} actor calls) "
-            f"| {fc['cold_ms']:.2f} |"
-        )
+        for where, row in (("on another node", fc), ("on the client's machine", fc.get("local"))):
+            if row is None:
+                continue
+            for cache in ("warm", "cold"):
+                calls = f"{row[f'{cache}_calls']} calls, {row.get(f'{cache}_direct', 0)} direct"
+                lines.append(
+                    f"| FlatCake `locate(lease=True)`, owner {where}, {cache} location cache "
+                    f"({calls}) | {row[f'{cache}_ms']:.2f} |"
+                )
     if mc:
         total = mc["exist_ms"] + mc["lease_ms"]
         lines.append(f"| Mooncake `batch_is_exist` | {mc['exist_ms']:.2f} |")

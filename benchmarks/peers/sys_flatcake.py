@@ -119,6 +119,8 @@ class FlatCakeWorker:
             "cold_ms": median([r.control_seconds * 1e3 for r in cold]),
             "warm_calls": int(median([r.actor_calls for r in warm])),
             "cold_calls": int(median([r.actor_calls for r in cold])),
+            "warm_direct": int(median([r.direct_calls for r in warm])),
+            "cold_direct": int(median([r.direct_calls for r in cold])),
         }
 
 
@@ -263,8 +265,12 @@ class FlatCakeBench:
         import ray
 
         put = warm[("DRAM", "local")]
-        reader = self.first(self.other(put["owner"]))
-        return ray.get(reader.control.remote(put["session"], self.workload.pages))
+        pages = self.workload.pages
+        # The owner on another node (every call a Ray call), and on the reader's own machine
+        # (its calls to that node direct, client/direct.py): what a serving engine asks most.
+        remote = self.first(self.other(put["owner"])).control.remote(put["session"], pages)
+        local = self.first(put["owner"]).control.remote(put["session"], pages)
+        return {**ray.get(remote), "local": ray.get(local)}
 
     def scale(self, clients: list[int], out: dict[int, Any]) -> dict[int, dict[str, Any]]:
         """Aggregate restore and put rates with ``k`` concurrent clients on each node."""
