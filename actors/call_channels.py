@@ -4,8 +4,9 @@ Who calls what: a client on the node's machine calls ``StorageNode.open_calls`` 
 with its tenant's secret and the name of the socket it listens on; the node connects to it
 here and serves that connection on a thread of its own, one call after another, each by the
 same ``StorageNode`` method a Ray call would run, with the secret that opened it (so the
-tenant's gate, limits and checks are the same). Only :data:`DIRECT_CALLS` are served; a bad
-frame ends the connection (the client asks over Ray again).
+tenant's gate, limits and checks are the same). Only ``DIRECT_CALLS`` (a request's lookups
+and releases, a put's opening and commit) are served; a bad frame ends the connection (the
+client asks over Ray again).
 """
 
 from __future__ import annotations

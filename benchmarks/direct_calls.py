@@ -3,8 +3,9 @@
 A one-node service on a local Ray cluster; a Ray actor pinned to that node holds two
 FlatCakeClients, one with ``direct_calls`` (lookups and releases over the node's call channel,
 ``client/direct.py``) and one without (every call a Ray actor call), and alternates them:
-a warm ``locate(lease=True)`` of a ``--pages`` request, and a whole restore of it from the
-node's DRAM (checked: ``verify_dram``, the default). Beside them, the stages of one direct
+a warm ``locate(lease=True)`` of a ``--pages`` request, a whole restore of it from the
+node's DRAM (checked: ``verify_dram``, the default), and puts of new 512-page sessions into
+DRAM. Beside them, the stages of one direct
 lookup: hashing the keys, the ``lookup`` round trip, a ``release`` and a one-key ``exists``
 (the channel's floor), and an empty Ray actor call (Ray's).
 
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 LAYERS, PAGE_BYTES = 4, 16 << 10
+PUT_PAGES = 512  # a put of a new 512-page session (33.5 MB), as an engine saves a request
 
 
 class Pair:
@@ -65,9 +67,27 @@ class Pair:
             for flag, client in self.clients.items():
                 report = clock(f"restore {flag}", lambda c=client: c.restore_report(keys, out))
                 assert report.pages == pages and np.array_equal(out, kv)
+        self._puts(kv[:, : min(pages, PUT_PAGES)], max(repeats // 3, 3), clock)
         self._stages(on, keys, repeats, clock)
         found = {name: round(statistics.median(values), 3) for name, values in times.items()}
         return {"times": found, "medium": getattr(medium, "name", str(medium)), "bytes": kv.nbytes}
+
+    def _puts(self, kv: np.ndarray, repeats: int, clock: Any) -> None:
+        """Puts of new sessions (nothing of them stored yet) into DRAM, the clients
+        alternated; the first round warms up."""
+        from flatcake_ray.core.catalog import PutHints
+
+        dram = PutHints(turn=2, prior_reply_tokens=1, context_tokens=1)
+        for round_ in range(repeats + 1):
+            for flag, client in self.clients.items():
+                session = f"put/{flag}/{round_}"
+                keys = [f"{session}/{i}" for i in range(kv.shape[1])]
+
+                def put(c: Any = client, k: list[str] = keys, s: str = session) -> Any:
+                    return c.put(k, kv, session_id=s, hints=dram)
+
+                result = clock(f"put {flag}", put) if round_ else put()
+                assert result.medium is not None and result.medium.name == "DRAM"
 
     @staticmethod
     def _stages(client: Any, keys: list[str], repeats: int, clock: Any) -> None:
@@ -103,7 +123,7 @@ def main() -> None:
         root,
         LAYERS,
         PAGE_BYTES,
-        dram_bytes=2 * request,
+        dram_bytes=2 * request + 2 * (args.repeats // 3 + 2) * PUT_PAGES * LAYERS * PAGE_BYTES,
         ssd_bytes=4 * request,
         request_bytes=request,
     )
@@ -116,9 +136,10 @@ def main() -> None:
     print(f"load average {started_load:.2f} at the start, {load_average():.2f} at the end")
     print(f"{args.pages} pages x {LAYERS} layers x {PAGE_BYTES} B ({found['medium']}); ms, medians")
     print("| | direct calls | Ray calls | direct / Ray |\n|---|---:|---:|---:|")
-    for what in ("locate", "restore"):
+    names = {"locate": "warm locate", "restore": "restore", "put": f"put, {PUT_PAGES} new pages"}
+    for what, name in names.items():
         on, off = times[f"{what} True"], times[f"{what} False"]
-        print(f"| {what} | {on:.2f} | {off:.2f} | {on / off:.2f} |")
+        print(f"| {name} | {on:.2f} | {off:.2f} | {on / off:.2f} |")
     gbps = {flag: found["bytes"] / times[f"restore {flag}"] / 1e6 for flag in (True, False)}
     print(f"restore GB/s: direct {gbps[True]:.2f}, Ray {gbps[False]:.2f}")
     print("| stage | ms |\n|---|---:|")

@@ -399,8 +399,8 @@ class ClientConfig:
     staging_segment_bytes: int = 64 << 20  # NIXL put staging (remote owners) grows by this
     gds: str = "auto"  # GPUDirect Storage for local SSD reads into GPU memory: auto | on | off
     page_tokens: int = 256  # tokens a page holds (the engine's block size), for token metrics
-    # Lookups and releases to the node on this machine over a socket, not a Ray actor call
-    # (client/direct.py); False: every call over Ray.
+    # Lookups, releases and a put's opening and commit to the node on this machine over a
+    # socket, not a Ray actor call (client/direct.py); False: every call over Ray.
     direct_calls: bool = True
     # The tenant this client acts for (``flatcake-ray tenant add`` printed it); empty: the
     # service's open default tenant. Never printed.

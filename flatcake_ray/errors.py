@@ -113,6 +113,11 @@ class ChannelClosedError(ServiceError):
     asks over Ray instead."""
 
 
+class CallLostError(ChannelClosedError):
+    """A direct call was sent and its answer lost: the node may have run it (a caller that
+    must not run it twice, like a put's commit, does not ask again over Ray)."""
+
+
 class UnknownNodeError(FlatCakeError, LookupError):
     """A NodeID names no storage node the coordinator knows (e.g. ``flatcake-ray drain 9``)."""
 

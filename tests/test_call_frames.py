@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.config import ClientConfig
-from flatcake_ray.core.keys import request_digests
+from flatcake_ray.core.keys import PageKey, request_digests
+from flatcake_ray.core.records import PutHints
 from flatcake_ray.errors import (
     AccessDeniedError,
     ChannelClosedError,
@@ -64,6 +65,31 @@ def test_a_call_comes_back_as_it_was_sent(keys, ids, extra):
     assert got_extra == extra
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    hints=st.builds(
+        PutHints,
+        *[st.none() | st.integers(0, 2**40)] * 4,
+    ),
+    parent=st.none()
+    | st.builds(
+        PageKey, st.text(min_size=1, max_size=8), st.text(max_size=8) | st.binary(max_size=8)
+    ),
+    session=st.none() | st.text(max_size=8) | st.binary(max_size=8) | st.integers(0, 2**63),
+)
+def test_a_puts_opening_comes_back_as_it_was_sent(hints, parent, session):
+    keys = ["a", b"b", 3, PageKey("ns", "d")]
+    _, args = unpack_call(pack_call("begin_put", (keys, "ns", session, parent, hints)))
+    assert args == (keys, "ns", session, parent, hints)
+    assert [type(k) for k in args[0]] == [str, bytes, int, PageKey]
+
+
+def test_a_key_past_64_bits_is_not_sent():
+    """(The client then asks over Ray, which carries any int: ``client/direct.py``.)"""
+    with pytest.raises((TypeError, OverflowError)):
+        pack_call("begin_put", ([2**70], None, None, None, None))
+
+
 def test_scalars_taken_from_arrays_travel_as_ints():
     _, (lease_id, scopes) = unpack_call(pack_call("release", (np.int64(7), [np.uint64(3)])))
     assert lease_id == 7 and scopes == [3] and type(lease_id) is int
@@ -102,6 +128,11 @@ def _array_ext(dtype: str, shape: list, body: bytes) -> bytes:
         msgpack.packb({"method": "lookup"}),
         msgpack.packb([1, []]),
         msgpack.packb(["lookup", "args"]),
+        msgpack.packb(["begin_put", [msgpack.ExtType(2, msgpack.packb([1, 2]))]]),  # 2 fields
+        msgpack.packb(["begin_put", [msgpack.ExtType(2, msgpack.packb(["1", 2, 3, 4]))]]),
+        msgpack.packb(["begin_put", [msgpack.ExtType(3, msgpack.packb([1, "k"]))]]),
+        msgpack.packb(["begin_put", [msgpack.ExtType(3, msgpack.packb(["ns", 1.5]))]]),
+        msgpack.packb(["begin_put", [msgpack.ExtType(3, msgpack.packb(["ns"]))]]),
     ],
 )
 def test_a_malformed_call_is_a_shape_error(body):

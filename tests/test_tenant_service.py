@@ -292,7 +292,9 @@ def test_direct_calls_act_for_the_tenant_that_opened_them(service):
 
     alpha, secrets = service["clients"]["alpha"], service["secrets"]
     names, data = keys("direct", 5), kv(LAYERS, 5, PAGE_BYTES, 60)
-    alpha.put(names, data, hints=DRAM)
+    before = alpha.stats(nodes=False)["client"]["direct_calls"]
+    alpha.put(names, data, hints=DRAM)  # its opening and commit over the channel
+    assert alpha.stats(nodes=False)["client"]["direct_calls"] >= before + 2
     out = np.zeros_like(data)
     report = alpha.restore_report(names, out)  # on the node's machine: lookup and release
     assert report.pages == 5 and np.array_equal(out, data)
@@ -315,7 +317,7 @@ def test_a_channel_carries_a_requests_calls_only_and_garbage_ends_it(service):
 
     secret, node = service["secrets"]["alpha"], service["node"]
     with _channel(service, secret) as channel:
-        for method in ("begin_put", "shutdown", "stats", "open_calls", "hand_chunks"):
+        for method in ("land", "abort_put", "shutdown", "stats", "open_calls", "hand_chunks"):
             with pytest.raises(ShapeError, match="not a direct call"):
                 _ask(channel, method, "x")
         with pytest.raises(InvalidKeyError):  # the node's own checks, typed as over Ray

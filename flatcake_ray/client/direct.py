@@ -1,7 +1,8 @@
 """A client's direct calls to the storage node on its machine (``media/call_frames.py``).
 
 The locator asks the local node its lookups, finds, probes and releases here instead of over
-Ray (``Locator.call_all``, ``Locator.release``): one socket round trip where a Ray actor call
+Ray (``Locator.call_all``, ``Locator.release``), and a put its opening and commit
+(``RemotePut._ask``): one socket round trip where a Ray actor call
 costs more than the node's work. Connections are pooled (a thread takes one for a call, so
 concurrent restores do not queue behind each other), each opened by one ``open_calls`` actor
 call. Anything wrong with a channel is :class:`ChannelClosedError`, and the caller asks over
@@ -16,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from flatcake_ray.errors import ChannelClosedError, FlatCakeError
+from flatcake_ray.errors import CallLostError, ChannelClosedError, FlatCakeError
 from flatcake_ray.media.call_frames import (
     DIRECT_CALLS,
     CallListener,
@@ -47,14 +48,22 @@ class DirectCalls:
     def call(self, method: str, *args: Any) -> Any:
         """The node's answer to ``method(*args)`` (its typed error raised here), or
         ChannelClosedError when the channel could not carry it."""
-        sock = self._take()
         try:
-            send_frame(sock, pack_call(method, args))
+            body = pack_call(method, args)
+        except (TypeError, ValueError, OverflowError) as exc:  # e.g. an int key past 64 bits
+            message = f"a direct {method} cannot carry its arguments: {exc}"
+            raise ChannelClosedError(message) from exc
+        sock = self._take()
+        sent = False
+        try:
+            send_frame(sock, body)
+            sent = True
             body = recv_frame(sock)
         except (OSError, FlatCakeError) as exc:
             sock.close()
             self._failed(f"direct {method} failed: {exc}", retry_now=True)
-            raise ChannelClosedError(f"direct {method}: {exc}") from exc
+            lost = CallLostError if sent else ChannelClosedError
+            raise lost(f"direct {method}: {exc}") from exc
         self._give(sock)
         self.calls += 1
         return unpack_reply(body)

@@ -31,7 +31,13 @@ from flatcake_ray.core.integrity import block_checksums
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
-from flatcake_ray.errors import ServiceError, ShapeError, StoreWriteError
+from flatcake_ray.errors import (
+    CallLostError,
+    ChannelClosedError,
+    ServiceError,
+    ShapeError,
+    StoreWriteError,
+)
 from flatcake_ray.media.buffers import as_layer_bytes
 
 log = logging.getLogger(__name__)
@@ -101,8 +107,9 @@ class RemotePut:
 
     def _open(self) -> PutTicket:
         if self._ticket is None:
-            ref = self._link.handle.begin_put.remote(self._keys, **self._options)
-            self._ticket = self._call(ref)
+            options = self._options
+            args = (options["namespace"], options["session_id"], options["parent"])
+            self._ticket = self._ask("begin_put", self._keys, *args, options["hints"])
         return self._ticket
 
     def _send(self, target: PutTarget, layer: int, data: np.ndarray) -> None:
@@ -178,10 +185,9 @@ class RemotePut:
             ticket = self._open()
             while self._landing:
                 self._settle_oldest()
-            ref = self._link.handle.commit_put.remote(
-                ticket.put_id, tuple(self._in_place), tuple(self._in_place_sums)
+            result = self._ask(
+                "commit_put", ticket.put_id, tuple(self._in_place), tuple(self._in_place_sums)
             )
-            result = self._call(ref)
         except BaseException:
             self.abort()
             raise
@@ -201,6 +207,27 @@ class RemotePut:
     @property
     def _link(self) -> NodeLink:
         return self._route.link
+
+    def _ask(self, method: str, *args: Any) -> Any:
+        """The owner's answer to ``method``: over its call channel where it is this
+        machine's node (client/direct.py), else (or when the channel cannot carry it) Ray.
+        A commit whose answer was lost is not sent again: the owner may have published."""
+        direct = self._link.direct
+        if direct is not None:
+            try:
+                return direct.call(method, *args)
+            except CallLostError as exc:
+                if method == "commit_put":
+                    self._route.nodes.mark_down(self._link, f"commit lost: {exc}")
+                    node = self._link.node_id
+                    raise ServiceError(
+                        f"storage node {node} did not answer the commit (it may still publish; "
+                        "a retry is safe: write-once)"
+                    ) from exc
+                log.info("%s over Ray: %s", method, exc)
+            except ChannelClosedError as exc:
+                log.info("%s over Ray: %s", method, exc)
+        return self._call(getattr(self._link.handle, method).remote(*args))
 
     def _settle_oldest(self) -> None:
         ref, nbytes = self._landing.popleft()

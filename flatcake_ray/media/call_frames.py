@@ -16,6 +16,7 @@ is a pickle made by the node (the client trusts the node's process, as it trusts
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import secrets
 import socket
@@ -26,7 +27,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from flatcake_ray.core.keys import DIGEST_DTYPE
+from flatcake_ray.core.keys import DIGEST_DTYPE, PageKey
+from flatcake_ray.core.records import PutHints
 from flatcake_ray.errors import (
     ChannelClosedError,
     FlatCakeError,
@@ -35,15 +37,16 @@ from flatcake_ray.errors import (
     TransferTimeoutError,
 )
 
-# The calls of every request (a lookup, a chain's find, a prefix probe, a restore's release):
-# the only ones a channel carries.
+# The calls of every request (a lookup, a chain's find, a prefix probe, a restore's release,
+# a put's opening and commit): the only ones a channel carries.
 DIRECT_CALLS = frozenset({"lookup", "find", "exists", "probe", "gvas", "release"})
+DIRECT_CALLS |= {"begin_put", "commit_put"}
 SOCKET_PREFIX = "flatcake-call-"
 _NAME_BYTES = len(SOCKET_PREFIX) + 32
 MAX_CALL_BYTES = 64 << 20  # a lookup of the most keys a call may name is far below this
 _LENGTH = struct.Struct("!I")
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-_ARRAY = 1  # msgpack extension code of a numpy array
+_ARRAY, _HINTS, _PAGE_KEY = 1, 2, 3  # msgpack extension codes: a numpy array, PutHints, PageKey
 # What a direct call carries in arrays: packed digests, lease and scope ids, bytes.
 _DTYPES = {"digest": DIGEST_DTYPE, "i8": np.dtype("<i8"), "u8": np.dtype("<u8")}
 _DTYPES["u1"] = np.dtype("u1")
@@ -85,13 +88,13 @@ def _recv_exactly(sock: socket.socket, count: int) -> bytes:
 
 # ---- calls (client -> node: msgpack) -----------------------------------------------------
 def pack_call(method: str, args: tuple[Any, ...]) -> bytes:
-    return msgpack.packb([method, list(args)], default=_pack_array, use_bin_type=True)
+    return msgpack.packb([method, list(args)], default=_pack_ext, use_bin_type=True)
 
 
 def unpack_call(body: bytes) -> tuple[str, tuple[Any, ...]]:
     """``(method, args)`` of a call, or ShapeError for anything else."""
     try:
-        call = msgpack.unpackb(body, ext_hook=_unpack_array, raw=False, strict_map_key=True)
+        call = msgpack.unpackb(body, ext_hook=_unpack_ext, raw=False, strict_map_key=True)
     except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         raise ShapeError(f"a call is msgpack [method, args] ({exc})") from None
     if not (isinstance(call, list) and len(call) == 2 and isinstance(call[0], str)):
@@ -101,9 +104,14 @@ def unpack_call(body: bytes) -> tuple[str, tuple[Any, ...]]:
     return call[0], tuple(call[1])
 
 
-def _pack_array(value: Any) -> msgpack.ExtType | int:
+def _pack_ext(value: Any) -> msgpack.ExtType | int:
     if isinstance(value, np.integer):
         return int(value)  # a scope or lease id taken from an array
+    if isinstance(value, PutHints):
+        return msgpack.ExtType(_HINTS, msgpack.packb(dataclasses.astuple(value)))
+    if isinstance(value, PageKey):
+        body = msgpack.packb([value.namespace, value.key], use_bin_type=True)
+        return msgpack.ExtType(_PAGE_KEY, body)
     name = _dtype_name(value)
     if name is None:
         raise TypeError(f"a direct call does not carry {type(value).__name__}")
@@ -119,7 +127,19 @@ def _dtype_name(value: Any) -> str | None:
     return None
 
 
-def _unpack_array(code: int, data: bytes) -> np.ndarray:
+def _unpack_ext(code: int, data: bytes) -> np.ndarray | PutHints | PageKey:
+    if code == _HINTS:
+        fields = msgpack.unpackb(data)
+        if not isinstance(fields, list) or len(fields) != len(dataclasses.fields(PutHints)):
+            raise ValueError("PutHints are its fields")
+        if not all(f is None or (type(f) is int) for f in fields):
+            raise ValueError("PutHints' fields are ints or None")
+        return PutHints(*fields)
+    if code == _PAGE_KEY:
+        namespace, key = msgpack.unpackb(data, raw=False)  # ValueError unless two
+        if not isinstance(namespace, str) or type(key) not in (str, bytes, int):
+            raise ValueError("a PageKey is a namespace str and a str, bytes or int key")
+        return PageKey(namespace, key)
     if code != _ARRAY:
         raise ValueError(f"extension {code} is not an array")
     unpacker = msgpack.Unpacker(raw=False)
