@@ -37,13 +37,13 @@ from flatcake_ray.client.owners import OwnerChooser
 from flatcake_ray.client.put import PutRoute, RemotePut
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.client.report import RestoreReport
-from flatcake_ray.client.source import HeldLease, TransportSource, digests_of, first_digest
+from flatcake_ray.client.source import HeldLease, TransportSource, digests_of
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.homes import anchor_index, recorded_pages
+from flatcake_ray.core.homes import anchor_of, recorded_pages
 from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
@@ -306,9 +306,24 @@ class FlatCakeClient:
         hints: PutHints | None = None,
     ) -> RemotePut:
         """A put of ``keys`` a layer at a time on the session's node (see ``RemotePut``)."""
+        digests = digests_of(keys, namespace)  # every key checked before any call
+        return self._begin_put(
+            keys, digests, namespace=namespace, session_id=session_id, parent=parent, hints=hints
+        )
+
+    def _begin_put(
+        self,
+        keys: Keys,
+        digests: np.ndarray,
+        *,
+        namespace: str | None = None,
+        session_id: str | None = None,
+        parent: KeyLike | PageKey | None = None,
+        hints: PutHints | None = None,
+    ) -> RemotePut:
+        """``begin_put`` of keys checked and hashed once (``digests``, one row a key)."""
         self._check_open()
-        first_digest(keys, namespace)  # every key checked before any call
-        first = first_digest(keys[anchor_index(len(keys)) :], namespace)  # its anchor
+        first = anchor_of(digests)
         self._locator.settle_unawaited()  # this client's own leases keep nothing from eviction
         report = RestoreReport(len(keys))
         link = self._owners.owner(first, namespace, session_id, parent, report)
@@ -322,7 +337,7 @@ class FlatCakeClient:
         # The homes of its anchor (a chain's head) and of its tail (where a continuation
         # goes) learn where the pages live (``core/homes.py``).
         for page in recorded_pages(len(keys), continues=parent is not None):
-            named = first_digest(keys[page : page + 1], namespace)
+            named = bytes(digests[page : page + 1].tobytes())
             report.actor_calls += self._locator.record_home(named, link.node_id)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
@@ -333,13 +348,13 @@ class FlatCakeClient:
         """Store ``kv`` ([layers, len(keys), page_elems]) under ``keys`` on the session's node;
         pages already stored there are skipped (write-once). Raises ServiceError when the
         owner does not answer in time (it may still publish; a retry is safe: write-once)."""
-        first_digest(keys, options.get("namespace"))  # typed errors before the kv's checks
+        digests = digests_of(keys, options.get("namespace"))  # typed errors before the kv's
         pages, _ = as_page_bytes(
             kv, self.layers, self.page_bytes, min_pages=len(keys), writable=False, what="kv"
         )
         if pages.shape[1] != len(keys):
             raise ShapeError(f"kv holds {pages.shape[1]} pages for {len(keys)} keys")
-        with self.begin_put(keys, **options) as handle:
+        with self._begin_put(keys, digests, **options) as handle:
             for layer in range(self.layers):
                 handle.write_layer(layer, pages[layer])
             return handle.commit()
