@@ -351,3 +351,33 @@ def test_a_removed_tenants_open_channel_is_refused(service):
         tenants.remove_tenant(NAMESPACE, "delta")
         with pytest.raises(AccessDeniedError):
             _ask(channel, "exists", request_digests(names, None))
+
+
+def test_a_tenant_opens_a_bounded_number_of_channels(service):
+    """Each channel is a thread on the node: a tenant gets ``CHANNELS_PER_TENANT`` of them
+    (``TenantLimitError`` past it, nothing else changed); a closed one frees its place."""
+    from flatcake_ray.actors.call_channels import CHANNELS_PER_TENANT
+    from flatcake_ray.client import tenants
+    from flatcake_ray.errors import TenantLimitError
+    from flatcake_ray.media.call_frames import CallListener
+
+    secret = tenants.add_tenant(NAMESPACE, "epsilon", layers=LAYERS, page_bytes=PAGE_BYTES)
+    channels = [_channel(service, secret) for _ in range(CHANNELS_PER_TENANT)]
+    try:
+        with CallListener() as listener:
+            refused = raised(service["node"].open_calls.remote(secret, listener.name))
+        assert isinstance(refused, TenantLimitError)
+        assert _ask(channels[-1], "exists", ["k"]) == 0  # the open ones still serve
+        channels.pop().close()
+        deadline = time.monotonic() + 10
+        while True:  # the node sees the close when its thread reads the end of the stream
+            try:
+                channels.append(_channel(service, secret))
+                break
+            except TenantLimitError:
+                assert time.monotonic() < deadline, "a closed channel's place never freed"
+                time.sleep(0.1)
+    finally:
+        for channel in channels:
+            channel.close()
+        tenants.remove_tenant(NAMESPACE, "epsilon")
