@@ -77,3 +77,44 @@ class LeasedBytes:
         out = np.empty(batch.total_bytes, dtype=np.uint8)
         LocalDramTransport(self._arena_view()).read(batch, out)
         return out
+
+
+class LeasedBytesCalls:
+    """The StorageNode calls that serve bytes of leased ranges: shipped SSD reads and the
+    object-store fallback (mixed into ``StorageNode``, which provides ``_tenant``,
+    ``exports``, ``leased_bytes`` and ``ship_buffer``)."""
+
+    exports: Any
+    leased_bytes: LeasedBytes
+    ship_buffer: ShipBuffer
+
+    def _tenant(self, secret: object, *, metered: bool = True) -> Any:
+        raise NotImplementedError
+
+    def ship(self, secret: object, src_offsets: Any, lengths: Any) -> ShipReply:
+        self.exports.wake()  # before: the region is read as soon as the reply lands
+        return self.leased_bytes.ship(self._tenant(secret).name, src_offsets, lengths)
+
+    def unship(self, secret: object, region_id: object) -> bool:
+        return self.ship_buffer.unship(region_id, self._tenant(secret, metered=False).name)
+
+    def ship_stream(
+        self, secret: object, stream_id: object, src_offsets: Any, lengths: Any, counts: Any
+    ) -> Iterator[ShipReply]:
+        """A Ray streaming generator: a whole restore's windows (``counts[i]`` ranges each),
+        each yielded as soon as it is read into a region (see ``ShipBuffer.stream``)."""
+        tenant = self._tenant(secret).name
+        self.exports.wake()
+        yield from self.leased_bytes.stream(tenant, stream_id, src_offsets, lengths, counts)
+
+    def ship_stop(self, secret: object, stream_id: object) -> None:
+        tenant = self._tenant(secret, metered=False).name
+        if isinstance(stream_id, int) and not isinstance(stream_id, bool):
+            self.ship_buffer.stop(tenant, stream_id)
+
+    def read_ranges(
+        self, secret: object, medium: Any, src_offsets: Any, lengths: Any
+    ) -> np.ndarray:
+        """LAST RESORT (object-store fallback): the ranges' bytes, packed, as the reply."""
+        tenant = self._tenant(secret).name
+        return self.leased_bytes.read_ranges(tenant, medium, src_offsets, lengths)

@@ -33,7 +33,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from flatcake_ray.actors.auth import service_gate
 from flatcake_ray.actors.call_channels import CHANNELS_PER_TENANT, CallChannels
 from flatcake_ray.actors.homes import HomeCalls, HomeDirectory
 from flatcake_ray.actors.landing import LandingArea
-from flatcake_ray.actors.leased_bytes import LeasedBytes
+from flatcake_ray.actors.leased_bytes import LeasedBytes, LeasedBytesCalls
 from flatcake_ray.actors.leases import LeaseTable
 from flatcake_ray.actors.membership import Membership
 from flatcake_ray.actors.memory_handout import (
@@ -61,7 +61,7 @@ from flatcake_ray.actors.protocol import (
     PutTicket,
     node_actor_name,
 )
-from flatcake_ray.actors.shipping import ShipBuffer, ShipReply
+from flatcake_ray.actors.shipping import ShipBuffer
 from flatcake_ray.actors.supervision import DramHeld, Supervision
 from flatcake_ray.actors.tenant_limits import TenantLimits
 from flatcake_ray.actors.wire import check_request, lease_ids, scope_ids
@@ -82,7 +82,7 @@ _COUNTERS = (
 )
 
 
-class StorageNode(HomeCalls):
+class StorageNode(HomeCalls, LeasedBytesCalls):
     def __init__(self, config: ServiceConfig, service_secret: str) -> None:
         import ray
 
@@ -374,35 +374,6 @@ class StorageNode(HomeCalls):
 
     def abort_put(self, secret: object, put_id: object) -> None:
         self.puts.abort(self._tenant(secret, metered=False).name, put_id)
-
-    # ---- bytes of leased ranges: shipped SSD reads and the object-store fallback ------------
-    def ship(self, secret: object, src_offsets: Any, lengths: Any) -> ShipReply:
-        self.exports.wake()  # before: the region is read as soon as the reply lands
-        return self.leased_bytes.ship(self._tenant(secret).name, src_offsets, lengths)
-
-    def unship(self, secret: object, region_id: object) -> bool:
-        return self.ship_buffer.unship(region_id, self._tenant(secret, metered=False).name)
-
-    def ship_stream(
-        self, secret: object, stream_id: object, src_offsets: Any, lengths: Any, counts: Any
-    ) -> Iterator[ShipReply]:
-        """A Ray streaming generator: a whole restore's windows (``counts[i]`` ranges each),
-        each yielded as soon as it is read into a region (see ``ShipBuffer.stream``)."""
-        tenant = self._tenant(secret).name
-        self.exports.wake()
-        yield from self.leased_bytes.stream(tenant, stream_id, src_offsets, lengths, counts)
-
-    def ship_stop(self, secret: object, stream_id: object) -> None:
-        tenant = self._tenant(secret, metered=False).name
-        if isinstance(stream_id, int) and not isinstance(stream_id, bool):
-            self.ship_buffer.stop(tenant, stream_id)
-
-    def read_ranges(
-        self, secret: object, medium: Any, src_offsets: Any, lengths: Any
-    ) -> np.ndarray:
-        """LAST RESORT (object-store fallback): the ranges' bytes, packed, as the reply."""
-        tenant = self._tenant(secret).name
-        return self.leased_bytes.read_ranges(tenant, medium, src_offsets, lengths)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def shutdown(self, service_secret: object) -> None:

@@ -43,7 +43,7 @@ from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.homes import anchor_of, recorded_pages
+from flatcake_ray.core.homes import anchor_of
 from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
@@ -323,22 +323,16 @@ class FlatCakeClient:
     ) -> RemotePut:
         """``begin_put`` of keys checked and hashed once (``digests``, one row a key)."""
         self._check_open()
-        first = anchor_of(digests)
         self._locator.settle_unawaited()  # this client's own leases keep nothing from eviction
         report = RestoreReport(len(keys))
-        link = self._owners.owner(first, namespace, session_id, parent, report)
+        link = self._owners.owner(anchor_of(digests), namespace, session_id, parent, report)
         nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
         if not link.local and not nixl:
             self._count(puts_object_store_fallback=1)
         route = PutRoute(link, self.nodes, self._targets, nixl, self.config.rpc_timeout_s)
-        options: dict[str, Any] = {"namespace": namespace, "session_id": session_id}
-        options.update(parent=parent, hints=hints)
-        self._owners.remember(first, session_id, link.node_id)
-        # The homes of its anchor (a chain's head) and of its tail (where a continuation
-        # goes) learn where the pages live (``core/homes.py``).
-        for page in recorded_pages(len(keys), continues=parent is not None):
-            named = bytes(digests[page : page + 1].tobytes())
-            report.actor_calls += self._locator.record_home(named, link.node_id)
+        options = dict(namespace=namespace, session_id=session_id, parent=parent, hints=hints)
+        continues = parent is not None
+        self._owners.remember(digests, session_id, link.node_id, continues=continues, report=report)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
             route, keys, layers=self.layers, page_bytes=self.page_bytes, options=options

@@ -8,11 +8,14 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from flatcake_ray.actors.protocol import COORDINATOR_NAME, NO_LOCAL_NODE
 from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.client.source import digests_of
+from flatcake_ray.core.homes import anchor_of, recorded_pages
 from flatcake_ray.errors import ServiceError
 
 log = logging.getLogger(__name__)
@@ -52,12 +55,26 @@ class OwnerChooser:
             return link
         return self._placed(session_id, report)
 
-    def remember(self, first: bytes, session_id: str | None, node_id: int) -> None:
-        self.locator.remember(first, node_id)
+    def remember(
+        self,
+        digests: np.ndarray,
+        session_id: str | None,
+        node_id: int,
+        *,
+        continues: bool,
+        report: RestoreReport,
+    ) -> None:
+        """A put of ``digests`` (one row a page) goes to ``node_id``: this client keeps its
+        chain and session there, and the homes of its anchor (a chain's head) and of its
+        tail (where a continuation goes) learn it (``core/homes.py``; not awaited)."""
+        self.locator.remember(anchor_of(digests), node_id)
         if session_id is not None:
             self.sessions[session_id] = node_id
             while len(self.sessions) > 1 << 16:
                 self.sessions.popitem(last=False)
+        for page in recorded_pages(len(digests), continues=continues):
+            named = bytes(digests[page : page + 1].tobytes())
+            report.actor_calls += self.locator.record_home(named, node_id)
 
     def _placed(self, session_id: str | None, report: RestoreReport) -> NodeLink:
         import ray
