@@ -124,3 +124,26 @@ def test_a_killed_coordinator_comes_back_and_places_again(clients, service):
     assert placed.pages_written == 2
     report, out = restore(reader, keys("after", 2), 2)
     assert report.pages == 2 and np.array_equal(out, kv)
+
+
+class _GoneNode:
+    """Answers nothing: killed before it is asked (a storage node that died)."""
+
+    def hand_chunks(self, secret, socket_name, memory, offsets=None):
+        raise AssertionError("a dead actor ran a call")
+
+
+def test_a_node_that_dies_before_handing_out_memory_is_a_typed_transfer_error(clients):
+    """A put maps the owner's chunk after ``begin_put`` (``PutTargets.mapped``): an owner that
+    died in between is ``PeerDisconnectedError`` (typed, a restore's miss), not Ray's own."""
+    from flatcake_ray.client.calls import BoundNode
+    from flatcake_ray.client.nodes import NodeLink
+    from flatcake_ray.errors import PeerDisconnectedError
+
+    reader = clients[0]
+    real = reader.nodes.require(reader.nodes.local_node_id)
+    gone = ray.remote(_GoneNode).options(num_cpus=0).remote()
+    ray.kill(gone, no_restart=True)
+    link = NodeLink(BoundNode(gone, None), real.description, True, reader.config)
+    with pytest.raises(PeerDisconnectedError, match="went away handing out its arena"):
+        link.hand_chunks("arena")

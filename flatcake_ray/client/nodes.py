@@ -25,7 +25,12 @@ from flatcake_ray.client.calls import BoundNode
 from flatcake_ray.client.direct import DirectCalls
 from flatcake_ray.config import ServiceConfig
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import AccessDeniedError, ServiceError
+from flatcake_ray.errors import (
+    AccessDeniedError,
+    PeerDisconnectedError,
+    ServiceError,
+    TransferTimeoutError,
+)
 from flatcake_ray.media.fd_handout import ChunkReceiver, HandedChunk
 from flatcake_ray.transports import base
 from flatcake_ray.transports.local_dram import LocalDramTransport
@@ -154,13 +159,24 @@ class NodeLink:
     def hand_chunks(self, memory: str, offsets: list[int] | None = None) -> list[HandedChunk]:
         """This tenant's chunks of the node's ``memory`` ("arena" or "landing"; at
         ``offsets``, None: every one it holds now), as descriptors this process owns: the
-        node is on this machine (``media/fd_handout.py``)."""
+        node is on this machine (``media/fd_handout.py``). A node that dies or does not
+        answer meanwhile is a transfer error (a put's typed failure, a restore's miss)."""
         import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         timeout = self.config.rpc_timeout_s
         with ChunkReceiver() as receiver:
             ref = self.handle.hand_chunks.remote(receiver.name, memory, offsets)
-            count, sender = ray.get(ref, timeout=timeout)
+            try:
+                count, sender = ray.get(ref, timeout=timeout)
+            except RayActorError as exc:
+                raise PeerDisconnectedError(
+                    f"storage node {self.node_id} went away handing out its {memory}: {exc}"
+                ) from exc
+            except GetTimeoutError as exc:
+                raise TransferTimeoutError(
+                    f"storage node {self.node_id} did not hand out its {memory} in {timeout} s"
+                ) from exc
             return receiver.receive(sender, count, timeout)
 
     def _rdma(self, timeout: float) -> Any:
