@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import secrets
 import socket
 import struct
-import time
 from typing import Any
 
 import msgpack
@@ -34,18 +32,16 @@ from flatcake_ray.errors import (
     FlatCakeError,
     ServiceError,
     ShapeError,
-    TransferTimeoutError,
 )
+from flatcake_ray.media import peer_socket
 
 # The calls of every request (a lookup, a chain's find, a prefix probe, a restore's release,
 # a put's opening and commit): the only ones a channel carries.
 DIRECT_CALLS = frozenset({"lookup", "find", "exists", "probe", "gvas", "release"})
 DIRECT_CALLS |= {"begin_put", "commit_put"}
 SOCKET_PREFIX = "flatcake-call-"
-_NAME_BYTES = len(SOCKET_PREFIX) + 32
 MAX_CALL_BYTES = 64 << 20  # a lookup of the most keys a call may name is far below this
 _LENGTH = struct.Struct("!I")
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _ARRAY, _HINTS, _PAGE_KEY = 1, 2, 3  # msgpack extension codes: a numpy array, PutHints, PageKey
 # What a direct call carries in arrays: packed digests, lease and scope ids, bytes.
 _DTYPES = {"digest": DIGEST_DTYPE, "i8": np.dtype("<i8"), "u8": np.dtype("<u8")}
@@ -53,14 +49,7 @@ _DTYPES["u1"] = np.dtype("u1")
 
 
 def check_socket_name(name: object) -> str:
-    if (
-        not isinstance(name, str)
-        or len(name) != _NAME_BYTES
-        or not name.startswith(SOCKET_PREFIX)
-        or not all(c in "0123456789abcdef" for c in name[len(SOCKET_PREFIX) :])
-    ):
-        raise ShapeError("a call socket name is the one CallListener made")
-    return name
+    return peer_socket.check_socket_name(name, SOCKET_PREFIX, "CallListener")
 
 
 # ---- frames ---------------------------------------------------------------------------------
@@ -181,44 +170,11 @@ def unpack_reply(body: bytes) -> Any:
 
 
 # ---- connecting ---------------------------------------------------------------------------
-class CallListener:
+class CallListener(peer_socket.PeerListener):
     """A fresh abstract socket that takes one connection, from one process."""
 
     def __init__(self) -> None:
-        self.name = SOCKET_PREFIX + secrets.token_hex(16)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            self._sock.bind("\0" + self.name)
-            self._sock.listen(8)
-        except BaseException:
-            self._sock.close()
-            raise
-
-    def accept_from(self, pid: int, timeout_s: float) -> socket.socket:
-        """The connection process ``pid`` made (any other process's is closed unread)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError as error:
-                raise TransferTimeoutError(
-                    f"no call channel from process {pid} in {timeout_s:.1f} s"
-                ) from error
-            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            if _PEERCRED.unpack(raw)[0] == pid:
-                conn.settimeout(None)
-                return conn
-            conn.close()
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self) -> CallListener:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(SOCKET_PREFIX, socket.SOCK_STREAM, "call channel")
 
 
 def connect(socket_name: str, timeout_s: float) -> socket.socket:

@@ -13,22 +13,18 @@ nothing reaches it but its actor calls and the call channels those open (``call_
 from __future__ import annotations
 
 import os
-import secrets
 import socket
-import struct
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from flatcake_ray.errors import ForeignMemoryError, ShapeError, TransferTimeoutError
+from flatcake_ray.errors import ForeignMemoryError, ShapeError
+from flatcake_ray.media import peer_socket
 
 SOCKET_PREFIX = "flatcake-fd-"
 MAX_CHUNKS = 4096  # per hand-out: every chunk of the largest arena (config.MAX_DRAM_CHUNKS)
 _PER_MESSAGE = 250  # descriptors a message (SCM_RIGHTS takes at most 253)
-_NAME_BYTES = len(SOCKET_PREFIX) + 32
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 @dataclass(frozen=True)
@@ -42,14 +38,7 @@ class HandedChunk:
 
 
 def check_socket_name(name: object) -> str:
-    if (
-        not isinstance(name, str)
-        or len(name) != _NAME_BYTES
-        or not name.startswith(SOCKET_PREFIX)
-        or not all(c in "0123456789abcdef" for c in name[len(SOCKET_PREFIX) :])
-    ):
-        raise ShapeError("a hand-out socket name is the one ChunkReceiver made")
-    return name
+    return peer_socket.check_socket_name(name, SOCKET_PREFIX, "ChunkReceiver")
 
 
 def send_chunks(socket_name: str, chunks: Sequence[tuple[int, int, int]], timeout_s: float) -> None:
@@ -71,44 +60,17 @@ def send_chunks(socket_name: str, chunks: Sequence[tuple[int, int, int]], timeou
             socket.send_fds(sock, [header.tobytes() or b"\0"], [fd for _, _, fd in batch])
 
 
-class ChunkReceiver:
+class ChunkReceiver(peer_socket.PeerListener):
     """A fresh abstract socket that takes one hand-out from one process."""
 
     def __init__(self) -> None:
-        self.name = SOCKET_PREFIX + secrets.token_hex(16)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._sock.bind("\0" + self.name)
-            self._sock.listen(8)
-        except BaseException:
-            self._sock.close()
-            raise
+        super().__init__(SOCKET_PREFIX, socket.SOCK_SEQPACKET, "hand-out")
 
     def receive(self, sender_pid: int, count: int, timeout_s: float) -> list[HandedChunk]:
         """The ``count`` chunks process ``sender_pid`` sent (connections of any other
         process are dropped, their descriptors closed)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError as error:
-                raise TransferTimeoutError(
-                    f"no hand-out from process {sender_pid} in {timeout_s:.1f} s"
-                ) from error
-            with conn:
-                raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-                if _PEERCRED.unpack(raw)[0] == sender_pid:
-                    return _read_chunks(conn, count)
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self) -> ChunkReceiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        with self.accept_from(sender_pid, timeout_s) as conn:
+            return _read_chunks(conn, count)
 
 
 def _read_chunks(conn: socket.socket, count: int) -> list[HandedChunk]:
