@@ -4,11 +4,11 @@ copies fused with them.
 The same xxh3-64 as :mod:`flatcake_ray.core.integrity` (a put's sums must equal what a reader
 recomputes), computed by the system's libxxhash. With ``cuda_ext/_copyhash.c`` built (pip
 install does), a batch of copies and hashes runs on the copy threads with the GIL released
-(``host_copy.run_ops``), and a piece that is copied is hashed right after its copy, while it
-is in cache (:func:`copy_and_hash`). Without it, ``xxh3_many`` calls libxxhash through
-ctypes per piece (ctypes releases the GIL too) and :func:`copy_and_hash` answers None: the
-callers copy, then hash. Where libxxhash is not installed either, the callers hash with
-``core.integrity`` on their own thread.
+(``host_copy.run_ops``), and a piece that is copied is hashed inside its copy loop (AVX2), or
+right after its copy while it is in cache (:func:`copy_and_hash`). Without it, ``xxh3_many``
+calls libxxhash through ctypes per piece (ctypes releases the GIL too) and
+:func:`copy_and_hash` answers None: the callers copy, then hash. Where libxxhash is not
+installed either, the callers hash with ``core.integrity`` on their own thread.
 """
 
 from __future__ import annotations

@@ -165,6 +165,38 @@ def test_a_batch_of_long_copies_and_hashed_blocks_keeps_each_rows_sum_in_place(
         assert int(sums[row]) == want
 
 
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    src_at=st.integers(0, 63),
+    dst_at=st.integers(0, 63),
+    nbytes=st.one_of(st.integers(1, 2_000), st.integers(60_000, 140_000)),
+    hash_the_target=st.booleans(),
+)
+def test_a_row_that_copies_and_hashes_gets_libxxhash_s_sum_wherever_its_bytes_sit(
+    threads: int, src_at: int, dst_at: int, nbytes: int, hash_the_target: bool
+) -> None:
+    """The native pass hashes a row's bytes inside its copy loop (over 240 bytes: XXH3's long
+    form, non-temporal stores from 64 KiB), whether the row hashes where it reads (a writer's
+    own sums) or where it writes (a reader's check): the sum is the reader's xxh3-64, and
+    every byte lands, none outside the target."""
+    if not host_hash.fused():
+        pytest.skip("no fused copy: cuda_ext/_copyhash.c not built or no libxxhash")
+    source = np.random.default_rng(nbytes).integers(0, 256, nbytes + 64, dtype=np.uint8)
+    target = np.zeros(nbytes + 128, dtype=np.uint8)
+    ops = np.zeros((1, 4), dtype=np.int64)
+    ops[0, host_hash.DST] = target.ctypes.data + dst_at
+    ops[0, host_hash.SRC] = source.ctypes.data + src_at
+    ops[0, host_hash.LENGTH] = nbytes
+    ops[0, host_hash.HASH_AT] = ops[0, host_hash.DST if hash_the_target else host_hash.SRC]
+    sums = host_hash.copy_and_hash(ops)
+    written = source[src_at : src_at + nbytes]
+    assert sums is not None and np.array_equal(target[dst_at : dst_at + nbytes], written)
+    assert int(sums[0]) == int(block_checksums(written, nbytes)[0])
+    assert not target[:dst_at].any() and not target[dst_at + nbytes :].any()
+
+
 def test_ssd_reads_are_cut_into_pieces_that_cover_each_range_once() -> None:
     long, short = 3 * PIECE_BYTES + 4096, 8192
     batch = ReadBatch([0, 10 * PIECE_BYTES], [long, short], [1 << 30, 0])

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from flatcake_ray.core.gva import Medium
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import (
     ConfigError,
@@ -145,7 +146,7 @@ def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
 ):
     store = make_store()
     kv = random_kv(6, seed=64)
-    store.put(list(range(6)), kv, hints=hint)
+    medium = store.put(list(range(6)), kv, hints=hint).medium
     armed = threading.Event()
     armed.set()
 
@@ -159,9 +160,11 @@ def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
     handle = pipeline.submit(list(range(6)), make_pool("layer_first"), np.arange(6))
     with pytest.raises(RestoreError) as caught:
         handle.wait(WAIT)
-    # A restore is planned whole before its first read (its fills are announced to the
-    # source), so no layer of it was delivered.
-    assert isinstance(caught.value.__cause__, RuntimeError) and handle.layers_done == 0
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    # A restore that reads SSD is planned whole before its first read (its fills are
+    # announced to the source), so no layer of it was delivered; one of mapped DRAM is planned
+    # as it goes, so the layer planned before the failure may be in place.
+    assert handle.layers_done == (0 if medium is Medium.SSD else 1)
     pool = make_pool("layer_first")
     assert pipeline.submit(list(range(6)), pool, np.arange(6)).wait(WAIT) == 6
     assert np.array_equal(pool_pages(pool, "layer_first", np.arange(6)), kv)

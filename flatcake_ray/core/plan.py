@@ -129,10 +129,19 @@ class RestorePlan:
     """The chunks of one restore, group by group; built once per restore."""
 
     def __init__(
-        self, parts: Sequence[LeasePart], capacity: int, access: Mapping[Medium, MediumAccess]
+        self,
+        parts: Sequence[LeasePart],
+        capacity: int,
+        access: Mapping[Medium, MediumAccess],
+        *,
+        in_place_bytes: int | None = None,
     ) -> None:
+        """``capacity``: a slot's bytes. ``in_place_bytes``: a mapped chunk's bytes where its
+        pages are copied in place with no slot (a host destination): one chunk is one batch
+        of copies, and fewer, larger batches cost less between them; a slot's by default."""
         self.parts = tuple(parts)
         self.capacity = capacity
+        self.in_place_bytes = capacity if in_place_bytes is None else in_place_bytes
         self.access = dict(access)
         for part in self.parts:
             check_capacity(capacity, part.layout.page_bytes, self.access[part.medium].align)
@@ -142,6 +151,11 @@ class RestorePlan:
         # Each part's wanted page spans, the same for every layer group: found once.
         self._span_cache: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         self._grids: dict[tuple[Medium, bool, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    @property
+    def fills(self) -> bool:
+        """Some pages are read into slots (a medium that is not mapped)."""
+        return any(not self.access[part.medium].mapped for part in self.parts)
 
     def _groups(self) -> list[tuple[int, int]]:
         """[first, end) layers moved together: as many as fit one slot (at least one)."""
@@ -220,12 +234,12 @@ class RestorePlan:
         for part in parts:
             base, page_bytes = part.extent_offset(layer), part.layout.page_bytes
             rows = RowsByOffset(BlockRows.of_part(part, layer, base)) if access.verify else None
-            longest = max(1, self.capacity // page_bytes)
+            longest = max(1, self.in_place_bytes // page_bytes)
             if access.verify and longest >= part.layout.check_pages:  # cut runs between blocks
                 longest -= longest % part.layout.check_pages
             for start, stop in run_bounds(part.src_pages, longest):
                 nbytes = (stop - start) * page_bytes
-                if not chunks or chunks[-1].nbytes + nbytes > self.capacity:
+                if not chunks or chunks[-1].nbytes + nbytes > self.in_place_bytes:
                     chunks.append(LayerChunk(layer, medium, mapped=True))
                 chunk = chunks[-1]
                 offset = base + int(part.src_pages[start]) * page_bytes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,11 +140,7 @@ class Lane:
         self._handoff.put(None)
 
     def _stage(self, job: Job) -> None:
-        chunks = [chunk for first, end in job.plan.groups for chunk in job.plan.chunks(first, end)]
-        filled = [(chunk.medium, chunk.reads) for chunk in chunks if not chunk.mapped]
-        if filled:
-            job.source.announce(job.leased, filled)
-        for chunk in chunks:
+        for chunk in self._planned(job):
             if job.error is not None:
                 return  # the scatter side failed: stop reading, finish with its error
             if chunk.mapped and job.dest.device.type == "cpu":
@@ -158,6 +154,20 @@ class Lane:
                 self._give(slot)
                 raise
             self._emit(job, chunk, slot, stats)
+
+    @staticmethod
+    def _planned(job: Job) -> Iterator[LayerChunk]:
+        """The job's chunks in order. A restore of mapped media only is planned as it goes
+        (its first chunk is copied while the next are planned); one that fills slots is
+        planned whole first, since the source is told every read before the first."""
+        groups = job.plan.groups
+        if not job.plan.fills:
+            return (chunk for first, end in groups for chunk in job.plan.chunks(first, end))
+        chunks = [chunk for first, end in groups for chunk in job.plan.chunks(first, end)]
+        filled = [(chunk.medium, chunk.reads) for chunk in chunks if not chunk.mapped]
+        if filled:
+            job.source.announce(job.leased, filled)
+        return iter(chunks)
 
     @staticmethod
     def _fill(job: Job, chunk: LayerChunk, slot: Slot) -> FillStats | None:
