@@ -243,6 +243,49 @@ def test_a_checked_dram_restore_checks_each_block_it_takes_pages_of_and_no_other
             store.close()
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    wanted=st.sets(st.integers(0, 23), min_size=1),
+    flipped=st.tuples(st.integers(0, LAYERS - 1), st.integers(0, 23)),
+    slot_pages=st.integers(1, 9),
+    consecutive=st.booleans(),
+)
+def test_an_ssd_restore_checks_each_block_it_takes_pages_of_whatever_the_slots_cut(
+    wanted, flipped, slot_pages, consecutive
+):
+    """An SSD restore's blocks are checked as rows where a slot holds them whole and piece by
+    piece where slots cut them: a byte flipped on the drive in a block holding a page the
+    restore takes fails it, whatever the slot size and the destination; one flipped in a
+    block it takes nothing of does not."""
+    keys = sorted(wanted)
+    layer, page = flipped
+    with tempfile.TemporaryDirectory() as root:
+        store = FlatCakeStore(small_config(root, check_bytes=2 * PAGE_BYTES))
+        pipeline = RestorePipeline(store.source, slot_bytes=slot_pages * PAGE_BYTES + 4096)
+        try:
+            kv = random_kv(24, seed=12)
+            store.put(list(range(24)), kv)
+            stride = -(-24 * PAGE_BYTES // 4096) * 4096
+            gva = int(store.gvas([page])[0]) & ((1 << 48) - 1)
+            file_index, offset = store.pool.locate(gva + layer * stride)
+            with open(store.pool.paths[file_index], "r+b") as pool_file:
+                pool_file.seek(offset)
+                byte = pool_file.read(1)
+                pool_file.seek(offset)
+                pool_file.write(bytes([byte[0] ^ 0xFF]))
+            slots = np.arange(len(keys)) if consecutive else scattered_slots(len(keys), seed=3)
+            pool = make_pool("layer_first")
+            got = pipeline.submit(keys, pool, slots, "layer_first").wait(WAIT)
+            if page // 2 in {key // 2 for key in keys}:
+                assert got == 0 and store.stats()["quarantined_scopes"] == 1
+            else:
+                assert got == len(keys)
+                assert np.array_equal(pool_pages(pool, "layer_first", slots), kv[:, keys])
+        finally:
+            pipeline.close()
+            store.close()
+
+
 # ---- layer ordering and double buffering -----------------------------------------------------
 
 

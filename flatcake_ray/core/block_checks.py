@@ -1,12 +1,13 @@
 """Which bytes of a chunk feed which checksum block, in the two shapes a restore uses.
 
-- :class:`HashSpan`: one span of one block with its streaming check, an object each. Filled
-  chunks (SSD, remote DRAM) use these: a block may arrive in pieces over several slots.
-- :class:`BlockRows`: whole blocks of one layer of a mapped medium (the local DRAM arena), a
-  row each in arrays. A checked restore of 3,421 pages x 4 layers holds thousands of blocks,
-  and making an object per block cost more than copying its bytes; the reader hashes the rows
-  in one native batch (``restore/copy_check.py``) and makes spans only of the few it must
-  feed piece by piece (:meth:`BlockRows.spans`).
+- :class:`BlockRows`: whole blocks of one layer, a row each in arrays: those of a mapped
+  medium (the local DRAM arena), and those a filled chunk's slot (SSD, remote DRAM) holds
+  whole. A checked restore of 3,421 pages x 4 layers holds thousands of blocks, and making
+  an object per block cost more than copying its bytes (planning a filled restore took 4 ms
+  that way); the reader hashes the rows in one native batch (``restore/copy_check.py``) and
+  makes spans only of the few it must feed piece by piece (:meth:`BlockRows.spans`).
+- :class:`HashSpan`: one span of one block with its streaming check, an object each: a block
+  a filled chunk's slot cuts (it arrives in pieces over several slots).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ class HashSpan(NamedTuple):  # a tuple: a restore makes one per checksum block
 
 @dataclass(frozen=True)
 class BlockRows:
-    """Whole checksum blocks of ``layer`` on a mapped medium, sorted by offset."""
+    """Whole checksum blocks of ``layer`` in a chunk's source (the mapped medium, or a slot),
+    sorted by offset."""
 
     layer: int
-    offset: np.ndarray  # int64: bytes into the mapped medium
+    offset: np.ndarray  # int64: bytes into the chunk's source
     length: np.ndarray  # int64
     expected: np.ndarray  # uint64: the sum the writer recorded
     scope: np.ndarray  # int64: whose block

@@ -85,8 +85,8 @@ class LayerChunk:
     mapped: bool  # the source is the mapped medium (offsets are medium offsets), else the slot
     nbytes: int = 0  # bytes of the slot used (mapped: bytes of its runs)
     reads: list[SlotRead] = field(default_factory=list)
-    hashes: list[HashSpan] = field(default_factory=list)  # filled chunks
-    blocks: list[BlockRows] = field(default_factory=list)  # mapped chunks: whole blocks
+    hashes: list[HashSpan] = field(default_factory=list)  # blocks a slot cuts: in pieces
+    blocks: list[BlockRows] = field(default_factory=list)  # whole blocks, as rows
     runs: list[PageRun] = field(default_factory=list)
     scopes: set[int] = field(default_factory=set)  # whose bytes this chunk carries
     done_layer: int | None = None  # every layer up to this one is in place after this chunk
@@ -110,7 +110,11 @@ class _Range:
     hi: int
     src: np.ndarray  # wanted pages inside, ascending
     positions: np.ndarray
-    checks: list[tuple[int, int, StreamingCheck]]  # extent-relative [start, end) of each block
+    block_lo: np.ndarray  # per checksum block: range-relative [lo, hi) bytes, its sum
+    block_hi: np.ndarray
+    block_sum: np.ndarray
+    # The checks of blocks cut by a piece's end, fed piece by piece (a few a restore).
+    split: dict[int, StreamingCheck] = field(default_factory=dict)
     skip: int = 0  # byte offset of ``lo`` inside its coalesced read
     delivered: int = 0  # wanted pages handed out so far
     hashed: int = 0  # range bytes fed to the checks so far
@@ -300,24 +304,19 @@ class RestorePlan:
         layout = part.layout
         inside = (part.src_pages >= first) & (part.src_pages < end)
         lo, hi = first * layout.page_bytes, end * layout.page_bytes
-        checks = []
+        block_lo = block_hi = np.zeros(0, dtype=np.int64)
+        block_sum = np.zeros(0, dtype=np.uint64)
         if checked:
             assert part.checksums is not None  # a live segment: written with its sums
-            # Per block: [start, end) bytes and its streaming check, built in bulk (a long
-            # range holds thousands of blocks).
             step = layout.check_pages
             blocks = np.arange(first // step, -(-end // step), dtype=np.int64)
-            starts = (blocks * step * layout.page_bytes).tolist()
-            ends = (np.minimum((blocks + 1) * step, layout.pages) * layout.page_bytes).tolist()
-            sums = part.checksums[layer, blocks].tolist()
-            scope = part.scope_id
-            checks = [
-                (lo_b, hi_b, StreamingCheck(int(sum_), scope))
-                for lo_b, hi_b, sum_ in zip(starts, ends, sums, strict=True)
-            ]
+            block_lo = blocks * step * layout.page_bytes - lo
+            block_hi = np.minimum((blocks + 1) * step, layout.pages) * layout.page_bytes - lo
+            block_sum = np.asarray(part.checksums[layer, blocks], dtype=np.uint64)
         return _Range(
-            part, layer, lo, hi, part.src_pages[inside], part.dst_positions[inside], checks
-        )
+            part, layer, lo, hi, part.src_pages[inside], part.dst_positions[inside],
+            block_lo, block_hi, block_sum,
+        )  # fmt: skip
 
     def _coalesce(self, ranges: list[_Range], access: MediumAccess) -> CoalescedReads:
         offsets = np.array([r.part.extent_offset(r.layer) + r.lo for r in ranges], dtype=np.int64)
@@ -387,20 +386,31 @@ def _piece(chunk: LayerChunk, member: _Range, end: int, base: int, cut: int | No
 
 
 def _feed_checks(chunk: LayerChunk, member: _Range, end: int, base: int) -> None:
-    """Hash spans of ``member``'s blocks from where hashing stopped up to read byte ``end``.
-
-    One span per block (thousands a restore): the loop keeps its state in locals."""
+    """The checks of ``member``'s blocks from where hashing stopped up to read byte ``end``:
+    the blocks that lie whole in this piece as rows (thousands a restore: arrays, not an
+    object each), and a span each for a block begun in an earlier piece or cut by ``end``."""
     stop = min(end - member.skip, member.hi - member.lo)  # range-relative
-    checks, lo, at = member.checks, member.lo, base + member.skip
-    index, hashed, count = member.next_check, member.hashed, len(member.checks)
-    layer, spans = member.layer, chunk.hashes
-    while index < count and hashed < stop:
-        b_start, b_end, check = checks[index]
-        start, b_end = max(b_start - lo, hashed), b_end - lo
-        if b_end <= stop:  # the block's last bytes: its check is decided on this span
-            spans.append(HashSpan(layer, check, at + start, b_end - start, True))
-            hashed, index = b_end, index + 1
-        else:
-            spans.append(HashSpan(layer, check, at + start, stop - start, False))
+    index, hashed, count = member.next_check, member.hashed, len(member.block_lo)
+    at, layer, scope = base + member.skip, member.layer, member.part.scope_id
+    if index < count and hashed < stop and hashed > member.block_lo[index]:  # goes on
+        check, block_end = member.split[index], int(member.block_hi[index])
+        last = block_end <= stop
+        length = (block_end if last else stop) - hashed
+        chunk.hashes.append(HashSpan(layer, check, at + hashed, length, last))
+        hashed += length
+        index += last
+    if index < count and hashed < stop:
+        whole = index + int(np.searchsorted(member.block_hi[index:], stop, side="right"))
+        if whole > index:
+            rows = slice(index, whole)
+            lo, hi = member.block_lo[rows], member.block_hi[rows]
+            sums = member.block_sum[rows]
+            scopes = np.full(whole - index, scope, dtype=np.int64)
+            chunk.blocks.append(BlockRows(layer, at + lo, hi - lo, sums, scopes))
+            hashed, index = int(hi[-1]), whole
+        if index < count and member.block_lo[index] < stop:  # cut by this piece's end
+            check = member.split[index] = StreamingCheck(int(member.block_sum[index]), scope)
+            start = max(int(member.block_lo[index]), hashed)
+            chunk.hashes.append(HashSpan(layer, check, at + start, stop - start, False))
             hashed = stop
     member.next_check, member.hashed = index, hashed

@@ -52,9 +52,9 @@ class DramArena:
     ``chunk_bytes`` is 0); other processes of the node map the chunks they are sent.
 
     Backed by hugetlb memfds (2 MiB pages) when enough huge pages are reserved and a chunk is
-    a whole number of them, else by plain memfds (logged once). Pre-faulted with
-    MAP_POPULATE so no copy takes a page fault, and registered with cudaHostRegister when
-    CUDA exists so copies to the GPU are DMA.
+    a whole number of them, else by plain memfds (logged once). Allocated when made
+    (``posix_fallocate``) and mapped with MAP_POPULATE, so no copy takes a page fault, and
+    registered with cudaHostRegister when CUDA exists so copies to the GPU are DMA.
     """
 
     def __init__(

@@ -21,36 +21,41 @@ from flatcake_ray.cuda_ext.host_hash import DST, HASH_AT, LENGTH, SRC, copy_and_
 
 @dataclass(frozen=True)
 class LayerChecks:
-    """The checks of one layer of a chunk, as rows: a mapped chunk's block rows as planned,
-    or a filled chunk's spans (kept, in order, for those fed piece by piece)."""
+    """The checks of one layer of a chunk, as rows: the whole blocks the plan gave as rows
+    first, then one row per span (a block fed in pieces across slots; kept, in order)."""
 
     rows: BlockRows
     whole: np.ndarray  # bool: the row is a whole block in one span, not started
-    spans: list[HashSpan] | None  # what the rows were made of; None: the plan's own rows
+    spans: list[HashSpan]  # the rows from ``block_rows`` on, as the plan made them
+    block_rows: int  # rows before this one are the plan's whole-block rows
 
     @classmethod
     def of(cls, chunk: LayerChunk, layer: int) -> LayerChecks:
-        blocks = [rows for rows in chunk.blocks if rows.layer == layer]
+        blocks = BlockRows.joined(layer, [rows for rows in chunk.blocks if rows.layer == layer])
         spans = [span for span in chunk.hashes if span.layer == layer]
-        if blocks and not spans:
-            rows = BlockRows.joined(layer, blocks)
-            return cls(rows, np.ones(len(rows), dtype=bool), None)
-        spans += [span for rows in blocks for span in rows.spans()]
+        if not spans:
+            return cls(blocks, np.ones(len(blocks), dtype=bool), [], len(blocks))
         rows = BlockRows(
             layer,
-            np.array([span.offset for span in spans], dtype=np.int64),
-            np.array([span.length for span in spans], dtype=np.int64),
-            np.array([span.check.expected for span in spans], dtype=np.uint64),
-            np.array([span.check.scope_id for span in spans], dtype=np.int64),
+            np.concatenate([blocks.offset, [span.offset for span in spans]]).astype(np.int64),
+            np.concatenate([blocks.length, [span.length for span in spans]]).astype(np.int64),
+            np.concatenate(
+                [blocks.expected, np.array([s.check.expected for s in spans], dtype=np.uint64)]
+            ),
+            np.concatenate([blocks.scope, [span.check.scope_id for span in spans]]).astype(
+                np.int64
+            ),
         )
-        whole = np.array([span.last and not span.check.started for span in spans], dtype=bool)
-        return cls(rows, whole.reshape(-1), spans)
+        fresh = [span.last and not span.check.started for span in spans]
+        whole = np.concatenate([np.ones(len(blocks), dtype=bool), np.array(fresh, dtype=bool)])
+        return cls(rows, whole, spans, len(blocks))
 
     def spans_at(self, index: np.ndarray) -> list[HashSpan]:
-        """The checks at ``index`` (ascending) as spans, in order."""
-        if self.spans is None:
-            return self.rows.at(index).spans()
-        return [self.spans[i] for i in index.tolist()]
+        """The checks at ``index`` (ascending) as spans: whole-block rows made into spans,
+        the others as the plan made them (a block's streaming check goes on)."""
+        planned = index >= self.block_rows
+        made = self.rows.at(index[~planned]).spans()
+        return made + [self.spans[i - self.block_rows] for i in index[planned].tolist()]
 
 
 @dataclass(frozen=True)
