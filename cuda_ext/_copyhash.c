@@ -306,7 +306,26 @@ static PyObject *copy_hash(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* use_avx2(flag): take the AVX2 pass (fused hash, non-temporal stores) where the CPU has it,
+ * or the plain one (copy, then the caller's XXH3) everywhere; returns the previous choice.
+ * For tests: both must give the same bytes and sums. */
+static PyObject *use_avx2(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+#ifdef FUSED_XXH3
+    int previous = have_avx2;
+    __builtin_cpu_init();
+    have_avx2 = flag && __builtin_cpu_supports("avx2");
+    return PyBool_FromLong(previous);
+#else
+    (void)flag;
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef METHODS[] = {
+    {"use_avx2", use_avx2, METH_VARARGS,
+     "use_avx2(flag): the AVX2 pass where the CPU has it, or the plain one; the previous"},
     {"copy_hash", copy_hash, METH_VARARGS,
      "copy_hash(ops, sums, next, xxh3_address): copy and hash every op (rows dst, src, "
      "length, hash_at of an int64 array), claiming rows from the shared counter next "

@@ -19,6 +19,18 @@ from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_ssd import PIECE_BYTES, depth_pieces
 
 
+@pytest.fixture(params=[True, False], ids=["avx2-pass", "plain-pass"])
+def native_pass(request):
+    """The native copies' AVX2 pass (hash in the copy loop, non-temporal stores) where the
+    CPU has it, and the plain pass (copy, then libxxhash) that other CPUs take."""
+    module = host_copy.native_module()
+    if module is None:
+        pytest.skip("cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, or no compiler)")
+    before = module.use_avx2(request.param)
+    yield request.param
+    module.use_avx2(before)
+
+
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-threads")
 def threads(request, monkeypatch) -> int:
     monkeypatch.setattr(host_copy, "idle_threads", lambda: request.param)
@@ -48,7 +60,7 @@ def test_copy_many_moves_every_byte_of_every_pair(threads: int) -> None:
     nbytes=st.one_of(st.integers(0, 600), st.integers(60_000, 200_000)),
 )
 def test_a_copy_moves_the_same_bytes_wherever_its_arrays_start(
-    threads: int, src_at: int, dst_at: int, nbytes: int
+    native_pass: bool, threads: int, src_at: int, dst_at: int, nbytes: int
 ) -> None:
     """The native copy takes aligned stores whatever the arrays' alignment (glibc's memcpy
     ran at half speed or less for some): every byte lands, none outside the target."""
@@ -175,7 +187,12 @@ def test_a_batch_of_long_copies_and_hashed_blocks_keeps_each_rows_sum_in_place(
     hash_the_target=st.booleans(),
 )
 def test_a_row_that_copies_and_hashes_gets_libxxhash_s_sum_wherever_its_bytes_sit(
-    threads: int, src_at: int, dst_at: int, nbytes: int, hash_the_target: bool
+    native_pass: bool,
+    threads: int,
+    src_at: int,
+    dst_at: int,
+    nbytes: int,
+    hash_the_target: bool,
 ) -> None:
     """The native pass hashes a row's bytes inside its copy loop (over 240 bytes: XXH3's long
     form, non-temporal stores from 64 KiB), whether the row hashes where it reads (a writer's
