@@ -27,6 +27,7 @@ from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.config import ALIGN
+from flatcake_ray.core.chunks import SlotRead
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.gva import encode as encode_gva
 from flatcake_ray.core.keys import (
@@ -38,7 +39,7 @@ from flatcake_ray.core.keys import (
     request_digests,
     split_namespace,
 )
-from flatcake_ray.core.plan import MediumAccess, SlotRead
+from flatcake_ray.core.plan import MediumAccess
 from flatcake_ray.errors import (
     PeerDisconnectedError,
     ReadRangeError,

@@ -5,9 +5,10 @@ threads, no I/O. A restore moves its layers in order, in *groups*: consecutive l
 filled bytes fit one staging slot together (one layer per group once a layer fills a slot, so
 a long context streams layer by layer; a short one is read in a few commands). For each group
 :meth:`RestorePlan.chunks` returns the chunks to move, in order; each fits one slot of
-``capacity`` bytes whatever the context length. A chunk says which bytes to read into its
-slot (:class:`SlotRead`), which byte spans feed which checksum (:class:`HashSpan`) and which
-pages of which layer go to which request positions (:class:`PageRun`).
+``capacity`` bytes whatever the context length. A chunk (``core/chunks.py``) says which
+bytes to read into its slot (``SlotRead``), which blocks and byte spans feed which checksum
+(``BlockRows``, ``HashSpan``) and which pages of which layer go to which request positions
+(``PageRun``).
 
 How a source reaches a medium is its :class:`MediumAccess`:
 
@@ -30,14 +31,14 @@ shrinks to the scope's first position).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from flatcake_ray.core.block_checks import BlockRows, HashSpan, RowsByOffset
+from flatcake_ray.core.block_checks import BlockRows, RowsByOffset
+from flatcake_ray.core.chunks import LayerChunk, PageRun, SlotRead, WantedRange, cut_piece
 from flatcake_ray.core.coalesce import CoalescedReads, coalesce
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.integrity import StreamingCheck
 from flatcake_ray.core.parts import (
     LeasePart,
     block_ranges,
@@ -59,66 +60,6 @@ class MediumAccess:
     file_bytes: int  # a read never crosses a multiple of this (one pool file)
     align: int = 1  # reads start and end on multiples of this (O_DIRECT: 4096)
     gap_bytes: int = 0  # holes smaller than this between wanted ranges are read and dropped
-
-
-@dataclass(frozen=True)
-class SlotRead:
-    src: int  # medium-local offset
-    length: int
-    slot_offset: int
-
-
-@dataclass(frozen=True)
-class PageRun:
-    """Pages of ``layer`` back to back in a chunk's source, bound for ``positions`` in order."""
-
-    layer: int
-    offset: int  # bytes into the chunk's source
-    positions: np.ndarray
-    scope_id: int
-
-
-@dataclass
-class LayerChunk:
-    first_layer: int  # the first layer of the group this chunk belongs to
-    medium: Medium
-    mapped: bool  # the source is the mapped medium (offsets are medium offsets), else the slot
-    nbytes: int = 0  # bytes of the slot used (mapped: bytes of its runs)
-    reads: list[SlotRead] = field(default_factory=list)
-    hashes: list[HashSpan] = field(default_factory=list)  # blocks a slot cuts: in pieces
-    blocks: list[BlockRows] = field(default_factory=list)  # whole blocks, as rows
-    runs: list[PageRun] = field(default_factory=list)
-    scopes: set[int] = field(default_factory=set)  # whose bytes this chunk carries
-    done_layer: int | None = None  # every layer up to this one is in place after this chunk
-
-    @property
-    def checked(self) -> bool:
-        return bool(self.hashes) or any(len(rows) for rows in self.blocks)
-
-    def all_spans(self) -> list[HashSpan]:
-        """Every check of the chunk as spans (a mapped chunk's rows made into objects)."""
-        return self.hashes + [span for rows in self.blocks for span in rows.spans()]
-
-
-@dataclass
-class _Range:
-    """Wanted bytes ``[lo, hi)`` of one part's layer extent, streaming through pieces."""
-
-    part: LeasePart
-    layer: int
-    lo: int
-    hi: int
-    src: np.ndarray  # wanted pages inside, ascending
-    positions: np.ndarray
-    block_lo: np.ndarray  # per checksum block: range-relative [lo, hi) bytes, its sum
-    block_hi: np.ndarray
-    block_sum: np.ndarray
-    # The checks of blocks cut by a piece's end, fed piece by piece (a few a restore).
-    split: dict[int, StreamingCheck] = field(default_factory=dict)
-    skip: int = 0  # byte offset of ``lo`` inside its coalesced read
-    delivered: int = 0  # wanted pages handed out so far
-    hashed: int = 0  # range bytes fed to the checks so far
-    next_check: int = 0
 
 
 def check_capacity(capacity: int, page_bytes: int, align: int) -> None:
@@ -265,7 +206,7 @@ class RestorePlan:
     ) -> list[LayerChunk]:
         ranges = self._ranges(parts, first, end, medium, checks=True)
         reads = self._coalesce(ranges, access)
-        members: list[list[_Range]] = [[] for _ in range(reads.count)]
+        members: list[list[WantedRange]] = [[] for _ in range(reads.count)]
         for i, item in enumerate(ranges):
             item.skip = int(reads.descriptor_skip[i])
             members[int(reads.descriptor_read[i])].append(item)
@@ -287,11 +228,11 @@ class RestorePlan:
         medium: Medium,
         *,
         checks: bool,
-    ) -> list[_Range]:
+    ) -> list[WantedRange]:
         """Wanted byte ranges (whole blocks when verifying); ``checks``: with their streaming
         checksums (reads only need the ranges: the replay model's segments hold no sums)."""
         verify = self.access[medium].verify
-        ranges: list[_Range] = []
+        ranges: list[WantedRange] = []
         for part in parts:
             spans = self._spans(part, verify)
             for layer in range(first_layer, end_layer):
@@ -300,7 +241,7 @@ class RestorePlan:
         return ranges
 
     @staticmethod
-    def _range(part: LeasePart, layer: int, first: int, end: int, checked: bool) -> _Range:
+    def _range(part: LeasePart, layer: int, first: int, end: int, checked: bool) -> WantedRange:
         layout = part.layout
         inside = (part.src_pages >= first) & (part.src_pages < end)
         lo, hi = first * layout.page_bytes, end * layout.page_bytes
@@ -313,12 +254,12 @@ class RestorePlan:
             block_lo = blocks * step * layout.page_bytes - lo
             block_hi = np.minimum((blocks + 1) * step, layout.pages) * layout.page_bytes - lo
             block_sum = np.asarray(part.checksums[layer, blocks], dtype=np.uint64)
-        return _Range(
+        return WantedRange(
             part, layer, lo, hi, part.src_pages[inside], part.dst_positions[inside],
             block_lo, block_hi, block_sum,
         )  # fmt: skip
 
-    def _coalesce(self, ranges: list[_Range], access: MediumAccess) -> CoalescedReads:
+    def _coalesce(self, ranges: list[WantedRange], access: MediumAccess) -> CoalescedReads:
         offsets = np.array([r.part.extent_offset(r.layer) + r.lo for r in ranges], dtype=np.int64)
         lengths = np.array([r.hi - r.lo for r in ranges], dtype=np.int64)
         return self._coalesce_bytes(offsets, lengths, access)
@@ -337,7 +278,12 @@ class RestorePlan:
         )
 
     def _stream(
-        self, chunks: list[LayerChunk], src: int, length: int, members: list[_Range], align: int
+        self,
+        chunks: list[LayerChunk],
+        src: int,
+        length: int,
+        members: list[WantedRange],
+        align: int,
     ) -> None:
         """Cut one coalesced read into pieces that fit the slots, appending to ``chunks``."""
         start = 0
@@ -355,62 +301,5 @@ class RestorePlan:
             for member in members:
                 if member.skip < end and member.skip + (member.hi - member.lo) > start:
                     chunk.scopes.add(member.part.scope_id)
-                cut = _piece(chunk, member, end, base, cut)
+                cut = cut_piece(chunk, member, end, base, cut)
             start = align_down(cut, align) if cut is not None else end
-
-
-def _piece(chunk: LayerChunk, member: _Range, end: int, base: int, cut: int | None) -> int | None:
-    """Hash and deliver what of ``member`` lies before read byte ``end``; returns the start
-    of the first wanted page cut in two by ``end`` (the next piece starts at it)."""
-    _feed_checks(chunk, member, end, base)
-    page_bytes = member.part.layout.page_bytes
-    limit = (end - member.skip + member.lo) // page_bytes  # pages ending by ``end``
-    stop = int(np.searchsorted(member.src, limit, side="left"))
-    first = member.delivered
-    for run_start, run_stop in run_bounds(member.src[first:stop]):
-        page = int(member.src[first + run_start])
-        chunk.runs.append(
-            PageRun(
-                member.layer,
-                base + member.skip + page * page_bytes - member.lo,
-                member.positions[first + run_start : first + run_stop],
-                member.part.scope_id,
-            )
-        )
-    member.delivered = max(first, stop)
-    if cut is None and member.delivered < len(member.src):
-        page_start = member.skip + int(member.src[member.delivered]) * page_bytes - member.lo
-        if page_start < end:
-            return page_start
-    return cut
-
-
-def _feed_checks(chunk: LayerChunk, member: _Range, end: int, base: int) -> None:
-    """The checks of ``member``'s blocks from where hashing stopped up to read byte ``end``:
-    the blocks that lie whole in this piece as rows (thousands a restore: arrays, not an
-    object each), and a span each for a block begun in an earlier piece or cut by ``end``."""
-    stop = min(end - member.skip, member.hi - member.lo)  # range-relative
-    index, hashed, count = member.next_check, member.hashed, len(member.block_lo)
-    at, layer, scope = base + member.skip, member.layer, member.part.scope_id
-    if index < count and hashed < stop and hashed > member.block_lo[index]:  # goes on
-        check, block_end = member.split[index], int(member.block_hi[index])
-        last = block_end <= stop
-        length = (block_end if last else stop) - hashed
-        chunk.hashes.append(HashSpan(layer, check, at + hashed, length, last))
-        hashed += length
-        index += last
-    if index < count and hashed < stop:
-        whole = index + int(np.searchsorted(member.block_hi[index:], stop, side="right"))
-        if whole > index:
-            rows = slice(index, whole)
-            lo, hi = member.block_lo[rows], member.block_hi[rows]
-            sums = member.block_sum[rows]
-            scopes = np.full(whole - index, scope, dtype=np.int64)
-            chunk.blocks.append(BlockRows(layer, at + lo, hi - lo, sums, scopes))
-            hashed, index = int(hi[-1]), whole
-        if index < count and member.block_lo[index] < stop:  # cut by this piece's end
-            check = member.split[index] = StreamingCheck(int(member.block_sum[index]), scope)
-            start = max(int(member.block_lo[index]), hashed)
-            chunk.hashes.append(HashSpan(layer, check, at + start, stop - start, False))
-            hashed = stop
-    member.next_check, member.hashed = index, hashed

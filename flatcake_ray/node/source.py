@@ -15,10 +15,11 @@ from typing import Protocol
 
 from flatcake_ray.config import ALIGN
 from flatcake_ray.core.catalog import Catalog, Lease
+from flatcake_ray.core.chunks import SlotRead
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import lease_parts
-from flatcake_ray.core.plan import MediumAccess, SlotRead
+from flatcake_ray.core.plan import MediumAccess
 from flatcake_ray.errors import TransferError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena

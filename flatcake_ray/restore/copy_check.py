@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flatcake_ray.core.block_checks import BlockRows, HashSpan
-from flatcake_ray.core.plan import LayerChunk, PageRun
+from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_hash import DST, HASH_AT, LENGTH, SRC, copy_and_hash, fused
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from flatcake_ray.core.block_checks import HashSpan
-from flatcake_ray.core.plan import LayerChunk, PageRun
+from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.cuda_ext.scatter import scatter_layer

@@ -41,10 +41,11 @@ from typing import Any
 
 import numpy as np
 
+from flatcake_ray.core.chunks import SlotRead
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import LeasePart
-from flatcake_ray.core.plan import MediumAccess, SlotRead
+from flatcake_ray.core.plan import MediumAccess
 
 
 @dataclass

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from flatcake_ray.core.chunks import LayerChunk
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.plan import LayerChunk, RestorePlan
+from flatcake_ray.core.plan import RestorePlan
 from flatcake_ray.errors import TransferError
 from flatcake_ray.restore.dest import Destination
 from flatcake_ray.restore.handle import RestoreHandle
