@@ -25,10 +25,8 @@ marked down.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -37,6 +35,7 @@ from flatcake_ray.actors.homes import Found
 from flatcake_ray.actors.protocol import LeaseReply
 from flatcake_ray.client.direct import DIRECT_CALLS
 from flatcake_ray.client.nodes import NodeLink, NodeTable
+from flatcake_ray.client.releases import LeaseReleases
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.core.api import Probe
 from flatcake_ray.core.homes import anchor_index, anchor_of, home_candidates
@@ -48,12 +47,6 @@ from flatcake_ray.errors import (
 )
 
 LOCATION_CACHE_ENTRIES = 1 << 17
-# A lease let go of without an answer rides on the next lookup to its node; one that no
-# lookup carried within this long is released by a call of its own (scopes stay pinned that
-# much longer at most).
-RELEASE_CARRY_S = 0.05
-# Releases sent and not waited for are looked over (the answered ones dropped) this often.
-UNAWAITED_PRUNE = 64
 
 
 def hits(answer: LeaseReply | Probe | int | None) -> int:
@@ -63,21 +56,12 @@ def hits(answer: LeaseReply | Probe | int | None) -> int:
     return int(answer) if isinstance(answer, int | np.integer) else int(answer.hits)
 
 
-class Locator:
+class Locator(LeaseReleases):
     def __init__(self, nodes: NodeTable, rpc_timeout_s: float) -> None:
-        self.nodes = nodes
-        self.rpc_timeout_s = rpc_timeout_s
+        super().__init__(nodes, rpc_timeout_s)
         self._where: OrderedDict[bytes, int] = OrderedDict()
-        self._lock = threading.Lock()
         self.fanouts = 0
         self._recovered: OrderedDict[tuple[bytes, frozenset[int]], None] = OrderedDict()
-        self._let_go: dict[int, list[int]] = {}  # node id -> lease ids not yet sent
-        self._wake = threading.Event()
-        self.release_calls = 0  # releases no lookup carried, sent by themselves
-        self.releases_unawaited = 0  # releases of checked reads, sent and not waited for
-        self._unawaited: list[Any] = []  # their answers' references, until one settles them
-        self._closed = False
-        threading.Thread(target=self._send_uncarried, daemon=True).start()
 
     def where(self, first: bytes) -> int | None:
         return self._where.get(first)
@@ -277,129 +261,6 @@ class Locator:
         report.failures.append(f"node {link.node_id}: restarted (epoch {answer.epoch:.3f})")
         self.nodes.renew(link)
         return False
-
-    def release(
-        self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
-    ) -> Any:
-        """Release a lease; returns the reference of the node's answer (True: the lease was
-        held throughout, so what was read under it is good). Unread leases need no answer."""
-        report.actor_calls += 1
-        return link.handle.release.remote(reply.lease_id, list(bad_scopes))
-
-    def release_unawaited(self, link: NodeLink, reply: LeaseReply, report: RestoreReport) -> None:
-        """Release a lease read under whose reader needs no answer (it checked every byte
-        it kept). Over the local node's call channel it is answered before this returns
-        (a round trip costs less than a Ray call's submission); over Ray it is sent now and
-        not waited for, and a node serves calls on several threads, so a later call of this
-        client may run before it: ``settle_unawaited`` is what orders it."""
-        if link.direct is not None and self._released_direct(link, reply, (), report) is not None:
-            return
-        ref = self.release(link, reply, (), report)
-        with self._lock:
-            self._unawaited.append(ref)
-            self.releases_unawaited += 1
-            if len(self._unawaited) >= UNAWAITED_PRUNE:
-                self._unawaited = self._pending(self._unawaited, 0.0)
-
-    def _released_direct(
-        self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
-    ) -> bool | None:
-        """The node's answer to a release over its call channel; None: the channel could not
-        carry it (the caller releases over Ray)."""
-        assert link.direct is not None
-        report.actor_calls += 1
-        try:
-            good = bool(link.direct.call("release", reply.lease_id, list(bad_scopes)))
-        except ChannelClosedError:
-            return None
-        except FlatCakeError as exc:
-            report.failures.append(f"node {link.node_id}: release {type(exc).__name__}")
-            return False
-        report.direct_calls += 1
-        return good
-
-    def settle_unawaited(self) -> None:
-        """Wait until every release sent by ``release_unawaited`` has run at its node (or
-        failed there: its lease then ends by TTL). Called before a put, whose owner may
-        evict: a lease of this client's still held there would keep its scopes, and what is
-        evicted would depend on which of the two calls a node thread took first."""
-        with self._lock:
-            refs, self._unawaited = self._unawaited, []
-        left = self._pending(refs, self.rpc_timeout_s)
-        if left:
-            with self._lock:
-                self._unawaited.extend(left)
-
-    @staticmethod
-    def _pending(refs: list[Any], timeout_s: float) -> list[Any]:
-        """Those of ``refs`` not answered within ``timeout_s`` (the answers are not read: a
-        release's outcome matters only to a reader that did not check what it read)."""
-        if not refs:
-            return refs
-        import ray
-
-        _, left = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
-        return left
-
-    def let_go(self, link: NodeLink, reply: LeaseReply) -> None:
-        """Give back a lease no reader used and nobody waits on: its id goes with the next
-        ``lookup`` to that node (no call of its own), or alone after ``RELEASE_CARRY_S``."""
-        with self._lock:
-            self._let_go.setdefault(link.node_id, []).append(reply.lease_id)
-        self._wake.set()
-
-    def _carrying(self, link: NodeLink, method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """``args`` of a ``lookup`` with the leases let go of at ``link`` (see ``let_go``)."""
-        if method != "lookup" or len(args) != 1:
-            return args
-        with self._lock:
-            ids = self._let_go.pop(link.node_id, None)
-        return args if not ids else (*args, None, np.asarray(ids, dtype=np.int64))
-
-    def send_let_go(self) -> None:
-        """Release, one call each, every lease let go of that no lookup has carried yet."""
-        with self._lock:
-            pending, self._let_go = self._let_go, {}
-        for node_id, ids in pending.items():
-            link = self.nodes.get(node_id)
-            if link is None:  # the node is gone: the TTL frees its leases
-                continue
-            for lease_id in ids:
-                link.handle.release.remote(lease_id, [])
-                self.release_calls += 1
-
-    def _send_uncarried(self) -> None:
-        while not self._closed:
-            self._wake.wait()
-            time.sleep(RELEASE_CARRY_S)
-            self._wake.clear()
-            self.send_let_go()
-
-    def close(self) -> None:
-        """Send what was let go of, and stop the thread that sends it."""
-        self._closed = True
-        self._wake.set()
-        self.send_let_go()
-
-    def release_held(
-        self, link: NodeLink, reply: LeaseReply, bad_scopes: Iterable[int], report: RestoreReport
-    ) -> bool:
-        """Release a lease that was read under, and wait for the answer: False (the lease
-        ran out, was never this tenant's, or a scope went; or no answer) means drop what was
-        read."""
-        import ray
-        from ray.exceptions import RayError
-
-        if link.direct is not None:
-            good = self._released_direct(link, reply, bad_scopes, report)
-            if good is not None:
-                return good
-        ref = self.release(link, reply, bad_scopes, report)
-        try:
-            return bool(ray.get(ref, timeout=self.rpc_timeout_s))
-        except RayError as exc:
-            report.failures.append(f"node {link.node_id}: release {type(exc).__name__}")
-            return False
 
 
 def _message(exc: BaseException, wrapper: type) -> str:
