@@ -378,6 +378,7 @@ class FlatCakeClient:
                     "fanouts": self._locator.fanouts,
                     "release_calls": self._locator.release_calls,
                     "releases_unawaited": self._locator.releases_unawaited,
+                    "finds_unawaited": self._locator.finds_unawaited,
                     **self.nodes.direct_stats(),
                 },
                 "paths": {p: vars(t).copy() for p, t in self.paths.items()},

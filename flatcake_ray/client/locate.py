@@ -15,7 +15,10 @@ the whole request, the owner it recorded. A named owner is asked next (the longe
 wins). So a miss costs 2
 calls (one round trip) and a hit at most 3 nodes, at any N. A put records its chain at both
 homes, so one node joining or leaving leaves one of them holding the record; a record found
-only at the second is re-recorded at the first (not awaited).
+only at the second is re-recorded at the first (not awaited). When a home on this client's
+machine (asked over its call channel, ``client/direct.py``) answers the whole request, the
+lookup ends with it: the other home's Ray answer is read later (at the next lookup, or before
+this client's next put or stats), and what it leased goes back then (``_settle_late``).
 
 Asking every live node is kept only as a counted recovery (``fanouts``): when a home did not
 answer (its records may be what is missing), at most once per chain per membership (the set
@@ -61,6 +64,9 @@ class Locator(LeaseReleases):
         super().__init__(nodes, rpc_timeout_s)
         self._where: OrderedDict[bytes, int] = OrderedDict()
         self.fanouts = 0
+        # Homes' finds a cold lookup did not wait for: (reference, home, the chain's anchor).
+        self._late: list[tuple[Any, NodeLink, bytes]] = []
+        self.finds_unawaited = 0
         self._recovered: OrderedDict[tuple[bytes, frozenset[int]], None] = OrderedDict()
 
     def where(self, first: bytes) -> int | None:
@@ -86,6 +92,7 @@ class Locator(LeaseReleases):
     ) -> tuple[NodeLink | None, Any]:
         """The node with the longest prefix for a request (its packed ``digests``) and its
         answer (see module doc)."""
+        self._settle_late(0.0)
         first = anchor_of(digests)
         known = self._where.get(first)
         cached = self.nodes.get(known) if known is not None else None
@@ -114,8 +121,8 @@ class Locator(LeaseReleases):
     ) -> tuple[tuple[NodeLink, Any] | None, bool]:
         """Ask the chain's homes (``find``, in parallel), then the owner they recorded: the
         longest prefix found (or None), and whether some home did not answer."""
-        found = self.call_all(homes, "find", (method, digests), report)
-        failed = len(found) < len(homes)
+        found = self.call_all(homes, "find", (method, digests), report, whole=first)
+        failed = len(found) + len(self._late_of(first)) < len(homes)
         answers = [(link, reply.answer) for link, reply in found]
         owners = [reply.owner for _, reply in found if reply.owner is not None]
         # A home holding part of the request (a shared first page) still names the owner
@@ -192,9 +199,13 @@ class Locator(LeaseReleases):
         method: str,
         args: tuple[Any, ...],
         report: RestoreReport,
+        *,
+        whole: bytes | None = None,
     ) -> list[tuple[NodeLink, Any]]:
         """Each node's answer to ``method(*args)``, asked in parallel; a node that fails or
-        does not answer in the RPC timeout is marked down and left out."""
+        does not answer in the RPC timeout is marked down and left out. ``whole`` (homes'
+        ``find``s of the chain anchored there): when a home answers the whole request over
+        its call channel, the Ray calls' answers are not waited for (``_settle_late``)."""
         import ray
         from ray.exceptions import RayError, RayTaskError
 
@@ -223,6 +234,11 @@ class Locator(LeaseReleases):
             except FlatCakeError as exc:  # what a Ray call would raise as a RayTaskError
                 self.nodes.mark_down(link, f"{method} failed: {exc}")
                 report.failures.append(f"node {link.node_id}: {type(exc).__name__}")
+        if whole is not None and refs and any(_holds(a, len(args[1])) for _, a in answers):
+            with self._lock:
+                self._late += [(ref, link, whole) for ref, link in refs.items()]
+                self.finds_unawaited += len(refs)
+            refs = {}
         ready: list[Any] = []
         late: list[Any] = []
         if refs:
@@ -248,6 +264,52 @@ class Locator(LeaseReleases):
             raise limited
         return [answer for answer in answers if self._current(*answer, report)]
 
+    def _late_of(self, first: bytes) -> list[NodeLink]:
+        with self._lock:
+            return [link for _, link, anchor in self._late if anchor == first]
+
+    def _settle_late(self, timeout_s: float, *, give_up: bool = False) -> None:
+        """Read the homes' answers a cold lookup did not wait for (another home had answered
+        the whole request): give back what they leased, and tell a home that knew nothing
+        where the chain is, as a lookup that waited would have. Those not answered within
+        ``timeout_s`` stay for the next time, or, with ``give_up``, their homes are marked
+        down (what they leased runs out by its TTL)."""
+        with self._lock:
+            late, self._late = self._late, []
+        if not late:
+            return
+        import ray
+        from ray.exceptions import RayError
+
+        ready, _ = ray.wait([ref for ref, _, _ in late], num_returns=len(late), timeout=timeout_s)
+        answered = set(ready)
+        for ref, link, first in late:
+            if ref not in answered and give_up:
+                self.nodes.mark_down(link, f"find took over {timeout_s}s")
+            if ref not in answered:
+                if not give_up:
+                    with self._lock:
+                        self._late.append((ref, link, first))
+                continue
+            try:
+                reply = ray.get(ref)
+            except (TenantLimitError, AccessDeniedError):
+                continue  # refused this tenant: nothing was leased
+            except RayError as exc:
+                self.nodes.mark_down(link, f"find failed: {exc}")
+                continue
+            if isinstance(reply.answer, LeaseReply) and reply.answer.hits:
+                self.release_unawaited(link, reply.answer, RestoreReport(0))
+            owner = self._where.get(first)
+            if reply.owner is None and owner is not None and owner != link.node_id:
+                self._record_at([link], first, owner)
+
+    def settle_unawaited(self) -> None:
+        """The homes' answers not waited for first (their leases released), then every
+        release not waited for (``LeaseReleases.settle_unawaited``)."""
+        self._settle_late(self.rpc_timeout_s, give_up=True)
+        super().settle_unawaited()
+
     def _current(self, link: NodeLink, answer: Any, report: RestoreReport) -> bool:
         """False for a lease from a node that restarted since ``link`` described it: the
         link's mappings are the dead process's (its old arena), so nothing is read through
@@ -261,6 +323,11 @@ class Locator(LeaseReleases):
         report.failures.append(f"node {link.node_id}: restarted (epoch {answer.epoch:.3f})")
         self.nodes.renew(link)
         return False
+
+
+def _holds(answer: Any, pages: int) -> bool:
+    """A home's ``find`` answer that holds the whole request of ``pages`` pages."""
+    return isinstance(answer, Found) and hits(answer.answer) >= pages
 
 
 def _message(exc: BaseException, wrapper: type) -> str:
