@@ -50,7 +50,6 @@ static void copy_bytes(char *dst, const char *src, size_t length) {
 static void copy_bytes(char *dst, const char *src, size_t length) { memcpy(dst, src, length); }
 #endif
 
-
 /* XXH3-64 computed inside the copy loop: each 64-byte stripe is loaded once, stored to the
  * destination and fed to the hash from the same registers, so the hash costs no second read
  * of the bytes and runs in the time the loads wait on memory. Large copies store past the
@@ -92,6 +91,11 @@ static const uint8_t XXH3_SECRET[192] = {
 enum store_kind { STORE_CACHED, STORE_STREAM_16, STORE_STREAM_32 };
 
 static int have_avx2 = 0;
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+}
 
 static enum store_kind store_kind_for(const char *dst, size_t length) {
     if (length < NT_MIN_BYTES) return STORE_CACHED;
@@ -148,6 +152,17 @@ static inline uint64_t mul_fold_64(uint64_t a, uint64_t b) {
     return (uint64_t)product ^ (uint64_t)(product >> 64);
 }
 
+/* Copy the 64-byte stripe at ``at`` and feed it to the hash with the secret at ``key``. */
+__attribute__((target("avx2"))) static inline void copy_stripe(char *dst, const char *src,
+                                                                size_t at, __m256i *acc,
+                                                                const uint8_t *key,
+                                                                enum store_kind kind) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(src + at));
+    __m256i b = _mm256_loadu_si256((const __m256i *)(src + at + 32));
+    store_64(dst + at, a, b, kind);
+    accumulate_512(acc, a, b, key);
+}
+
 /* Copy ``length`` (> 240) bytes from ``src`` to ``dst`` (no overlap) and answer their XXH3-64.
  * The last stripe, which XXH3 takes again from the input's end, is read back from ``again``
  * (the destination for a reader's check, the source for a writer's own sums). */
@@ -164,22 +179,14 @@ __attribute__((target("avx2"))) static uint64_t copy_xxh3(char *dst, const char 
     const size_t blocks = (length - 1) / block_bytes;
     size_t at = 0;
     for (size_t block = 0; block < blocks; block++) {
-        for (size_t n = 0; n < stripes_per_block; n++, at += 64) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(src + at));
-            __m256i b = _mm256_loadu_si256((const __m256i *)(src + at + 32));
-            store_64(dst + at, a, b, kind);
-            accumulate_512(acc, a, b, XXH3_SECRET + 8 * n);
-        }
+        for (size_t n = 0; n < stripes_per_block; n++, at += 64)
+            copy_stripe(dst, src, at, acc, XXH3_SECRET + 8 * n, kind);
         acc[0] = scramble_256(acc[0], XXH3_SECRET + sizeof(XXH3_SECRET) - 64);
         acc[1] = scramble_256(acc[1], XXH3_SECRET + sizeof(XXH3_SECRET) - 32);
     }
     const size_t stripes = ((length - 1) - at) / 64;
-    for (size_t n = 0; n < stripes; n++, at += 64) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + at));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + at + 32));
-        store_64(dst + at, a, b, kind);
-        accumulate_512(acc, a, b, XXH3_SECRET + 8 * n);
-    }
+    for (size_t n = 0; n < stripes; n++, at += 64)
+        copy_stripe(dst, src, at, acc, XXH3_SECRET + 8 * n, kind);
     memcpy(dst + at, src + at, length - at);
     if (kind != STORE_CACHED) _mm_sfence();
     const char *last = again + length - 64;
@@ -221,7 +228,6 @@ static int writable_array(PyObject *obj, Py_buffer *view, Py_ssize_t item, const
     }
     return 0;
 }
-
 
 /* One op: the fused pass where it applies (AVX2, a row that hashes the bytes it copies, over
  * 240 of them), else the copy and then the hash. */
@@ -314,8 +320,7 @@ static PyObject *use_avx2(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
 #ifdef FUSED_XXH3
     int previous = have_avx2;
-    __builtin_cpu_init();
-    have_avx2 = flag && __builtin_cpu_supports("avx2");
+    have_avx2 = flag && cpu_has_avx2();
     return PyBool_FromLong(previous);
 #else
     (void)flag;
@@ -336,8 +341,7 @@ static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_copyhash", NULL, -1
 
 PyMODINIT_FUNC PyInit__copyhash(void) {
 #ifdef FUSED_XXH3
-    __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2");
+    have_avx2 = cpu_has_avx2();
 #endif
     return PyModule_Create(&MODULE);
 }

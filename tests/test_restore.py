@@ -172,19 +172,37 @@ def test_any_layout_of_turns_restores_exactly(
             store.close()
 
 
-def test_flipped_byte_in_a_later_layer_shrinks_the_prefix_and_quarantines(make_store, pipelines):
-    store = make_store()
-    kv = random_kv(20, seed=6)
-    store.put(list(range(6)), kv[:, :6], hints=DRAM)  # a DRAM prompt, then an SSD scope
-    store.put(list(range(20)), kv)
-    stride = -(-14 * PAGE_BYTES // 4096) * 4096
-    gva = int(store.gvas([10])[0]) & ((1 << 48) - 1)
-    file_index, offset = store.pool.locate(gva + 2 * stride)  # layer 2 of page 10
+def flip_on_drive(store: FlatCakeStore, page: int, layer: int, scope_pages: int) -> None:
+    """Flip a byte of ``page``'s ``layer`` in its pool file (its scope holds ``scope_pages``
+    pages: a layer's stride is their bytes, 4 KiB aligned)."""
+    stride = -(-scope_pages * PAGE_BYTES // 4096) * 4096
+    gva = int(store.gvas([page])[0]) & ((1 << 48) - 1)
+    file_index, offset = store.pool.locate(gva + layer * stride)
     with open(store.pool.paths[file_index], "r+b") as pool_file:
         pool_file.seek(offset)
         byte = pool_file.read(1)
         pool_file.seek(offset)
         pool_file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def assert_checked_restore(store, pipeline, kv, keys, flipped_page, slots) -> None:
+    """Restore ``keys`` into ``slots``: it fails (its one scope quarantined) when a page it
+    takes shares a 2-page checksum block with ``flipped_page``, else it is exact."""
+    pool = make_pool("layer_first")
+    got = pipeline.submit(keys, pool, slots, "layer_first").wait(WAIT)
+    if flipped_page // 2 in {key // 2 for key in keys}:
+        assert got == 0 and store.stats()["quarantined_scopes"] == 1
+    else:
+        assert got == len(keys)
+        assert np.array_equal(pool_pages(pool, "layer_first", slots), kv[:, keys])
+
+
+def test_flipped_byte_in_a_later_layer_shrinks_the_prefix_and_quarantines(make_store, pipelines):
+    store = make_store()
+    kv = random_kv(20, seed=6)
+    store.put(list(range(6)), kv[:, :6], hints=DRAM)  # a DRAM prompt, then an SSD scope
+    store.put(list(range(20)), kv)
+    flip_on_drive(store, 10, 2, scope_pages=14)  # layer 2 of page 10
     pool, slots = make_pool("layer_first"), scattered_slots(20)
     handle = pipelines(store).submit(list(range(20)), pool, slots, "layer_first")
     assert handle.wait(WAIT) == 6
@@ -231,13 +249,7 @@ def test_a_checked_dram_restore_checks_each_block_it_takes_pages_of_and_no_other
             gva = int(store.gvas([page])[0])  # a DRAM GVA is its arena offset; one scope
             store.arena.view[gva + layer * 24 * PAGE_BYTES] ^= 0xFF
             slots = np.arange(len(keys)) if consecutive else scattered_slots(len(keys), seed=2)
-            pool = make_pool("layer_first")
-            got = pipeline.submit(keys, pool, slots, "layer_first").wait(WAIT)
-            if page // 2 in {key // 2 for key in keys}:
-                assert got == 0 and store.stats()["quarantined_scopes"] == 1
-            else:
-                assert got == len(keys)
-                assert np.array_equal(pool_pages(pool, "layer_first", slots), kv[:, keys])
+            assert_checked_restore(store, pipeline, kv, keys, page, slots)
         finally:
             pipeline.close()
             store.close()
@@ -265,22 +277,9 @@ def test_an_ssd_restore_checks_each_block_it_takes_pages_of_whatever_the_slots_c
         try:
             kv = random_kv(24, seed=12)
             store.put(list(range(24)), kv)
-            stride = -(-24 * PAGE_BYTES // 4096) * 4096
-            gva = int(store.gvas([page])[0]) & ((1 << 48) - 1)
-            file_index, offset = store.pool.locate(gva + layer * stride)
-            with open(store.pool.paths[file_index], "r+b") as pool_file:
-                pool_file.seek(offset)
-                byte = pool_file.read(1)
-                pool_file.seek(offset)
-                pool_file.write(bytes([byte[0] ^ 0xFF]))
+            flip_on_drive(store, page, layer, scope_pages=24)
             slots = np.arange(len(keys)) if consecutive else scattered_slots(len(keys), seed=3)
-            pool = make_pool("layer_first")
-            got = pipeline.submit(keys, pool, slots, "layer_first").wait(WAIT)
-            if page // 2 in {key // 2 for key in keys}:
-                assert got == 0 and store.stats()["quarantined_scopes"] == 1
-            else:
-                assert got == len(keys)
-                assert np.array_equal(pool_pages(pool, "layer_first", slots), kv[:, keys])
+            assert_checked_restore(store, pipeline, kv, keys, page, slots)
         finally:
             pipeline.close()
             store.close()

@@ -122,7 +122,7 @@ class Locator(LeaseReleases):
         """Ask the chain's homes (``find``, in parallel), then the owner they recorded: the
         longest prefix found (or None), and whether some home did not answer."""
         found = self.call_all(homes, "find", (method, digests), report, whole=first)
-        failed = len(found) + len(self._late_of(first)) < len(homes)
+        failed = len(found) < len(homes)
         answers = [(link, reply.answer) for link, reply in found]
         owners = [reply.owner for _, reply in found if reply.owner is not None]
         # A home holding part of the request (a shared first page) still names the owner
@@ -264,10 +264,6 @@ class Locator(LeaseReleases):
             raise limited
         return [answer for answer in answers if self._current(*answer, report)]
 
-    def _late_of(self, first: bytes) -> list[NodeLink]:
-        with self._lock:
-            return [link for _, link, anchor in self._late if anchor == first]
-
     def _settle_late(self, timeout_s: float, *, give_up: bool = False) -> None:
         """Read the homes' answers a cold lookup did not wait for (another home had answered
         the whole request): give back what they leased, and tell a home that knew nothing
@@ -282,14 +278,13 @@ class Locator(LeaseReleases):
         from ray.exceptions import RayError
 
         ready, _ = ray.wait([ref for ref, _, _ in late], num_returns=len(late), timeout=timeout_s)
-        answered = set(ready)
+        answered, kept = set(ready), []
         for ref, link, first in late:
-            if ref not in answered and give_up:
-                self.nodes.mark_down(link, f"find took over {timeout_s}s")
             if ref not in answered:
-                if not give_up:
-                    with self._lock:
-                        self._late.append((ref, link, first))
+                if give_up:
+                    self.nodes.mark_down(link, f"find took over {timeout_s}s")
+                else:
+                    kept.append((ref, link, first))
                 continue
             try:
                 reply = ray.get(ref)
@@ -303,6 +298,8 @@ class Locator(LeaseReleases):
             owner = self._where.get(first)
             if reply.owner is None and owner is not None and owner != link.node_id:
                 self._record_at([link], first, owner)
+        with self._lock:
+            self._late += kept
 
     def settle_unawaited(self) -> None:
         """The homes' answers not waited for first (their leases released), then every

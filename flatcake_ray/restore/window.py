@@ -161,10 +161,10 @@ class Lane:
         """The job's chunks in order. A restore of mapped media only is planned as it goes
         (its first chunk is copied while the next are planned); one that fills slots is
         planned whole first, since the source is told every read before the first."""
-        groups = job.plan.groups
+        planned = (chunk for first, end in job.plan.groups for chunk in job.plan.chunks(first, end))
         if not job.plan.fills:
-            return (chunk for first, end in groups for chunk in job.plan.chunks(first, end))
-        chunks = [chunk for first, end in groups for chunk in job.plan.chunks(first, end)]
+            return planned
+        chunks = list(planned)
         filled = [(chunk.medium, chunk.reads) for chunk in chunks if not chunk.mapped]
         if filled:
             job.source.announce(job.leased, filled)
