@@ -311,6 +311,27 @@ def test_direct_calls_act_for_the_tenant_that_opened_them(service):
     assert node_stats(service)["direct_calls"] >= 7
 
 
+def test_a_checked_restores_release_is_posted_and_has_run_before_the_next_put(service):
+    """On the node's machine a checked restore (``verify_dram``) sends its release over the
+    call channel and reads no answer; the node has run every such release before the
+    client's next put or stats (``DirectCalls.settle``), and the channel serves on."""
+    alpha = service["clients"]["alpha"]
+    names, data = keys("posted", 4), kv(LAYERS, 4, PAGE_BYTES, 62)
+    alpha.put(names, data, hints=DRAM)
+    before = node_stats(service)
+    unawaited = alpha.stats(nodes=False)["client"]["releases_unawaited"]
+    out = np.zeros_like(data)
+    for _ in range(3):
+        report = alpha.restore_report(names, out)
+        assert report.pages == 4 and report.direct_calls == 2 and np.array_equal(out, data)
+    assert alpha.stats(nodes=False)["client"]["releases_unawaited"] == unawaited + 3
+    alpha.put(keys("posted-next", 2), data[:, :2], hints=DRAM)  # settles the posted releases
+    after = node_stats(service)
+    assert after["releases"] - before["releases"] == 3
+    assert after["leases_held"] == 0 and after["releases_unknown"] == before["releases_unknown"]
+    assert alpha.get(names, out) == 4 and np.array_equal(out, data)
+
+
 def test_a_channel_carries_a_requests_calls_only_and_garbage_ends_it(service):
     from flatcake_ray.errors import ChannelClosedError, InvalidKeyError, ShapeError
     from flatcake_ray.media.call_frames import CallListener, recv_frame, send_frame

@@ -2,11 +2,13 @@
 
 The locator asks the local node its lookups, finds, probes and releases here instead of over
 Ray (``Locator.call_all``, ``Locator.release``), and a put its opening and commit
-(``RemotePut._ask``): one socket round trip where a Ray actor call
-costs more than the node's work. Connections are pooled (a thread takes one for a call, so
-concurrent restores do not queue behind each other), each opened by one ``open_calls`` actor
-call. Anything wrong with a channel is :class:`ChannelClosedError`, and the caller asks over
-Ray instead; a channel that could not be opened is not tried again for ``RETRY_AFTER_S``.
+(``RemotePut._ask``): one socket round trip where a Ray actor call costs more than the node's
+work. A release nobody waits on is posted: sent, and its answer read by the next call on its
+connection or by ``settle`` (before this client's next put). Connections are pooled (a thread
+takes one for a call, so concurrent restores do not queue behind each other), each opened by
+one ``open_calls`` actor call. Anything wrong with a channel is :class:`ChannelClosedError`,
+and the caller asks over Ray instead; a channel that could not be opened is not tried again
+for ``RETRY_AFTER_S``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class DirectCalls:
         self._handle = handle  # the node's BoundNode: open_calls carries the tenant's secret
         self._timeout_s = timeout_s
         self._idle: list[socket.socket] = []
+        # Connections whose last call was posted (``post``): its answer is still to be read.
+        # The node serves a connection's calls in order, so it has run once that is read.
+        self._unread: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._retry_at = 0.0
@@ -68,19 +73,69 @@ class DirectCalls:
         self.calls += 1
         return unpack_reply(body)
 
+    def post(self, method: str, *args: Any) -> None:
+        """Send ``method(*args)`` and do not wait for its answer (a release whose reader needs
+        none): the answer is read, and dropped, by the next call on that connection or by
+        ``settle``. ChannelClosedError when the channel could not carry it."""
+        body = pack_call(method, args)
+        sock = self._take()
+        try:
+            send_frame(sock, body)
+        except OSError as exc:
+            sock.close()
+            self._failed(f"direct {method} failed: {exc}", retry_now=True)
+            raise ChannelClosedError(f"direct {method}: {exc}") from exc
+        self.calls += 1
+        with self._lock:
+            self._unread.add(sock)
+        self._give(sock)
+
+    def settle(self) -> None:
+        """Return once every posted call has run at the node (or its connection broke)."""
+        with self._lock:
+            waiting = [sock for sock in self._idle if sock in self._unread]
+            self._idle = [sock for sock in self._idle if sock not in self._unread]
+        for sock in waiting:
+            if self._read_posted(sock):
+                self._give(sock)
+
+    def _read_posted(self, sock: socket.socket) -> bool:
+        """Read (and drop) the answer of the call posted on ``sock``; False: it broke."""
+        with self._lock:
+            self._unread.discard(sock)
+        try:
+            unpack_reply(recv_frame(sock))
+        except FlatCakeError as exc:  # the node refused it: a posted call's outcome is unread
+            log.debug("a posted call was refused: %s", exc)
+        except OSError as exc:
+            sock.close()
+            self._failed(f"a posted call's answer was lost: {exc}", retry_now=True)
+            return False
+        return True
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            self._unread.clear()
         for sock in idle:
             sock.close()
 
     def _take(self) -> socket.socket:
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise ChannelClosedError("the link was closed")
+                if not self._idle:
+                    break
+                # One whose answers are all read first: a posted call's answer may not be in
+                # yet (the node may still be running it).
+                ready = [i for i, idle in enumerate(self._idle) if idle not in self._unread]
+                sock = self._idle.pop(ready[-1] if ready else -1)
+                posted = sock in self._unread
+            if not posted or self._read_posted(sock):
+                return sock
         with self._lock:
-            if self._closed:
-                raise ChannelClosedError("the link was closed")
-            if self._idle:
-                return self._idle.pop()
             if time.monotonic() < self._retry_at:
                 raise ChannelClosedError("no call channel to this node for now")
         return self._open()
@@ -90,6 +145,9 @@ class DirectCalls:
             if not self._closed and len(self._idle) < IDLE_KEPT:
                 self._idle.append(sock)
                 return
+            posted = sock in self._unread
+        if posted and not self._read_posted(sock):
+            return  # closed already
         sock.close()
 
     def _open(self) -> socket.socket:

@@ -3,9 +3,9 @@ releases what its lookups leased.
 
 Three ways, by what the reader needs: ``release_held`` (a reader that kept bytes it did not
 check: it waits for the node's answer, and drops what it read on False);
-``release_unawaited`` (a reader that checked every byte it kept: over the local node's call
-channel answered at once, over Ray sent and not waited for, and ``settle_unawaited`` orders
-such releases before this client's next put); ``let_go`` (a lease nobody read under: its id
+``release_unawaited`` (a reader that checked every byte it kept: sent and not waited for,
+over the local node's call channel or over Ray, and ``settle_unawaited`` orders such releases
+before this client's next put); ``let_go`` (a lease nobody read under: its id
 rides on the next ``lookup`` to that node, or goes alone after ``RELEASE_CARRY_S``).
 """
 
@@ -54,12 +54,21 @@ class LeaseReleases:
 
     def release_unawaited(self, link: NodeLink, reply: LeaseReply, report: RestoreReport) -> None:
         """Release a lease read under whose reader needs no answer (it checked every byte
-        it kept). Over the local node's call channel it is answered before this returns
-        (a round trip costs less than a Ray call's submission); over Ray it is sent now and
-        not waited for, and a node serves calls on several threads, so a later call of this
-        client may run before it: ``settle_unawaited`` is what orders it."""
-        if link.direct is not None and self._released_direct(link, reply, (), report) is not None:
-            return
+        it kept): sent now, its answer not waited for, over the local node's call channel
+        (posted: read by that connection's next call) or over Ray. A later call of this
+        client may run at the node before it (another connection, another node thread):
+        ``settle_unawaited`` is what orders it."""
+        if link.direct is not None:
+            try:
+                link.direct.post("release", reply.lease_id, [])
+            except ChannelClosedError:
+                pass  # over Ray, below
+            else:
+                report.actor_calls += 1
+                report.direct_calls += 1
+                with self._lock:
+                    self.releases_unawaited += 1
+                return
         ref = self.release(link, reply, (), report)
         with self._lock:
             self._unawaited.append(ref)
@@ -89,6 +98,9 @@ class LeaseReleases:
         failed there: its lease then ends by TTL). Called before a put, whose owner may
         evict: a lease of this client's still held there would keep its scopes, and what is
         evicted would depend on which of the two calls a node thread took first."""
+        for link in self.nodes.up():
+            if link.direct is not None:
+                link.direct.settle()
         with self._lock:
             refs, self._unawaited = self._unawaited, []
         left = self._pending(refs, self.rpc_timeout_s)
