@@ -13,7 +13,13 @@ import torch
 
 from flatcake_ray.cuda_ext import _library
 from flatcake_ray.cuda_ext._library import ScatterLibrary, ScatterLibraryError
-from flatcake_ray.cuda_ext._targets import Target, copy_layer_host, copy_layer_torch
+from flatcake_ray.cuda_ext._targets import (
+    Target,
+    copy_layer_host,
+    copy_layer_torch,
+    copy_offsets_host,
+    copy_offsets_torch,
+)
 from flatcake_ray.errors import ShapeError
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,8 @@ def dispatch(
             validate(ids)
         if torch_copy is copy_layer_torch:
             copy_layer_host(staging, ids.to(torch.int64), target)
+        elif torch_copy is copy_offsets_torch:
+            copy_offsets_host(staging, ids.to(torch.int64), target)
         else:
             torch_copy(staging, ids.to(torch.int64), target)
         return

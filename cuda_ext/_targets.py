@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from flatcake_ray.core.runs import run_bounds
@@ -22,7 +23,7 @@ from flatcake_ray.cuda_ext._validate import (
     require_bit_view,
     require_tensor,
 )
-from flatcake_ray.cuda_ext.host_copy import copy_many
+from flatcake_ray.cuda_ext.host_copy import DST, LENGTH, SRC, copy_many, native_module, run_ops
 from flatcake_ray.errors import ShapeError
 
 SCATTERED_RUNS = 64  # more runs than this, averaging under 4 pages: one fancy-indexed copy
@@ -101,21 +102,24 @@ def copy_layer_torch(staging: torch.Tensor, ids: torch.Tensor, target: Target) -
 
 
 def copy_layer_host(staging: torch.Tensor, ids: torch.Tensor, target: Target) -> None:
-    """The CPU path: one memcpy per run of consecutive slots, spread over the copy threads.
+    """The CPU path: one native copy row per page (``cuda_ext/_copyhash``: its idle threads
+    share a big layer); where that is not built, one memcpy per run of consecutive slots.
 
-    ``index_copy_`` walks elements and measured 40-825 MB/s here against GB/s for memcpy; a
-    restore's pages usually go to runs of consecutive slots, so copy runs as slices. The
-    slices are copied by numpy, not ``Tensor.copy_``: on the same bytes torch's copy ran at
-    0.4-0.6 of ``np.copyto`` here (4.6 vs 7.7 GB/s, 224 MB); numpy releases the GIL, so a big
-    layer is copied by several threads at once (``host_copy``). Pages that go to scattered
-    slots (runs of one or two pages) are copied by one fancy-indexed assignment instead of a
-    Python loop. The result is bit-identical to the reference (tests compare them).
+    ``index_copy_`` walks elements and measured 40-825 MB/s here against GB/s for memcpy.
+    Without the native pass, runs of consecutive slots are copied as slices by numpy, not
+    ``Tensor.copy_`` (on the same bytes torch's copy ran at 0.4-0.6 of ``np.copyto`` here:
+    4.6 vs 7.7 GB/s, 224 MB; numpy releases the GIL, so a big layer is copied by several
+    threads at once, ``host_copy``), and pages that go to scattered slots (runs of one or
+    two) by one fancy-indexed assignment (a vLLM engine's blocks: 15.7 MB of 32 KiB pages
+    took 4 ms that way). The result is bit-identical to the reference (tests compare them).
     """
+    slot_numbers = ids.numpy()  # checked by the caller: in range, distinct
+    if _copy_rows(staging, target, slot_numbers * target.index_stride_bytes):
+        return
     bits = BIT_VIEWS[target.view.element_size()]
     slots = target.view.view(bits)
     pages = staging.reshape(-1).view(torch.uint8).view(bits).view(ids.numel(), *slots.shape[1:])
     slot_array, page_array = slots.numpy(), pages.numpy()  # views of the same memory
-    slot_numbers = ids.numpy()
     bounds = run_bounds(slot_numbers)
     if len(bounds) > SCATTERED_RUNS and len(bounds) * 4 > len(slot_numbers):
         slot_array[slot_numbers] = page_array  # scattered: one vectorised gather-scatter
@@ -127,9 +131,34 @@ def copy_layer_host(staging: torch.Tensor, ids: torch.Tensor, target: Target) ->
     copy_many(pairs)
 
 
+def _copy_rows(staging: torch.Tensor, target: Target, offsets: np.ndarray) -> bool:
+    """Page ``i`` of ``staging`` to byte ``offsets[i]`` of ``target``'s view, one native
+    copy row each (checked: inside the view, apart); False, with nothing copied, where the
+    native pass is not built."""
+    module = native_module()
+    if module is None:
+        return False
+    count, page_bytes = len(offsets), target.page_bytes
+    ops = np.zeros((count, 4), dtype=np.int64)
+    ops[:, DST] = target.view.data_ptr() + offsets
+    ops[:, SRC] = staging.data_ptr() + np.arange(count, dtype=np.int64) * page_bytes
+    ops[:, LENGTH] = page_bytes
+    run_ops(module, ops, 0)
+    return True
+
+
 def copy_offsets_torch(staging: torch.Tensor, offsets: torch.Tensor, target: Target) -> None:
     # Row k of the unfolded view is bytes [k, k + page_bytes) of dest: the rows overlap, but
     # validated offsets pick rows that do not, so every byte is written at most once.
     windows = target.view.unfold(0, target.page_bytes, 1)
     pages = staging.reshape(-1).view(torch.uint8).view(offsets.numel(), target.page_bytes)
     windows.index_copy_(0, offsets, pages)
+
+
+def copy_offsets_host(staging: torch.Tensor, offsets: torch.Tensor, target: Target) -> None:
+    """The CPU path of an offsets scatter: one native copy row per page (``index_copy_``
+    over an unfolded view ran at a few hundred MB/s: 15.7 MB of 32 KiB pages split in two
+    pieces took 4.6 ms); the torch reference where the native pass is not built. Offsets
+    were validated: every page lies inside ``target`` and none overlaps another."""
+    if not _copy_rows(staging, target, offsets.numpy()):
+        copy_offsets_torch(staging, offsets, target)

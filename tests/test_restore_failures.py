@@ -156,7 +156,9 @@ def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
             raise RuntimeError("plan lost")
 
     failpoints.arm("plan.chunks", call=lose_the_plan, times=None)
-    pipeline = pipelines(store, windows=1, slot_bytes=6 * PAGE_BYTES)  # a layer per group
+    # A layer per group: a filled slot holds less than a layer, and a mapped restore into
+    # host memory copies four slots' bytes (one layer here) at a time.
+    pipeline = pipelines(store, windows=1, slot_bytes=PAGE_BYTES + 4096)
     handle = pipeline.submit(list(range(6)), make_pool("layer_first"), np.arange(6))
     with pytest.raises(RestoreError) as caught:
         handle.wait(WAIT)

@@ -48,8 +48,11 @@ def saved_pages(tensors, block_ids):
 
 @pytest.mark.parametrize("make_layers", [contiguous_layers, kv_first_layers, head_major_layers])
 @pytest.mark.parametrize("hints", [[None, None], [DRAM, None], [DRAM, DRAM]])
-def test_per_layer_tensors_restore_byte_exact(make_store, pipelines, make_layers, hints):
-    store = make_store()
+@pytest.mark.parametrize("verify_dram", [False, True])
+def test_per_layer_tensors_restore_byte_exact(
+    make_store, pipelines, make_layers, hints, verify_dram
+):
+    store = make_store(verify_dram=verify_dram)
     kv = random_kv(24, seed=60)
     put_turns(store, kv, [9, 24], hints)
     tensors = make_layers()

@@ -4,14 +4,16 @@ loading and build are in ``test_scatter_build.py``, the kernel on a GPU in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray.cuda_ext import build
+from flatcake_ray.cuda_ext import _targets, build, host_copy
 from flatcake_ray.cuda_ext.scatter import (
     LAYER_FIRST,
     LAYOUTS,
@@ -147,13 +149,25 @@ def test_reference_matches_python_oracle(case: LayerCase) -> None:
     assert as_bytes(pool) == expected
 
 
+def host_copies(native: bool):
+    """The CPU scatters as they run: native copy rows, or (``native=False``) the numpy and
+    torch paths taken where ``cuda_ext/_copyhash`` is not built."""
+    if native:
+        if host_copy.native_module() is None:
+            pytest.skip("cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, or no compiler)")
+        return contextlib.nullcontext()
+    return mock.patch.object(_targets, "native_module", return_value=None)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-rows", "numpy"])
 @settings(deadline=None, max_examples=50)
 @given(layer_cases(), st.sampled_from([torch.int32, torch.int64]))
-def test_dispatch_on_cpu_is_the_reference(case: LayerCase, index_dtype) -> None:
+def test_dispatch_on_cpu_is_the_reference(native: bool, case: LayerCase, index_dtype) -> None:
     pool, staging = case.make()
     expected = oracle_layer(pool, staging, case.slot_ids, case.layer, case.layout)
     ids = torch.tensor(case.slot_ids, dtype=index_dtype)
-    scatter_layer(staging, pool, ids, case.layer, case.layout)
+    with host_copies(native):
+        scatter_layer(staging, pool, ids, case.layer, case.layout)
     assert as_bytes(pool) == expected
 
 
@@ -197,15 +211,17 @@ def offset_cases(draw):
     return page_bytes, [offsets[i] for i in order], dest_bytes, draw(st.integers(0, 2**31 - 1))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-rows", "torch"])
 @settings(deadline=None, max_examples=100)
 @given(offset_cases(), st.sampled_from([torch.uint8, torch.int16, torch.float32]))
-def test_offsets_reference_matches_python_oracle(case, dest_dtype) -> None:
+def test_offsets_reference_matches_python_oracle(native: bool, case, dest_dtype) -> None:
     page_bytes, offsets, dest_bytes, seed = case
     itemsize = torch.empty((), dtype=dest_dtype).element_size()
     dest = random_tensor((-(-dest_bytes // itemsize),), dest_dtype, seed)
     staging = random_tensor((len(offsets) * page_bytes,), torch.uint8, seed + 1)
     expected = oracle_offsets(dest, staging, offsets, page_bytes)
-    scatter_pages(staging, dest, offsets, page_bytes)
+    with host_copies(native):
+        scatter_pages(staging, dest, offsets, page_bytes)
     assert as_bytes(dest) == expected
     scatter_pages_reference(staging, dest, offsets, page_bytes)
     assert as_bytes(dest) == expected

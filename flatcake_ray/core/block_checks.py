@@ -96,18 +96,18 @@ class BlockRows:
 
 
 class RowsByOffset:
-    """One part's block rows, each taken once, by the first byte range that overlaps it
-    (ranges asked in ascending order: a block is checked with the chunk copying its first
-    pages)."""
+    """Blocks at ``offset`` of ``length`` bytes (sorted), each taken once, by the first byte
+    range that overlaps it (ranges asked in ascending order: a block is checked with the
+    chunk copying its first pages)."""
 
-    def __init__(self, rows: BlockRows) -> None:
-        self.rows = rows
-        self._ends = rows.offset + rows.length
-        self._next = 0  # rows before this one are taken
+    def __init__(self, offset: np.ndarray, length: np.ndarray) -> None:
+        self._offset = offset
+        self._ends = offset + length
+        self._next = 0  # blocks before this one are taken
 
-    def take(self, lo: int, hi: int) -> BlockRows:
-        """The rows not taken yet that overlap bytes ``[lo, hi)``."""
+    def take(self, lo: int, hi: int) -> tuple[int, int]:
+        """``[start, stop)``: the blocks not taken yet that overlap bytes ``[lo, hi)``."""
         start = self._next + int(np.searchsorted(self._ends[self._next :], lo, side="right"))
-        stop = max(start, int(np.searchsorted(self.rows.offset, hi, side="left")))
+        stop = max(start, int(np.searchsorted(self._offset, hi, side="left")))
         self._next = max(self._next, stop)
-        return self.rows.at(slice(start, stop))
+        return start, stop

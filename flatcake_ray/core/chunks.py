@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flatcake_ray.core.block_checks import BlockRows, HashSpan
+from flatcake_ray.core.block_checks import BlockRows, HashSpan, RowsByOffset
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.integrity import StreamingCheck
 from flatcake_ray.core.parts import LeasePart
@@ -133,3 +133,50 @@ def feed_checks(chunk: LayerChunk, member: WantedRange, end: int, base: int) -> 
             chunk.hashes.append(HashSpan(layer, check, at + start, stop - start, False))
             hashed = stop
     member.next_check, member.hashed = index, hashed
+
+
+@dataclass(frozen=True)
+class MappedRun:
+    """One page run of a part read in place, as it is in every layer: ``offset`` bytes past
+    the layer's extent, rows ``[row_lo, row_hi)`` of the part's blocks checked with it."""
+
+    offset: int
+    nbytes: int
+    positions: np.ndarray
+    row_lo: int
+    row_hi: int
+
+
+class MappedShape:
+    """What planning a mapped part finds that no layer changes: its page runs (each at most
+    ``longest`` pages) and the checksum blocks each run checks. A restore plans every layer
+    of a part from it (``RestorePlan._mapped_chunks``); only the extent's offset and the
+    blocks' sums differ from layer to layer."""
+
+    def __init__(self, part: LeasePart, longest: int, verify: bool) -> None:
+        layout = part.layout
+        self.blocks = np.unique(part.src_pages // layout.check_pages) if verify else None
+        rows = None
+        if self.blocks is not None:
+            first = self.blocks * layout.check_pages
+            end = np.minimum(first + layout.check_pages, layout.pages)
+            self.block_offset = first * layout.page_bytes
+            self.block_length = (end - first) * layout.page_bytes
+            self.block_scope = np.full(len(self.blocks), part.scope_id, dtype=np.int64)
+            rows = RowsByOffset(self.block_offset, self.block_length)
+        self.runs: list[MappedRun] = []
+        for start, stop in run_bounds(part.src_pages, longest):
+            offset = int(part.src_pages[start]) * layout.page_bytes
+            nbytes = (stop - start) * layout.page_bytes
+            taken = (0, 0) if rows is None else rows.take(offset, offset + nbytes)
+            self.runs.append(MappedRun(offset, nbytes, part.dst_positions[start:stop], *taken))
+
+    def rows(self, part: LeasePart, layer: int, base: int) -> BlockRows | None:
+        """The part's blocks of ``layer`` (its extent at medium offset ``base``), as rows."""
+        if self.blocks is None:
+            return None
+        assert part.checksums is not None  # a live segment: written with its sums
+        expected = np.asarray(part.checksums[layer, self.blocks], dtype=np.uint64)
+        return BlockRows(
+            layer, base + self.block_offset, self.block_length, expected, self.block_scope
+        )

@@ -35,8 +35,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flatcake_ray.core.block_checks import BlockRows, RowsByOffset
-from flatcake_ray.core.chunks import LayerChunk, PageRun, SlotRead, WantedRange, cut_piece
+from flatcake_ray.core.block_checks import BlockRows
+from flatcake_ray.core.chunks import (
+    LayerChunk,
+    MappedShape,
+    PageRun,
+    SlotRead,
+    WantedRange,
+    cut_piece,
+)
 from flatcake_ray.core.coalesce import CoalescedReads, coalesce
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import (
@@ -46,7 +53,7 @@ from flatcake_ray.core.parts import (
     first_positions,
     page_ranges,
 )
-from flatcake_ray.core.runs import align_down, run_bounds
+from flatcake_ray.core.runs import align_down
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
 
@@ -86,6 +93,8 @@ class RestorePlan:
         of copies, and fewer, larger batches cost less between them; a slot's by default."""
         self.parts = tuple(parts)
         self.capacity = capacity
+        # A host destination: mapped pages are copied in place, several layers in one batch.
+        self.to_host = in_place_bytes is not None
         self.in_place_bytes = capacity if in_place_bytes is None else in_place_bytes
         self.access = dict(access)
         for part in self.parts:
@@ -96,6 +105,7 @@ class RestorePlan:
         # Each part's wanted page spans, the same for every layer group: found once.
         self._span_cache: dict[tuple[int, bool], list[tuple[int, int]]] = {}
         self._grids: dict[tuple[Medium, bool, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._shapes: dict[tuple[int, bool], MappedShape] = {}
 
     @property
     def fills(self) -> bool:
@@ -103,13 +113,21 @@ class RestorePlan:
         return any(not self.access[part.medium].mapped for part in self.parts)
 
     def _groups(self) -> list[tuple[int, int]]:
-        """[first, end) layers moved together: as many as fit one slot (at least one)."""
+        """[first, end) layers moved together: as many as fit one slot (at least one); a
+        restore of mapped pages into host memory only, as many as one batch of copies holds
+        (a small restore is one batch: its per-layer costs were most of its time)."""
         per_layer = sum(
             filled_bytes(part, self.access[part.medium].verify)
             for part in self.parts
             if not self.access[part.medium].mapped
         )
-        size = max(1, self.capacity // per_layer) if per_layer else 1
+        mapped = sum(len(part.src_pages) * part.layout.page_bytes for part in self.parts)
+        if per_layer:
+            size = max(1, self.capacity // per_layer)
+        elif self.to_host and mapped:
+            size = max(1, self.in_place_bytes // mapped)
+        else:
+            size = 1
         return [(first, min(first + size, self.layers)) for first in range(0, self.layers, size)]
 
     def chunks(self, first: int, end: int) -> list[LayerChunk]:
@@ -123,7 +141,8 @@ class RestorePlan:
             access = self.access[medium]
             if access.mapped:
                 for layer in range(first, end):
-                    chunks.extend(self._mapped_chunks(parts, layer, medium, access))
+                    for chunk in self._mapped_chunks(parts, layer, medium, access):
+                        self._add_mapped(chunks, chunk)
             else:
                 chunks.extend(self._filled_chunks(parts, first, end, medium, access))
         if chunks:
@@ -177,28 +196,50 @@ class RestorePlan:
     ) -> list[LayerChunk]:
         chunks: list[LayerChunk] = []
         for part in parts:
-            base, page_bytes = part.extent_offset(layer), part.layout.page_bytes
-            rows = RowsByOffset(BlockRows.of_part(part, layer, base)) if access.verify else None
-            longest = max(1, self.in_place_bytes // page_bytes)
-            if access.verify and longest >= part.layout.check_pages:  # cut runs between blocks
-                longest -= longest % part.layout.check_pages
-            for start, stop in run_bounds(part.src_pages, longest):
-                nbytes = (stop - start) * page_bytes
-                if not chunks or chunks[-1].nbytes + nbytes > self.in_place_bytes:
+            shape = self._mapped_shape(part, access.verify)
+            base = part.extent_offset(layer)
+            rows = shape.rows(part, layer, base)
+            for run in shape.runs:
+                if not chunks or chunks[-1].nbytes + run.nbytes > self.in_place_bytes:
                     chunks.append(LayerChunk(layer, medium, mapped=True))
                 chunk = chunks[-1]
-                offset = base + int(part.src_pages[start]) * page_bytes
                 # A block is checked with the chunk that copies its first pages: the reader
                 # hashes those right after copying them (``restore/copy_check.py``).
                 if rows is not None:
-                    chunk.blocks.append(rows.take(offset, offset + nbytes))
-                run = PageRun(layer, offset, part.dst_positions[start:stop], part.scope_id)
-                chunk.runs.append(run)
+                    chunk.blocks.append(rows.at(slice(run.row_lo, run.row_hi)))
+                chunk.runs.append(PageRun(layer, base + run.offset, run.positions, part.scope_id))
                 chunk.scopes.add(part.scope_id)
-                chunk.nbytes += nbytes
+                chunk.nbytes += run.nbytes
         for chunk in chunks:
             chunk.blocks = [BlockRows.joined(layer, chunk.blocks)] if chunk.blocks else []
         return chunks
+
+    def _add_mapped(self, chunks: list[LayerChunk], chunk: LayerChunk) -> None:
+        """Append ``chunk``, or (into host memory) join it to the mapped chunk before it of
+        another layer while their bytes fit one batch: one batch of copies and checks."""
+        last = chunks[-1] if chunks else None
+        if (
+            last is None
+            or not (self.to_host and last.mapped and last.medium is chunk.medium)
+            or last.nbytes + chunk.nbytes > self.in_place_bytes
+        ):
+            chunks.append(chunk)
+            return
+        last.runs.extend(chunk.runs)
+        last.blocks.extend(chunk.blocks)
+        last.scopes |= chunk.scopes
+        last.nbytes += chunk.nbytes
+
+    def _mapped_shape(self, part: LeasePart, verify: bool) -> MappedShape:
+        """``part``'s runs and blocks, the same in every layer: found once per restore."""
+        key = (id(part), verify)  # the plan holds its parts, so their ids stay theirs
+        shape = self._shapes.get(key)
+        if shape is None:
+            longest = max(1, self.in_place_bytes // part.layout.page_bytes)
+            if verify and longest >= part.layout.check_pages:  # cut runs between blocks
+                longest -= longest % part.layout.check_pages
+            shape = self._shapes[key] = MappedShape(part, longest, verify)
+        return shape
 
     # ---- filled media: coalesced reads into slots ----------------------------------------
     def _filled_chunks(

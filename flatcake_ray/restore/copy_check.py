@@ -30,13 +30,20 @@ class LayerChecks:
     block_rows: int  # rows before this one are the plan's whole-block rows
 
     @classmethod
-    def of(cls, chunk: LayerChunk, layer: int) -> LayerChecks:
-        blocks = BlockRows.joined(layer, [rows for rows in chunk.blocks if rows.layer == layer])
-        spans = [span for span in chunk.hashes if span.layer == layer]
+    def of(cls, chunk: LayerChunk, layer: int | None) -> LayerChecks:
+        """The checks of ``layer`` of ``chunk``; ``None``: of every layer (a mapped chunk of
+        several, copied in one batch; its rows then carry the chunk's first layer, and the
+        spans made of them are only fed and decided)."""
+        if layer is None:
+            blocks = BlockRows.joined(chunk.first_layer, chunk.blocks)
+            spans = list(chunk.hashes)
+        else:
+            blocks = BlockRows.joined(layer, [rows for rows in chunk.blocks if rows.layer == layer])
+            spans = [span for span in chunk.hashes if span.layer == layer]
         if not spans:
             return cls(blocks, np.ones(len(blocks), dtype=bool), [], len(blocks))
         rows = BlockRows(
-            layer,
+            blocks.layer,
             np.concatenate([blocks.offset, [span.offset for span in spans]]).astype(np.int64),
             np.concatenate([blocks.length, [span.length for span in spans]]).astype(np.int64),
             np.concatenate(
@@ -125,3 +132,23 @@ def _whole_inside(
     ends = rows.offset + rows.length
     owner = np.searchsorted(run_lo, rows.offset, side="right") - 1
     return whole & (owner >= 0) & (ends <= run_hi[np.maximum(owner, 0)])
+
+
+def copy_blocks_checked(medium: np.ndarray, rows: BlockRows, into: np.ndarray) -> np.ndarray | None:
+    """Copy each block of ``rows`` (sorted by offset) from ``medium`` into ``into`` at its
+    offset past the first block's, hashing it as it is copied; returns per row whether its
+    sum is wrong. None, with nothing copied, where the fused native pass is not built."""
+    if not fused():
+        return None
+    lo = int(rows.offset[0])
+    ends = rows.offset + rows.length
+    if lo < 0 or int(ends.max()) > medium.nbytes or int(ends.max()) - lo > into.nbytes:
+        raise AssertionError("a block lies outside the mapped medium or its copy")
+    ops = np.zeros((len(rows), 4), dtype=np.int64)
+    ops[:, DST] = into.ctypes.data + (rows.offset - lo)
+    ops[:, SRC] = medium.ctypes.data + rows.offset
+    ops[:, LENGTH] = rows.length
+    ops[:, HASH_AT] = ops[:, DST]
+    sums = copy_and_hash(ops)
+    assert sums is not None  # fused() said the native pass is there
+    return sums != rows.expected

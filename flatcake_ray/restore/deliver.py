@@ -26,7 +26,7 @@ from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.cuda_ext.scatter import scatter_layer
-from flatcake_ray.restore.copy_check import LayerChecks, copy_and_check
+from flatcake_ray.restore.copy_check import LayerChecks, copy_and_check, copy_blocks_checked
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
 from flatcake_ray.restore.window import Job
@@ -46,6 +46,10 @@ class ChunkDelivery:
     ) -> None:
         if id(chunk) in job.failed_chunks:
             pass  # its pages are misses already; the layers still count as done below
+        elif chunk.mapped and (targets := self._in_place_targets(job, chunk)):
+            self._deliver_mapped(job, chunk, targets)
+        elif chunk.mapped and job.dest.device.type == "cpu" and self._copied_checked(job, chunk):
+            pass  # a checked chunk bound for pages split in memory: copied, checked, scattered
         elif slot is None or slot.device is None:
             targets = self._in_place_targets(job, chunk)
             source = None if targets else self._source_bytes(job, chunk, slot, stats)
@@ -74,6 +78,51 @@ class ChunkDelivery:
             self._scatter_device(job, chunk, runs, source, slot, stats)
         if chunk.done_layer is not None:
             job.handle._layer_done(chunk.done_layer)
+
+    def _deliver_mapped(self, job: Job, chunk: LayerChunk, targets: dict[int, np.ndarray]) -> None:
+        """A checked mapped chunk bound for host pieces, every layer of it in one batch of
+        copies and checks (it holds a few layers only when they are small: its layers are
+        then in place together)."""
+        checks = LayerChecks.of(chunk, None)
+        runs = self._kept(job, chunk.runs)
+        self._deliver_then_check(job, job.mapped[chunk.medium].view, runs, checks, targets)
+        runs = self._kept(job, runs)
+        for layer in sorted({run.layer for run in chunk.runs}):
+            self._count(job, chunk, [run for run in runs if run.layer == layer], None)
+            if chunk.done_layer is not None:
+                job.handle._layer_done(layer)
+
+    def _copied_checked(self, job: Job, chunk: LayerChunk) -> bool:
+        """A checked mapped chunk of whole blocks only, into host pages that are not one
+        piece each (vLLM's K and V planes): its blocks copied into this thread's scratch
+        buffer, each hashed as it is copied (one pass; what is checked is the private copy,
+        which is what is delivered), then scattered layer by layer. False, with nothing done,
+        where the chunk has other checks or the native pass is not built."""
+        if not chunk.checked or chunk.hashes or not self._direct:
+            return False
+        rows = LayerChecks.of(chunk, None).rows
+        lo, hi = int(rows.offset[0]), int((rows.offset + rows.length).max())
+        scratch = self._scratch_of(hi - lo)
+        wrong = copy_blocks_checked(job.mapped[chunk.medium].view, rows, scratch)
+        if wrong is None:
+            return False
+        for scope_id in set(rows.scope[wrong].tolist()):
+            self._failed_scope(job, scope_id)
+        source = _Rebased(scratch, lo)
+        for layer in sorted({run.layer for run in chunk.runs}):
+            runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
+            self._scatter_host(job, runs, source)
+            self._count(job, chunk, runs, None)
+            if chunk.done_layer is not None:
+                job.handle._layer_done(layer)
+        return True
+
+    def _scratch_of(self, nbytes: int) -> np.ndarray:
+        """This thread's scratch buffer, at least ``nbytes`` long (reused: its chunk is
+        delivered before the next one is copied into it)."""
+        if len(self._scratch.buffer) < nbytes:
+            self._scratch.buffer = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch.buffer[:nbytes]
 
     def _in_place_targets(self, job: Job, chunk: LayerChunk) -> dict[int, np.ndarray]:
         """For a checked chunk whose every run lands in one contiguous piece of host memory:
@@ -136,11 +185,9 @@ class ChunkDelivery:
         ends = [(span.offset, span.offset + span.length) for span in chunk.all_spans()]
         ends += [(r.offset, r.offset + len(r.positions) * self.page_bytes) for r in chunk.runs]
         lo, hi = min(a for a, _ in ends), max(b for _, b in ends)
-        scratch = self._scratch.buffer
-        if len(scratch) < hi - lo:
-            scratch = self._scratch.buffer = np.empty(hi - lo, dtype=np.uint8)
-        np.copyto(scratch[: hi - lo], view[lo:hi])
-        return _Rebased(scratch[: hi - lo], lo)
+        scratch = self._scratch_of(hi - lo)
+        np.copyto(scratch, view[lo:hi])
+        return _Rebased(scratch, lo)
 
     def _kept(self, job: Job, runs: list[PageRun]) -> list[PageRun]:
         """The runs whose scopes have not failed a checksum or a transfer."""
