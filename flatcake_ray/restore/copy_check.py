@@ -20,8 +20,8 @@ from flatcake_ray.cuda_ext.host_hash import DST, HASH_AT, LENGTH, SRC, copy_and_
 
 
 @dataclass(frozen=True)
-class LayerChecks:
-    """The checks of one layer of a chunk, as rows: the whole blocks the plan gave as rows
+class ChunkChecks:
+    """The checks of a chunk, as rows: the whole blocks the plan gave as rows
     first, then one row per span (a block fed in pieces across slots; kept, in order)."""
 
     rows: BlockRows
@@ -30,16 +30,12 @@ class LayerChecks:
     block_rows: int  # rows before this one are the plan's whole-block rows
 
     @classmethod
-    def of(cls, chunk: LayerChunk, layer: int | None) -> LayerChecks:
-        """The checks of ``layer`` of ``chunk``; ``None``: of every layer (a mapped chunk of
-        several, copied in one batch; its rows then carry the chunk's first layer, and the
-        spans made of them are only fed and decided)."""
-        if layer is None:
-            blocks = BlockRows.joined(chunk.first_layer, chunk.blocks)
-            spans = list(chunk.hashes)
-        else:
-            blocks = BlockRows.joined(layer, [rows for rows in chunk.blocks if rows.layer == layer])
-            spans = [span for span in chunk.hashes if span.layer == layer]
+    def of(cls, chunk: LayerChunk) -> ChunkChecks:
+        """Every check of ``chunk``, all its layers (a chunk is copied and checked in one
+        batch); the rows carry the chunk's first layer: the spans made of them are only fed
+        and decided."""
+        blocks = BlockRows.joined(chunk.first_layer, chunk.blocks)
+        spans = list(chunk.hashes)
         if not spans:
             return cls(blocks, np.ones(len(blocks), dtype=bool), [], len(blocks))
         rows = BlockRows(
@@ -75,7 +71,7 @@ def copy_and_check(
     medium: np.ndarray,
     runs: list[PageRun],
     targets: dict[int, np.ndarray],
-    checks: LayerChecks,
+    checks: ChunkChecks,
     page_bytes: int,
 ) -> CopyChecked | None:
     """Copy each of ``runs`` from ``medium`` into its target piece (``targets[id(run)]``) and

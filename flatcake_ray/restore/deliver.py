@@ -26,7 +26,7 @@ from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.cuda_ext.scatter import scatter_layer
-from flatcake_ray.restore.copy_check import LayerChecks, copy_and_check, copy_blocks_checked
+from flatcake_ray.restore.copy_check import ChunkChecks, copy_and_check, copy_blocks_checked
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
 from flatcake_ray.restore.window import Job
@@ -46,49 +46,56 @@ class ChunkDelivery:
     ) -> None:
         if id(chunk) in job.failed_chunks:
             pass  # its pages are misses already; the layers still count as done below
-        elif chunk.mapped and (targets := self._in_place_targets(job, chunk)):
-            self._deliver_mapped(job, chunk, targets)
-        elif chunk.mapped and job.dest.device.type == "cpu" and self._copied_checked(job, chunk):
-            pass  # a checked chunk bound for pages split in memory: copied, checked, scattered
-        elif slot is None or slot.device is None:
-            targets = self._in_place_targets(job, chunk)
-            source = None if targets else self._source_bytes(job, chunk, slot, stats)
-            medium = self._bytes_of(job, chunk, slot) if targets else None
-            spans = [] if targets else chunk.all_spans()
-            layers = {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
-            # Layer by layer, so a group's first layers are waited on before its last lands.
-            for layer in sorted(layers | {rows.layer for rows in chunk.blocks}):
-                runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
-                if medium is not None:
-                    checks = LayerChecks.of(chunk, layer)
-                    self._deliver_then_check(job, medium, runs, checks, targets)
-                    runs = self._kept(job, runs)
-                else:
-                    self._check(job, [s for s in spans if s.layer == layer], _Whole(source))
-                    runs = self._kept(job, runs)
-                    self._scatter_host(job, runs, source)
-                self._count(job, chunk, runs, stats)
-                if chunk.done_layer is not None:
-                    job.handle._layer_done(layer)
-        else:
+        elif slot is not None and slot.device is not None:
             source = self._source_bytes(job, chunk, slot, stats)
             self._check(job, chunk.all_spans(), _Whole(source))
             runs = self._kept(job, chunk.runs)
             self._count(job, chunk, runs, stats)
             self._scatter_device(job, chunk, runs, source, slot, stats)
+        elif targets := self._in_place_targets(job, chunk):
+            self._deliver_in_place(job, chunk, slot, stats, targets)
+        elif chunk.mapped and self._copied_checked(job, chunk):
+            pass  # a checked chunk bound for pages split in memory: copied, checked, scattered
+        else:
+            self._deliver_host(job, chunk, slot, stats)
         if chunk.done_layer is not None:
             job.handle._layer_done(chunk.done_layer)
 
-    def _deliver_mapped(self, job: Job, chunk: LayerChunk, targets: dict[int, np.ndarray]) -> None:
-        """A checked mapped chunk bound for host pieces, every layer of it in one batch of
-        copies and checks (it holds a few layers only when they are small: its layers are
-        then in place together)."""
-        checks = LayerChecks.of(chunk, None)
+    def _deliver_host(
+        self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
+    ) -> None:
+        """Check the chunk's bytes where they are (a slot, or a private copy of the mapped
+        medium), then scatter them into host memory, layer by layer, so a group's first
+        layers are waited on before its last lands."""
+        source = self._source_bytes(job, chunk, slot, stats)
+        spans = chunk.all_spans()
+        layers = {run.layer for run in chunk.runs} | {s.layer for s in chunk.hashes}
+        for layer in sorted(layers | {rows.layer for rows in chunk.blocks}):
+            runs = self._kept(job, [run for run in chunk.runs if run.layer == layer])
+            self._check(job, [s for s in spans if s.layer == layer], _Whole(source))
+            runs = self._kept(job, runs)
+            self._scatter_host(job, runs, source)
+            self._count(job, chunk, runs, stats)
+            if chunk.done_layer is not None:
+                job.handle._layer_done(layer)
+
+    def _deliver_in_place(
+        self,
+        job: Job,
+        chunk: LayerChunk,
+        slot: Slot | None,
+        stats: FillStats | None,
+        targets: dict[int, np.ndarray],
+    ) -> None:
+        """A checked chunk (of the mapped medium, or a filled host slot) bound for host
+        pieces: every layer of it in one batch of copies and checks. A chunk holds several
+        layers only when they are small, and they are then in place together."""
+        checks = ChunkChecks.of(chunk)
         runs = self._kept(job, chunk.runs)
-        self._deliver_then_check(job, job.mapped[chunk.medium].view, runs, checks, targets)
+        self._deliver_then_check(job, self._bytes_of(job, chunk, slot), runs, checks, targets)
         runs = self._kept(job, runs)
         for layer in sorted({run.layer for run in chunk.runs}):
-            self._count(job, chunk, [run for run in runs if run.layer == layer], None)
+            self._count(job, chunk, [run for run in runs if run.layer == layer], stats)
             if chunk.done_layer is not None:
                 job.handle._layer_done(layer)
 
@@ -100,7 +107,7 @@ class ChunkDelivery:
         where the chunk has other checks or the native pass is not built."""
         if not chunk.checked or chunk.hashes or not self._direct:
             return False
-        rows = LayerChecks.of(chunk, None).rows
+        rows = ChunkChecks.of(chunk).rows
         lo, hi = int(rows.offset[0]), int((rows.offset + rows.length).max())
         scratch = self._scratch_of(hi - lo)
         wrong = copy_blocks_checked(job.mapped[chunk.medium].view, rows, scratch)
@@ -152,7 +159,7 @@ class ChunkDelivery:
         job: Job,
         medium: np.ndarray,
         runs: list[PageRun],
-        checks: LayerChecks,
+        checks: ChunkChecks,
         targets: dict[int, np.ndarray],
     ) -> None:
         """Copy ``runs`` from ``medium`` (the mapped medium, or a filled slot) to their
