@@ -4,7 +4,10 @@ Who calls what: a client on the node's machine calls ``StorageNode.open_calls`` 
 with its tenant's secret and the name of the socket it listens on; the node connects to it
 here and serves that connection on a thread of its own, one call after another, each by the
 same ``StorageNode`` method a Ray call would run, with the secret that opened it (so the
-tenant's gate, limits and checks are the same). Only ``DIRECT_CALLS`` (a request's lookups
+tenant's gate, limits and checks are the same). A client on another machine calls
+``StorageNode.open_remote_calls`` with the TCP address it listens on and a token; the node
+connects only to an address of a node of its own Ray cluster (it is not a way to make the
+node reach anywhere else) and presents the token. Only ``DIRECT_CALLS`` (a request's lookups
 and releases, a put's opening and commit) are served; a bad frame ends the connection (the
 client asks over Ray again).
 """
@@ -21,7 +24,10 @@ from flatcake_ray.errors import ShapeError, TenantLimitError
 from flatcake_ray.media.call_frames import (
     DIRECT_CALLS,
     ChannelClosedError,
+    check_socket_name,
+    check_tcp_address,
     connect,
+    connect_tcp,
     pack_error,
     pack_reply,
     recv_frame,
@@ -30,32 +36,76 @@ from flatcake_ray.media.call_frames import (
 )
 
 log = logging.getLogger(__name__)
-CHANNELS_PER_TENANT = 64  # a thread each on the node: a tenant's clients on one machine
+CHANNELS_PER_TENANT = 64  # a thread each on the node: a tenant's clients
+# A client on another machine that cannot be reached (a firewall) costs its open call this
+# long at most, then asks over Ray (client/direct.py waits before trying again).
+TCP_CONNECT_S = 2.0
 Dispatch = Callable[[object, str, tuple[Any, ...]], Any]  # (secret, method, args) -> answer
 
 
+def cluster_hosts() -> frozenset[str]:
+    """The addresses of the live nodes of this Ray cluster."""
+    import ray
+
+    return frozenset(node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"])
+
+
 class CallChannels:
-    def __init__(self, dispatch: Dispatch, per_tenant: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        per_tenant: int,
+        timeout_s: float,
+        hosts: Callable[[], frozenset[str]] = cluster_hosts,
+    ) -> None:
         self._dispatch = dispatch
         self._per_tenant = per_tenant
         self._timeout_s = timeout_s
+        self._hosts = hosts
         self._open: dict[str, set[socket.socket]] = {}
         self._lock = threading.Lock()
         self.served = 0  # calls answered over channels (stats)
 
     def open(self, tenant: str, secret: object, socket_name: object) -> None:
-        """Connect to the client listening on ``socket_name`` and serve it for ``tenant``."""
-        with self._lock:
-            if len(self._open.get(tenant, ())) >= self._per_tenant:
-                raise TenantLimitError(
-                    f"tenant {tenant!r} has {self._per_tenant} call channels open here"
-                )
-            sock = connect(socket_name, self._timeout_s)  # type: ignore[arg-type]
-            self._open.setdefault(tenant, set()).add(sock)
+        """Connect to the client on this machine listening on ``socket_name`` and serve it
+        for ``tenant``."""
+        name = check_socket_name(socket_name)
+        self._serve_new(tenant, secret, lambda: connect(name, self._timeout_s))
+
+    def open_remote(
+        self, tenant: str, secret: object, host: object, port: object, token: object
+    ) -> None:
+        """Connect to the client on another machine listening on ``host:port``, present
+        ``token``, and serve it for ``tenant``; ShapeError for an address outside the
+        cluster."""
+        address = check_tcp_address(host, port, token)
+        if address[0] not in self._hosts():
+            raise ShapeError(f"{address[0]} is not the address of a node of this cluster")
+        timeout_s = min(self._timeout_s, TCP_CONNECT_S)
+        self._serve_new(tenant, secret, lambda: connect_tcp(*address, timeout_s))
+
+    def _serve_new(
+        self, tenant: str, secret: object, connect_to: Callable[[], socket.socket]
+    ) -> None:
+        self._check_room(tenant)
+        sock = connect_to()  # not under the lock: a TCP connect may take seconds
+        try:
+            with self._lock:
+                self._check_room(tenant)
+                self._open.setdefault(tenant, set()).add(sock)
+        except TenantLimitError:
+            sock.close()
+            raise
         thread = threading.Thread(
             target=self._serve, args=(tenant, secret, sock), daemon=True, name="flatcake-calls"
         )
         thread.start()
+
+    def _check_room(self, tenant: str) -> None:
+        if len(self._open.get(tenant, ())) >= self._per_tenant:
+            raise TenantLimitError(
+                f"tenant {tenant!r} has {self._per_tenant} call channels open here"
+            )
 
     def count(self) -> int:
         with self._lock:

@@ -264,6 +264,12 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         self.channels.open(self._tenant(secret).name, secret, socket_name)
         return os.getpid()
 
+    def open_remote_calls(self, secret: object, host: object, port: object, token: object) -> None:
+        """Connect to the caller's process on another machine, listening on ``host:port``
+        (an address of this Ray cluster), present ``token``, and serve its lookups and
+        releases there (``actors/call_channels.py``)."""
+        self.channels.open_remote(self._tenant(secret).name, secret, host, port, token)
+
     def _direct(self, secret: object, method: str, args: tuple[Any, ...]) -> Any:
         return getattr(self, method)(secret, *args)
 

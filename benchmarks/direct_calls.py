@@ -7,9 +7,11 @@ a warm ``locate(lease=True)`` of a ``--pages`` request, a whole restore of it fr
 node's DRAM (checked: ``verify_dram``, the default), and puts of new 512-page sessions into
 DRAM. Beside them, the stages of one direct
 lookup: hashing the keys, the ``lookup`` round trip, a ``release`` and a one-key ``exists``
-(the channel's floor), and an empty Ray actor call (Ray's).
+(the channel's floor), and an empty Ray actor call (Ray's). ``--remote``: the clients on a
+second Ray node with no storage node (another machine to the service: TCP call channels,
+``remote_direct_calls``; restores by NIXL).
 
-.venv/bin/python benchmarks/direct_calls.py [--pages 3421] [--repeats 30]
+.venv/bin/python benchmarks/direct_calls.py [--pages 3421] [--repeats 30] [--remote]
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class Pair:
         from flatcake_ray.config import ClientConfig
 
         self.clients = {
-            flag: FlatCakeClient(namespace, config=ClientConfig(direct_calls=flag))
+            flag: FlatCakeClient(
+                namespace, config=ClientConfig(direct_calls=flag, remote_direct_calls=flag)
+            )
             for flag in (True, False)
         }
 
@@ -95,7 +99,7 @@ class Pair:
 
         from flatcake_ray.client.source import digests_of
 
-        link = client.nodes.require(client.nodes.local_node_id)
+        link = next(iter(client.nodes.links.values()))  # the one storage node
         call = link.direct.call
         for _ in range(repeats):
             digests = clock("hash the keys", lambda: digests_of(keys, None))
@@ -109,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=3421)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--remote", action="store_true", help="clients off the node's machine")
     args = parser.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
@@ -128,13 +133,18 @@ def main() -> None:
         request_bytes=request,
     )
     started_load = load_average()
-    with running_service(config, None, 1, "flatcake_store", root) as targets:
-        strategy = NodeAffinitySchedulingStrategy(targets[0], soft=False)
+    bare = int(args.remote)
+    with running_service(config, None, 1, "flatcake_store", root, bare_nodes=bare) as targets:
+        alive = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+        where = next(n for n in alive if n not in targets) if args.remote else targets[0]
+        strategy = NodeAffinitySchedulingStrategy(where, soft=False)
         pair = ray.remote(Pair).options(num_cpus=0, scheduling_strategy=strategy)
         found = ray.get(pair.remote(config.namespace).run.remote(args.pages, args.repeats))
     times = found["times"]
     print(f"load average {started_load:.2f} at the start, {load_average():.2f} at the end")
-    print(f"{args.pages} pages x {LAYERS} layers x {PAGE_BYTES} B ({found['medium']}); ms, medians")
+    where = "from another Ray node (TCP channels)" if args.remote else "on the node's Ray node"
+    print(f"{args.pages} pages x {LAYERS} layers x {PAGE_BYTES} B ({found['medium']}); clients")
+    print(f"{where}; ms, medians")
     print("| | direct calls | Ray calls | direct / Ray |\n|---|---:|---:|---:|")
     names = {"locate": "warm locate", "restore": "restore", "put": f"put, {PUT_PAGES} new pages"}
     for what, name in names.items():

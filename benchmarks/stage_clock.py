@@ -41,7 +41,7 @@ GPU_STAGES = (
     ("fill.gds", "flatcake_ray.transports.local_ssd", "GdsSsdTransport.read"),
     ("checksums.source", "flatcake_ray.restore.deliver", "ChunkDelivery._source_bytes"),
     ("scatter.kernel_launch", "flatcake_ray.cuda_ext._dispatch", "_launch"),
-    ("scatter.cpu_copy", "flatcake_ray.cuda_ext._dispatch", "copy_layer_host"),
+    ("scatter.cpu_copy", "flatcake_ray.cuda_ext._dispatch", "copy_on_host"),
 )
 PUT_STAGES = (
     ("open", "flatcake_ray.node.store", "FlatCakeStore.begin_put"),

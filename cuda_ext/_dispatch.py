@@ -13,13 +13,7 @@ import torch
 
 from flatcake_ray.cuda_ext import _library
 from flatcake_ray.cuda_ext._library import ScatterLibrary, ScatterLibraryError
-from flatcake_ray.cuda_ext._targets import (
-    Target,
-    copy_layer_host,
-    copy_layer_torch,
-    copy_offsets_host,
-    copy_offsets_torch,
-)
+from flatcake_ray.cuda_ext._targets import PageCopy, Target
 from flatcake_ray.errors import ShapeError
 
 log = logging.getLogger(__name__)
@@ -37,7 +31,7 @@ def dispatch(
     stream: torch.cuda.Stream | int | None,
     backend: Backend,
     validate: Callable[[torch.Tensor], None] | None,
-    torch_copy: Callable[[torch.Tensor, torch.Tensor, Target], None],
+    copy: PageCopy,
 ) -> None:
     """Validates ``ids`` (if asked) and copies, on ``stream`` for CUDA tensors."""
     if backend not in BACKENDS:
@@ -48,12 +42,7 @@ def dispatch(
             raise ShapeError(f"backend='kernel' needs CUDA tensors, these are on {device}")
         if validate is not None:
             validate(ids)
-        if torch_copy is copy_layer_torch:
-            copy_layer_host(staging, ids.to(torch.int64), target)
-        elif torch_copy is copy_offsets_torch:
-            copy_offsets_host(staging, ids.to(torch.int64), target)
-        else:
-            torch_copy(staging, ids.to(torch.int64), target)
+        copy_on_host(copy, staging, ids.to(torch.int64), target)
         return
     cuda_stream = _resolve_stream(stream, device)
     library = None if backend == "torch" else _library_for(backend)
@@ -63,9 +52,14 @@ def dispatch(
         # Allocated under the stream, so the caching allocator orders its reuse after us.
         device_ids = ids.to(device=device, dtype=torch.int64).contiguous()
         if library is None:
-            torch_copy(staging, device_ids, target)
+            copy.torch(staging, device_ids, target)
         else:
             _launch(library, staging, device_ids, target, device, cuda_stream)
+
+
+def copy_on_host(copy: PageCopy, staging: torch.Tensor, ids: torch.Tensor, target: Target) -> None:
+    """The CPU copy (a function of its own: ``benchmarks/stage_clock.py`` times it)."""
+    copy.host(staging, ids, target)
 
 
 def _library_for(backend: Backend) -> ScatterLibrary | None:

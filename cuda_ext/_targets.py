@@ -10,6 +10,7 @@ arguments and picks the kernel or one of these.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,7 +24,7 @@ from flatcake_ray.cuda_ext._validate import (
     require_bit_view,
     require_tensor,
 )
-from flatcake_ray.cuda_ext.host_copy import DST, LENGTH, SRC, copy_many, native_module, run_ops
+from flatcake_ray.cuda_ext.host_copy import copy_many, native_module, op_rows, run_ops
 from flatcake_ray.errors import ShapeError
 
 SCATTERED_RUNS = 64  # more runs than this, averaging under 4 pages: one fancy-indexed copy
@@ -138,12 +139,9 @@ def _copy_rows(staging: torch.Tensor, target: Target, offsets: np.ndarray) -> bo
     module = native_module()
     if module is None:
         return False
-    count, page_bytes = len(offsets), target.page_bytes
-    ops = np.zeros((count, 4), dtype=np.int64)
-    ops[:, DST] = target.view.data_ptr() + offsets
-    ops[:, SRC] = staging.data_ptr() + np.arange(count, dtype=np.int64) * page_bytes
-    ops[:, LENGTH] = page_bytes
-    run_ops(module, ops, 0)
+    page_bytes = target.page_bytes
+    sources = staging.data_ptr() + np.arange(len(offsets), dtype=np.int64) * page_bytes
+    run_ops(module, op_rows(target.view.data_ptr() + offsets, sources, page_bytes), 0)
     return True
 
 
@@ -162,3 +160,19 @@ def copy_offsets_host(staging: torch.Tensor, offsets: torch.Tensor, target: Targ
     were validated: every page lies inside ``target`` and none overlaps another."""
     if not _copy_rows(staging, target, offsets.numpy()):
         copy_offsets_torch(staging, offsets, target)
+
+
+CopyFn = Callable[[torch.Tensor, torch.Tensor, Target], None]
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """How one kind of scatter copies its pages: on the host, and with torch on a device
+    (the reference where the kernel is not built or not wanted)."""
+
+    host: CopyFn
+    torch: CopyFn
+
+
+LAYER_COPY = PageCopy(copy_layer_host, copy_layer_torch)  # into a layer's slots
+OFFSETS_COPY = PageCopy(copy_offsets_host, copy_offsets_torch)  # to byte offsets

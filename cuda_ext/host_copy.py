@@ -187,6 +187,16 @@ def native_module() -> Any:
         return None
 
 
+def op_rows(dst: Any, src: Any, length: Any, hash_at: Any = 0) -> np.ndarray:
+    """Native op rows from their columns: addresses and lengths, arrays of one length or
+    single values (broadcast); ``hash_at`` 0 where a row hashes nothing."""
+    arrays = [np.size(column) for column in (dst, src, length, hash_at) if np.ndim(column)]
+    count = max(arrays) if arrays else 1
+    ops = np.empty((count, 4), dtype=np.int64)
+    ops[:, DST], ops[:, SRC], ops[:, LENGTH], ops[:, HASH_AT] = dst, src, length, hash_at
+    return ops
+
+
 def run_ops(module: Any, ops: np.ndarray, address: int) -> np.ndarray:
     """A batch of native ops (int64 rows ``DST, SRC, LENGTH, HASH_AT``; every address a valid
     range of the caller's live arrays; ``address``: XXH3's, 0 where no row hashes) on the

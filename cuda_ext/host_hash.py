@@ -22,14 +22,13 @@ from typing import Any, cast
 
 import numpy as np
 
-from flatcake_ray.cuda_ext.host_copy import (  # the batch's columns, for the callers
-    DST,
+from flatcake_ray.cuda_ext.host_copy import (
     HASH_AT,
     LENGTH,
     SPLIT_BYTES,
-    SRC,
     idle_threads,
     native_module,
+    op_rows,
     run_ops,
     run_split,
 )
@@ -95,11 +94,9 @@ def copy_hashing_source(dst: np.ndarray, src: np.ndarray, block_bytes: int) -> n
     if not (dst.flags.c_contiguous and src.flags.c_contiguous) or dst.nbytes != src.nbytes:
         raise ValueError("a fused copy needs two C-contiguous arrays of as many bytes")
     starts = np.arange(0, src.nbytes, block_bytes, dtype=np.int64)
-    ops = np.empty((len(starts), 4), dtype=np.int64)
-    ops[:, DST] = dst.ctypes.data + starts
-    ops[:, SRC] = ops[:, HASH_AT] = src.ctypes.data + starts
-    ops[:, LENGTH] = np.minimum(block_bytes, src.nbytes - starts)
-    return copy_and_hash(ops)
+    sources = src.ctypes.data + starts
+    lengths = np.minimum(block_bytes, src.nbytes - starts)
+    return copy_and_hash(op_rows(dst.ctypes.data + starts, sources, lengths, sources))
 
 
 def xxh3_many(pieces: Sequence[np.ndarray]) -> np.ndarray | None:

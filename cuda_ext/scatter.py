@@ -38,8 +38,10 @@ from flatcake_ray.cuda_ext import _library
 from flatcake_ray.cuda_ext._dispatch import Backend, dispatch
 from flatcake_ray.cuda_ext._library import ScatterKernelError, ScatterLibraryError
 from flatcake_ray.cuda_ext._targets import (
+    LAYER_COPY,
     LAYER_FIRST,
     LAYOUTS,
+    OFFSETS_COPY,
     PAGE_FIRST,
     Layout,
     copy_layer_torch,
@@ -98,7 +100,7 @@ def scatter_layer(
     validate = None
     if check_slots or ids.device.type == "cpu":
         validate = functools.partial(check_slot_ids, num_slots=target.index_limit)
-    dispatch(staging, ids, target, stream, backend, validate, copy_layer_torch)
+    dispatch(staging, ids, target, stream, backend, validate, LAYER_COPY)
 
 
 def scatter_layer_reference(
@@ -141,7 +143,7 @@ def scatter_pages(
         validate = functools.partial(
             check_byte_offsets, page_bytes=page_bytes, index_limit=target.index_limit
         )
-    dispatch(staging, offsets, target, stream, backend, validate, copy_offsets_torch)
+    dispatch(staging, offsets, target, stream, backend, validate, OFFSETS_COPY)
 
 
 def scatter_pages_reference(

@@ -402,6 +402,9 @@ class ClientConfig:
     # Lookups, releases and a put's opening and commit to the node on this machine over a
     # socket, not a Ray actor call (client/direct.py); False: every call over Ray.
     direct_calls: bool = True
+    # The same calls to nodes on other machines over TCP: the node connects to the client
+    # (a port the system picks on the client's cluster address); False: over Ray.
+    remote_direct_calls: bool = True
     # The tenant this client acts for (``flatcake-ray tenant add`` printed it); empty: the
     # service's open default tenant. Never printed.
     tenant_secret: str = field(default="", repr=False)

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flatcake_ray.actors.call_channels import CallChannels
 from flatcake_ray.config import ClientConfig
 from flatcake_ray.core.keys import PageKey, request_digests
 from flatcake_ray.core.records import PutHints
@@ -30,9 +31,13 @@ from flatcake_ray.errors import (
 )
 from flatcake_ray.media.call_frames import (
     MAX_CALL_BYTES,
+    TOKEN_BYTES,
     CallListener,
+    TcpCallListener,
     check_socket_name,
+    check_tcp_address,
     connect,
+    connect_tcp,
     pack_call,
     pack_error,
     pack_reply,
@@ -207,3 +212,72 @@ def test_direct_calls_come_from_every_source():
     assert ClientConfig().direct_calls is True
     assert ClientConfig.from_env({"FLATCAKE_DIRECT_CALLS": "0"}).direct_calls is False
     assert ClientConfig.from_env({}, direct_calls=False).direct_calls is False
+    assert ClientConfig().remote_direct_calls is True
+    environ = {"FLATCAKE_REMOTE_DIRECT_CALLS": "false"}
+    assert ClientConfig.from_env(environ).remote_direct_calls is False
+    assert ClientConfig.from_env({}, remote_direct_calls=False).remote_direct_calls is False
+
+
+def test_a_tcp_listener_keeps_only_the_connection_that_presents_its_token():
+    """Connections that present nothing, a wrong token or a short one (anyone can reach a
+    TCP port) are closed; the node's, which presents the token, is kept, whatever came
+    first."""
+    with TcpCallListener("127.0.0.1") as listener:
+        silent = socket.create_connection((listener.host, listener.port))
+        wrong = connect_tcp(listener.host, listener.port, bytes(TOKEN_BYTES), 5.0)
+        short = socket.create_connection((listener.host, listener.port))
+        short.sendall(listener.token[:-1])
+        node = connect_tcp(listener.host, listener.port, listener.token, 5.0)
+        with silent, wrong, short, node, listener.accept_token(10.0) as conn:
+            send_frame(node, b"hello")
+            assert recv_frame(conn) == b"hello"
+            send_frame(conn, b"back")
+            assert recv_frame(node) == b"back"
+            for dropped in (wrong, short):
+                dropped.settimeout(5.0)
+                assert dropped.recv(1) == b""  # closed by the listener, nothing sent
+        with pytest.raises(TransferTimeoutError):
+            listener.accept_token(0.2)
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        ("", 1, bytes(TOKEN_BYTES)),
+        ("127.0.0.1", 0, bytes(TOKEN_BYTES)),
+        ("127.0.0.1", 65536, bytes(TOKEN_BYTES)),
+        ("127.0.0.1", True, bytes(TOKEN_BYTES)),
+        ("127.0.0.1", 80, b"short"),
+        ("127.0.0.1", 80, "0" * TOKEN_BYTES),
+        (5, 80, bytes(TOKEN_BYTES)),
+    ],
+)
+def test_a_tcp_address_is_a_host_a_port_and_a_token(address):
+    with pytest.raises(ShapeError):
+        check_tcp_address(*address)
+
+
+def test_a_node_connects_only_to_an_address_of_its_cluster():
+    """``open_remote`` refuses a host that is not a node of the cluster (the node is no way
+    to reach elsewhere) before connecting, and serves one that is, for the opening tenant."""
+    asked: list[tuple[object, str, tuple]] = []
+
+    def dispatch(secret: object, method: str, args: tuple) -> object:
+        asked.append((secret, method, args))
+        return len(args[0])
+
+    channels = CallChannels(dispatch, 2, 5.0, hosts=lambda: frozenset({"127.0.0.1"}))
+    with TcpCallListener("127.0.0.1") as listener:
+        with pytest.raises(ShapeError, match="not the address of a node"):
+            channels.open_remote("t", "s", "127.0.0.2", listener.port, listener.token)
+        with pytest.raises(TransferTimeoutError):
+            listener.accept_token(0.2)  # nothing connected
+        channels.open_remote("t", "secret-t", "127.0.0.1", listener.port, listener.token)
+        with listener.accept_token(10.0) as conn:
+            send_frame(conn, pack_call("exists", (["a", "b"],)))
+            assert unpack_reply(recv_frame(conn)) == 2
+            send_frame(conn, pack_call("describe", ()))
+            with pytest.raises(ShapeError):
+                unpack_reply(recv_frame(conn))
+    assert asked == [("secret-t", "exists", (["a", "b"],))]
+    channels.close()

@@ -165,11 +165,11 @@ def test_a_batch_of_long_copies_and_hashed_blocks_keeps_each_rows_sum_in_place(
     cuts = [0, 150_000, 151_000, 400_000, 401_000, 600_000]  # long, short, long, short, long
     ops = np.zeros((len(cuts) - 1, 4), dtype=np.int64)
     for row, (lo, hi) in enumerate(itertools.pairwise(cuts)):
-        ops[row, host_hash.DST] = target.ctypes.data + lo
-        ops[row, host_hash.SRC] = source.ctypes.data + lo
-        ops[row, host_hash.LENGTH] = hi - lo
+        ops[row, host_copy.DST] = target.ctypes.data + lo
+        ops[row, host_copy.SRC] = source.ctypes.data + lo
+        ops[row, host_copy.LENGTH] = hi - lo
         if row % 2:  # the short rows are hashed where they land
-            ops[row, host_hash.HASH_AT] = target.ctypes.data + lo
+            ops[row, host_copy.HASH_AT] = target.ctypes.data + lo
     sums = host_hash.copy_and_hash(ops)
     assert sums is not None and np.array_equal(target, source)
     for row, (lo, hi) in enumerate(itertools.pairwise(cuts)):
@@ -203,10 +203,10 @@ def test_a_row_that_copies_and_hashes_gets_libxxhash_s_sum_wherever_its_bytes_si
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes + 64, dtype=np.uint8)
     target = np.zeros(nbytes + 128, dtype=np.uint8)
     ops = np.zeros((1, 4), dtype=np.int64)
-    ops[0, host_hash.DST] = target.ctypes.data + dst_at
-    ops[0, host_hash.SRC] = source.ctypes.data + src_at
-    ops[0, host_hash.LENGTH] = nbytes
-    ops[0, host_hash.HASH_AT] = ops[0, host_hash.DST if hash_the_target else host_hash.SRC]
+    ops[0, host_copy.DST] = target.ctypes.data + dst_at
+    ops[0, host_copy.SRC] = source.ctypes.data + src_at
+    ops[0, host_copy.LENGTH] = nbytes
+    ops[0, host_copy.HASH_AT] = ops[0, host_copy.DST if hash_the_target else host_copy.SRC]
     sums = host_hash.copy_and_hash(ops)
     written = source[src_at : src_at + nbytes]
     assert sums is not None and np.array_equal(target[dst_at : dst_at + nbytes], written)

@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from flatcake_ray.client import deploy as service  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.source import digests_of  # noqa: E402
+from flatcake_ray.config import ClientConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import decode  # noqa: E402
 from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
@@ -250,6 +251,34 @@ def test_a_warm_locate_with_lease_is_one_call_and_lets_its_lease_go(deployment):
         digests = digests_of(keys_for("onecall", 8), None)
         with pytest.raises(ShapeError):  # releases that are not lease ids: refused
             ray.get(link.handle.lookup.remote(digests, None, "lease ids"), timeout=60)
+
+
+def test_a_client_off_the_owners_machine_asks_it_over_a_tcp_channel(deployment):
+    """The driver's node has no storage node: its lookups, releases and puts to the owner go
+    over a TCP call channel the owner opened to it (``remote_direct_calls``, on by default),
+    the same answers as over Ray; turned off, every call goes over Ray."""
+    writer = next(iter(deployment["by_node_id"].values()))
+    ray.get(writer.put.remote("tcp-calls", 8, 5, DRAM))
+    keys = keys_for("tcp-calls", 8)
+    owner = owner_of(deployment, "tcp-calls", 8)
+    for remote_direct in (True, False):
+        config = ClientConfig(remote_direct_calls=remote_direct)
+        channels = deployment["driver"].stats()["nodes"][owner]["call_channels"]
+        with FlatCakeClient(NAMESPACE, config=config) as reader:
+            assert reader.locate(keys).node_id == owner
+            assert not reader.nodes.require(owner).local
+            reports = [reader.locate(keys, lease=True) for _ in range(3)]
+            out = np.zeros((LAYERS, 8, PAGE_BYTES), dtype=np.uint8)
+            restored = reader.restore_report(keys, out)
+            assert restored.pages == 8 and np.array_equal(out, kv_for(8, 5))
+            new_keys = keys_for(f"tcp-put-{remote_direct}", 4)
+            assert reader.put(new_keys, kv_for(4, 6), hints=DRAM).pages_written == 4
+            assert all(r.pages == 8 and r.actor_calls == 1 for r in reports)
+            direct = [r.direct_calls for r in (*reports, restored)]
+            assert direct == ([1, 1, 1, 2] if remote_direct else [0, 0, 0, 0])
+            assert (reader.stats(nodes=False)["client"]["direct_calls"] > 0) == remote_direct
+            if remote_direct:
+                assert reader.stats()["nodes"][owner]["call_channels"] > channels
 
 
 def test_a_checked_restore_waits_for_no_release_and_its_lease_still_goes_back(deployment):

@@ -132,12 +132,13 @@ LOOPBACK_IP = "127.0.0.1"
 
 
 def start_local_cluster(
-    nodes: int, resource: str, *, on_head: bool = True, node_cpus: int = 1
+    nodes: int, resource: str, *, on_head: bool = True, node_cpus: int = 1, bare_nodes: int = 0
 ) -> Any:
     """A ``ray.cluster_utils.Cluster`` on 127.0.0.1 with ``nodes`` nodes offering ``resource``
     (so the service lands only on these nodes, never on another cluster's): the one-CPU head
-    among them, or (``on_head=False``) beside them, offering nothing, for the driver alone.
-    A node that did not start (a loaded machine) leaves nothing of the cluster running."""
+    among them, or (``on_head=False``) beside them, offering nothing, for the driver alone;
+    and ``bare_nodes`` nodes offering nothing. A node that did not start (a loaded machine)
+    leaves nothing of the cluster running."""
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -153,6 +154,8 @@ def start_local_cluster(
             cluster.add_node(
                 node_ip_address=LOOPBACK_IP, num_cpus=node_cpus, resources={resource: 1}
             )
+        for _ in range(bare_nodes):
+            cluster.add_node(node_ip_address=LOOPBACK_IP, num_cpus=node_cpus)
         cluster.wait_for_nodes()
     except BaseException:
         cluster.shutdown()
@@ -171,16 +174,23 @@ def bench_folder(parent: str | None, prefix: str) -> str:
 
 @contextmanager
 def running_service(
-    config: ServiceConfig, address: str | None, nodes: int, resource: str, root: str
+    config: ServiceConfig,
+    address: str | None,
+    nodes: int,
+    resource: str,
+    root: str,
+    *,
+    bare_nodes: int = 0,
 ) -> Iterator[list[str]]:
     """The service started on the Ray cluster at ``address``, or on a local one of ``nodes``
-    nodes offering ``resource``; yields the Ray node ids it runs on (at most ``nodes``). On
-    exit the service, Ray and the local cluster stop, and ``root`` and its arenas go."""
+    nodes offering ``resource`` (and ``bare_nodes`` more that do not, for clients off every
+    storage node's machine); yields the Ray node ids it runs on (at most ``nodes``). On exit
+    the service, Ray and the local cluster stop, and ``root`` and its arenas go."""
     import ray
 
     from flatcake_ray.client import deploy as service
 
-    cluster = None if address else start_local_cluster(nodes, resource)
+    cluster = None if address else start_local_cluster(nodes, resource, bare_nodes=bare_nodes)
     where = address if cluster is None else cluster.address
     ray.init(address=where, namespace=config.namespace, log_to_driver=False)
     try:

@@ -15,7 +15,7 @@ CLIENT_CALLS = frozenset(
         *("describe", "service_config", "stats", "accept_rdma", "lookup", "exists", "probe"),
         *("gvas", "release", "begin_put", "land", "commit_put", "abort_put"),
         *("ship", "unship", "ship_stream", "ship_stop", "read_ranges", "record_home"),
-        *("home_of", "find", "hand_chunks", "open_calls"),
+        *("home_of", "find", "hand_chunks", "open_calls", "open_remote_calls"),
     }
 )
 

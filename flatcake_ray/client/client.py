@@ -91,8 +91,14 @@ class FlatCakeClient:
         if self.allowed - ALL_PATHS:
             raise ValueError(f"unknown remote paths {sorted(self.allowed - ALL_PATHS)}")
         secret = self.client_config.tenant_secret or None
-        direct = self.client_config.direct_calls
-        self.nodes = NodeTable(namespace, self.ray_node_id, secret, direct_calls=direct)
+        config = self.client_config
+        self.nodes = NodeTable(
+            namespace,
+            self.ray_node_id,
+            secret,
+            direct_calls=config.direct_calls,
+            remote_direct_calls=config.remote_direct_calls,
+        )
         self.nodes.refresh(force=True)
         if not self.nodes.links or self.nodes.config is None:
             raise ServiceError(

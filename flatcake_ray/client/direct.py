@@ -1,19 +1,23 @@
-"""A client's direct calls to the storage node on its machine (``media/call_frames.py``).
+"""A client's direct calls to a storage node (``media/call_frames.py``).
 
-The locator asks the local node its lookups, finds, probes and releases here instead of over
-Ray (``Locator.call_all``, ``Locator.release``), and a put its opening and commit
+The locator asks a node its lookups, finds, probes and releases here instead of over Ray
+(``Locator.call_all``, ``Locator.release``), and a put its opening and commit
 (``RemotePut._ask``): one socket round trip where a Ray actor call costs more than the node's
-work. A release nobody waits on is posted: sent, and its answer read by the next call on its
-connection or by ``settle`` (before this client's next put). Connections are pooled (a thread
-takes one for a call, so concurrent restores do not queue behind each other), each opened by
-one ``open_calls`` actor call. Anything wrong with a channel is :class:`ChannelClosedError`,
-and the caller asks over Ray instead; a channel that could not be opened is not tried again
-for ``RETRY_AFTER_S``.
+work. To the node on the client's machine over a Unix socket, to a node on another machine
+over TCP (``ClientConfig.remote_direct_calls``). A release nobody waits on is posted: sent,
+and its answer read by the next call on its connection or by ``settle`` (before this
+client's next put). Connections are pooled (a thread takes one for a call, so concurrent
+restores do not queue behind each other), each opened by one ``open_calls``
+(``open_remote_calls``) actor call. Anything wrong with a channel is
+:class:`ChannelClosedError`, and the caller asks over Ray instead; a channel that could not
+be opened is not tried again for ``RETRY_AFTER_S`` (TCP: ``TCP_RETRY_AFTER_S``, as what
+stops it, a firewall between the machines, rarely goes away).
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -23,6 +27,7 @@ from flatcake_ray.errors import CallLostError, ChannelClosedError, FlatCakeError
 from flatcake_ray.media.call_frames import (
     DIRECT_CALLS,
     CallListener,
+    TcpCallListener,
     pack_call,
     recv_frame,
     send_frame,
@@ -30,16 +35,41 @@ from flatcake_ray.media.call_frames import (
 )
 
 log = logging.getLogger(__name__)
-__all__ = ["DIRECT_CALLS", "DirectCalls"]
+__all__ = ["DIRECT_CALLS", "DirectCalls", "PendingCall"]
 RETRY_AFTER_S = 5.0
+TCP_RETRY_AFTER_S = 60.0
 
 IDLE_KEPT = 8  # connections kept for reuse; more are closed when given back
 
 
+class PendingCall:
+    """A direct call sent, its answer not read yet (``DirectCalls.send``)."""
+
+    def __init__(self, calls: DirectCalls, sock: socket.socket, method: str) -> None:
+        self._calls = calls
+        self._sock = sock
+        self.method = method
+
+    def ready(self, timeout_s: float) -> bool:
+        """Whether its answer is in (or the connection ended) within ``timeout_s``."""
+        readable, _, _ = select.select([self._sock], [], [], max(timeout_s, 0.0))
+        return bool(readable)
+
+    def result(self) -> Any:
+        """The node's answer (its typed error raised here); CallLostError when the
+        connection broke after the call was sent (the node may have run it)."""
+        return self._calls._answer(self._sock, self.method)
+
+    def abandon(self) -> None:
+        """Close its connection unread (its answer is not wanted any more)."""
+        self._sock.close()
+
+
 class DirectCalls:
-    def __init__(self, handle: Any, timeout_s: float) -> None:
+    def __init__(self, handle: Any, timeout_s: float, *, over_tcp: bool = False) -> None:
         self._handle = handle  # the node's BoundNode: open_calls carries the tenant's secret
         self._timeout_s = timeout_s
+        self._over_tcp = over_tcp  # the node is on another machine
         self._idle: list[socket.socket] = []
         # Connections whose last call was posted (``post``): its answer is still to be read.
         # The node serves a connection's calls in order, so it has run once that is read.
@@ -53,22 +83,34 @@ class DirectCalls:
     def call(self, method: str, *args: Any) -> Any:
         """The node's answer to ``method(*args)`` (its typed error raised here), or
         ChannelClosedError when the channel could not carry it."""
+        return self.send(method, *args).result()
+
+    def send(self, method: str, *args: Any) -> PendingCall:
+        """Send ``method(*args)``; its answer is read by the returned call's ``result`` (the
+        caller sends to several nodes, then reads: their round trips overlap).
+        ChannelClosedError when the channel could not carry it."""
         try:
             body = pack_call(method, args)
         except (TypeError, ValueError, OverflowError) as exc:  # e.g. an int key past 64 bits
             message = f"a direct {method} cannot carry its arguments: {exc}"
             raise ChannelClosedError(message) from exc
         sock = self._take()
-        sent = False
         try:
             send_frame(sock, body)
-            sent = True
+        except OSError as exc:
+            sock.close()
+            self._failed(f"direct {method} failed: {exc}", retry_now=True)
+            raise ChannelClosedError(f"direct {method}: {exc}") from exc
+        return PendingCall(self, sock, method)
+
+    def _answer(self, sock: socket.socket, method: str) -> Any:
+        """The answer of the call sent on ``sock`` (the connection goes back to the pool)."""
+        try:
             body = recv_frame(sock)
         except (OSError, FlatCakeError) as exc:
             sock.close()
             self._failed(f"direct {method} failed: {exc}", retry_now=True)
-            lost = CallLostError if sent else ChannelClosedError
-            raise lost(f"direct {method}: {exc}") from exc
+            raise CallLostError(f"direct {method}: {exc}") from exc
         self._give(sock)
         self.calls += 1
         return unpack_reply(body)
@@ -151,19 +193,32 @@ class DirectCalls:
         sock.close()
 
     def _open(self) -> socket.socket:
-        import ray
         from ray.exceptions import RayError
 
         try:
-            with CallListener() as listener:
-                ref = self._handle.open_calls.remote(listener.name)
-                pid = ray.get(ref, timeout=self._timeout_s)
-                sock = listener.accept_from(pid, self._timeout_s)
-                sock.settimeout(self._timeout_s)  # a node that hangs: over Ray, then down
-                return sock
+            sock = self._open_tcp() if self._over_tcp else self._open_unix()
         except (RayError, FlatCakeError, OSError) as exc:
             self._failed(f"no call channel: {exc}", retry_now=False)
             raise ChannelClosedError(f"no call channel to the node: {exc}") from exc
+        sock.settimeout(self._timeout_s)  # a node that hangs: over Ray, then down
+        return sock
+
+    def _open_unix(self) -> socket.socket:
+        import ray
+
+        with CallListener() as listener:
+            ref = self._handle.open_calls.remote(listener.name)
+            pid = ray.get(ref, timeout=self._timeout_s)
+            return listener.accept_from(pid, self._timeout_s)
+
+    def _open_tcp(self) -> socket.socket:
+        import ray
+
+        with TcpCallListener(ray.util.get_node_ip_address()) as listener:
+            address = (listener.host, listener.port, listener.token)
+            ref = self._handle.open_remote_calls.remote(*address)
+            ray.get(ref, timeout=self._timeout_s)
+            return listener.accept_token(self._timeout_s)
 
     def _failed(self, reason: str, *, retry_now: bool) -> None:
         """A broken channel is opened again by the next call (the node may have restarted);
@@ -172,4 +227,5 @@ class DirectCalls:
         with self._lock:
             self.failures += 1
             if not retry_now:
-                self._retry_at = time.monotonic() + RETRY_AFTER_S
+                wait_s = TCP_RETRY_AFTER_S if self._over_tcp else RETRY_AFTER_S
+                self._retry_at = time.monotonic() + wait_s

@@ -36,7 +36,7 @@ import numpy as np
 
 from flatcake_ray.actors.homes import Found
 from flatcake_ray.actors.protocol import LeaseReply
-from flatcake_ray.client.direct import DIRECT_CALLS
+from flatcake_ray.client.direct import DIRECT_CALLS, PendingCall
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.releases import LeaseReleases
 from flatcake_ray.client.report import RestoreReport
@@ -59,12 +59,16 @@ def hits(answer: LeaseReply | Probe | int | None) -> int:
     return int(answer) if isinstance(answer, int | np.integer) else int(answer.hits)
 
 
+CLOSE_WAIT_S = 1.0  # a closing client waits this long for homes' answers it did not wait for
+
+
 class Locator(LeaseReleases):
     def __init__(self, nodes: NodeTable, rpc_timeout_s: float) -> None:
         super().__init__(nodes, rpc_timeout_s)
         self._where: OrderedDict[bytes, int] = OrderedDict()
         self.fanouts = 0
-        # Homes' finds a cold lookup did not wait for: (reference, home, the chain's anchor).
+        # Homes' finds a cold lookup did not wait for: (Ray reference or direct call sent,
+        # home, the chain's anchor).
         self._late: list[tuple[Any, NodeLink, bytes]] = []
         self.finds_unawaited = 0
         self._recovered: OrderedDict[tuple[bytes, frozenset[int]], None] = OrderedDict()
@@ -223,9 +227,18 @@ class Locator(LeaseReleases):
         report.nodes_asked += len(links)
         answers: list[tuple[NodeLink, Any]] = []
         limited: FlatCakeError | None = None
-        for link, sent in direct:
+        pending: list[tuple[NodeLink, tuple[Any, ...], PendingCall]] = []
+        for link, sent in sorted(direct, key=lambda d: not d[0].local):  # local answers first
             try:
-                answers.append((link, link.direct.call(method, *sent)))  # type: ignore[union-attr]
+                pending.append((link, sent, link.direct.send(method, *sent)))  # type: ignore[union-attr]
+            except ChannelClosedError:  # asked over Ray instead
+                refs[getattr(link.handle, method).remote(*sent)] = link
+        for i, (link, sent, call) in enumerate(pending):
+            if whole is not None and any(_holds(a, len(args[1])) for _, a in answers):
+                self._defer(whole, [(late_call, late) for late, _, late_call in pending[i:]])
+                break
+            try:
+                answers.append((link, call.result()))
                 report.direct_calls += 1
             except ChannelClosedError:  # asked over Ray instead
                 refs[getattr(link.handle, method).remote(*sent)] = link
@@ -235,9 +248,7 @@ class Locator(LeaseReleases):
                 self.nodes.mark_down(link, f"{method} failed: {exc}")
                 report.failures.append(f"node {link.node_id}: {type(exc).__name__}")
         if whole is not None and refs and any(_holds(a, len(args[1])) for _, a in answers):
-            with self._lock:
-                self._late += [(ref, link, whole) for ref, link in refs.items()]
-                self.finds_unawaited += len(refs)
+            self._defer(whole, list(refs.items()))
             refs = {}
         ready: list[Any] = []
         late: list[Any] = []
@@ -264,6 +275,13 @@ class Locator(LeaseReleases):
             raise limited
         return [answer for answer in answers if self._current(*answer, report)]
 
+    def _defer(self, first: bytes, asked: list[tuple[Any, NodeLink]]) -> None:
+        """Homes' ``find``s (Ray references or direct calls sent) not waited for: another
+        home answered the whole request; ``_settle_late`` reads them."""
+        with self._lock:
+            self._late += [(answer, link, first) for answer, link in asked]
+            self.finds_unawaited += len(asked)
+
     def _settle_late(self, timeout_s: float, *, give_up: bool = False) -> None:
         """Read the homes' answers a cold lookup did not wait for (another home had answered
         the whole request): give back what they leased, and tell a home that knew nothing
@@ -274,9 +292,48 @@ class Locator(LeaseReleases):
             late, self._late = self._late, []
         if not late:
             return
+        deadline = time.monotonic() + timeout_s
+        kept = [entry for entry in late if isinstance(entry[0], PendingCall)]
+        kept = self._read_late_direct(kept, deadline, give_up)
+        kept += self._read_late_ray(
+            [e for e in late if not isinstance(e[0], PendingCall)], deadline, give_up
+        )
+        with self._lock:
+            self._late += kept
+
+    def _read_late_direct(
+        self, late: list[tuple[Any, NodeLink, bytes]], deadline: float, give_up: bool
+    ) -> list[tuple[Any, NodeLink, bytes]]:
+        kept = []
+        for call, link, first in late:
+            if not call.ready(deadline - time.monotonic()):
+                if give_up:
+                    call.abandon()  # what it leased runs out by its TTL
+                    self.nodes.mark_down(link, "find took over the RPC timeout")
+                else:
+                    kept.append((call, link, first))
+                continue
+            try:
+                reply = call.result()
+            except (TenantLimitError, AccessDeniedError):
+                continue  # refused this tenant: nothing was leased
+            except ChannelClosedError:
+                continue  # the answer is lost: its lease runs out by its TTL
+            except FlatCakeError as exc:
+                self.nodes.mark_down(link, f"find failed: {exc}")
+                continue
+            self._late_answer(link, first, reply)
+        return kept
+
+    def _read_late_ray(
+        self, late: list[tuple[Any, NodeLink, bytes]], deadline: float, give_up: bool
+    ) -> list[tuple[Any, NodeLink, bytes]]:
+        if not late:
+            return []
         import ray
         from ray.exceptions import RayError
 
+        timeout_s = max(deadline - time.monotonic(), 0.0)
         ready, _ = ray.wait([ref for ref, _, _ in late], num_returns=len(late), timeout=timeout_s)
         answered, kept = set(ready), []
         for ref, link, first in late:
@@ -293,13 +350,23 @@ class Locator(LeaseReleases):
             except RayError as exc:
                 self.nodes.mark_down(link, f"find failed: {exc}")
                 continue
-            if isinstance(reply.answer, LeaseReply) and reply.answer.hits:
-                self.release_unawaited(link, reply.answer, RestoreReport(0))
-            owner = self._where.get(first)
-            if reply.owner is None and owner is not None and owner != link.node_id:
-                self._record_at([link], first, owner)
-        with self._lock:
-            self._late += kept
+            self._late_answer(link, first, reply)
+        return kept
+
+    def _late_answer(self, link: NodeLink, first: bytes, reply: Any) -> None:
+        """A late home's answer, as a lookup that waited would have used it: its lease goes
+        back, and a home that knew nothing learns where the chain is."""
+        if isinstance(reply.answer, LeaseReply) and reply.answer.hits:
+            self.release_unawaited(link, reply.answer, RestoreReport(0))
+        owner = self._where.get(first)
+        if reply.owner is None and owner is not None and owner != link.node_id:
+            self._record_at([link], first, owner)
+
+    def close(self) -> None:
+        """Read the homes' answers not waited for (their leases go back; a connection held
+        for one is closed), then as ``LeaseReleases.close``."""
+        self._settle_late(CLOSE_WAIT_S, give_up=True)
+        super().close()
 
     def settle_unawaited(self) -> None:
         """The homes' answers not waited for first (their leases released), then every

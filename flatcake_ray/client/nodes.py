@@ -64,14 +64,19 @@ class NodeLink:
         local: bool,
         config: ServiceConfig,
         direct_calls: bool = False,
+        remote_direct_calls: bool = False,
     ) -> None:
         self.handle = handle
         self.description = description
         self.node_id = description.node_id
         self.local = local
         self.config = config
-        # Lookups and releases over a socket to the node on this machine (client/direct.py).
-        self.direct = DirectCalls(handle, config.rpc_timeout_s) if local and direct_calls else None
+        # Lookups and releases over a socket (client/direct.py): a Unix socket to the node on
+        # this machine, TCP to a node on another.
+        wanted = direct_calls if local else remote_direct_calls
+        self.direct = (
+            DirectCalls(handle, config.rpc_timeout_s, over_tcp=not local) if wanted else None
+        )
         self.down_until = 0.0
         self._transports: dict[tuple[str, Medium], tuple[Any, threading.Lock]] = {}
         self._extra: list[Any] = []  # NIXL readers inside composite transports
@@ -206,10 +211,17 @@ class NodeTable:
     """Every storage node of the namespace, keyed by NodeID, refreshed by name listing."""
 
     def __init__(
-        self, namespace: str, my_ray_node_id: str, secret: str | None, direct_calls: bool = False
+        self,
+        namespace: str,
+        my_ray_node_id: str,
+        secret: str | None,
+        direct_calls: bool = False,
+        remote_direct_calls: bool = False,
     ) -> None:
         self.namespace = namespace
-        self.direct_calls = direct_calls  # the local node's lookups over a socket (NodeLink)
+        # Lookups over a socket (NodeLink): to the local node; to nodes on other machines.
+        self.direct_calls = direct_calls
+        self.remote_direct_calls = remote_direct_calls
         self.secret = secret  # the tenant's (None: the open default tenant)
         self.my_ray_node_id = my_ray_node_id
         self.config: ServiceConfig | None = None
@@ -282,7 +294,9 @@ class NodeTable:
             self._drop(name)
         local = description.ray_node_id == self.my_ray_node_id
         assert self.config is not None  # fetched with the first description
-        link = NodeLink(handle, description, local, self.config, self.direct_calls)
+        link = NodeLink(
+            handle, description, local, self.config, self.direct_calls, self.remote_direct_calls
+        )
         self.links[description.node_id] = link
         self._names[name] = description.node_id
 

@@ -209,8 +209,8 @@ class RemotePut:
         return self._route.link
 
     def _ask(self, method: str, *args: Any) -> Any:
-        """The owner's answer to ``method``: over its call channel where it is this
-        machine's node (client/direct.py), else (or when the channel cannot carry it) Ray.
+        """The owner's answer to ``method``: over its call channel where it has one
+        (client/direct.py), else (or when the channel cannot carry it) Ray.
         A commit whose answer was lost is not sent again: the owner may have published."""
         direct = self._link.direct
         if direct is not None:

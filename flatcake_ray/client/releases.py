@@ -54,7 +54,7 @@ class LeaseReleases:
 
     def release_unawaited(self, link: NodeLink, reply: LeaseReply, report: RestoreReport) -> None:
         """Release a lease read under whose reader needs no answer (it checked every byte
-        it kept): sent now, its answer not waited for, over the local node's call channel
+        it kept): sent now, its answer not waited for, over the node's call channel
         (posted: read by that connection's next call) or over Ray. A later call of this
         client may run at the node before it (another connection, another node thread):
         ``settle_unawaited`` is what orders it."""

@@ -16,7 +16,7 @@ class RestoreReport:
     node_id: int | None = None  # the node whose lease served the request
     paths: dict[str, PathTally] = field(default_factory=dict)
     actor_calls: int = 0  # calls to storage nodes, over Ray or direct
-    direct_calls: int = 0  # those of them over the local node's call channel (client/direct.py)
+    direct_calls: int = 0  # those of them over a node's call channel (client/direct.py)
     nodes_asked: int = 0
     control_seconds: float = 0.0  # lookups and leases
     data_seconds: float = 0.0  # transports

@@ -1,4 +1,5 @@
-"""Direct calls between a client and the storage node on its machine, over a Unix socket.
+"""Direct calls between a client and a storage node: a Unix socket on the node's machine, TCP
+from another machine.
 
 A Ray actor call costs about 1.4 ms on the project's 2-core machines before the node does
 any work, more than the lookup itself; a local client's lookups, finds and releases go over
@@ -7,7 +8,11 @@ the way chunks are handed out (``fd_handout.py``): the client listens on a fresh
 socket and names it in an actor call that carries its tenant's secret; the node connects,
 and the client keeps the connection only if the process that connected is the node's
 (``SO_PEERCRED``). The node never listens, and every call on a connection acts for the
-tenant whose secret opened it.
+tenant whose secret opened it. A client on another machine listens on its own cluster address
+instead (``TcpCallListener``), a port the system picks, and names it with a fresh random
+token in the actor call; the node connects (only to an address of a node of its Ray cluster)
+and sends the token first, and the client keeps the connection that presents it: only the
+node got the token, over Ray.
 
 Frames are a 4-byte length and a body. A call is msgpack (the node unpickles nothing a client
 sends): ``[method, args]``, numpy arrays as an extension type of a few integer dtypes. A reply
@@ -17,9 +22,12 @@ is a pickle made by the node (the client trusts the node's process, as it trusts
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import pickle
+import secrets
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
@@ -32,6 +40,7 @@ from flatcake_ray.errors import (
     FlatCakeError,
     ServiceError,
     ShapeError,
+    TransferTimeoutError,
 )
 from flatcake_ray.media import peer_socket
 
@@ -46,6 +55,10 @@ _ARRAY, _HINTS, _PAGE_KEY = 1, 2, 3  # msgpack extension codes: a numpy array, P
 # What a direct call carries in arrays: packed digests, lease and scope ids, bytes.
 _DTYPES = {"digest": DIGEST_DTYPE, "i8": np.dtype("<i8"), "u8": np.dtype("<u8")}
 _DTYPES["u1"] = np.dtype("u1")
+TOKEN_BYTES = 16  # what a node presents on a TCP channel it opened (TcpCallListener)
+# A TCP channel's token is in by the time the client accepts (the node sent it before its
+# open_remote_calls returned): a connection that does not present it at once is not the node.
+_TOKEN_WAIT_S = 0.5
 
 
 def check_socket_name(name: object) -> str:
@@ -187,5 +200,81 @@ def connect(socket_name: str, timeout_s: float) -> socket.socket:
     except OSError as error:
         sock.close()
         raise ServiceError(f"no process of this machine listens for calls: {error}") from error
+    sock.settimeout(None)
+    return sock
+
+
+class TcpCallListener:
+    """Listens on ``host`` (this machine's cluster address), a port the system picks, for the
+    connection of one node on another machine: the one that presents ``token`` first. Any
+    other connection is closed."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((host, 0))
+            self._sock.listen(8)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.port: int = self._sock.getsockname()[1]
+
+    def accept_token(self, timeout_s: float) -> socket.socket:
+        """The connection that presented the token (blocking; TransferTimeoutError if none
+        came in ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError as error:
+                raise TransferTimeoutError(f"no call channel in {timeout_s:.1f} s") from error
+            conn.settimeout(_TOKEN_WAIT_S)
+            try:
+                presented = _recv_exactly(conn, TOKEN_BYTES)
+            except (OSError, ChannelClosedError):
+                presented = b""
+            if hmac.compare_digest(presented, self.token):
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return conn
+            conn.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> TcpCallListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_tcp_address(host: object, port: object, token: object) -> tuple[str, int, bytes]:
+    """``(host, port, token)`` as a TcpCallListener names them, else ShapeError."""
+    if not isinstance(host, str) or not host or len(host) > 255:
+        raise ShapeError("a call channel's host is an address")
+    if type(port) is not int or not 0 < port < 65536:
+        raise ShapeError("a call channel's port is 1-65535")
+    if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+        raise ShapeError(f"a call channel's token is {TOKEN_BYTES} bytes")
+    return host, port, token
+
+
+def connect_tcp(host: str, port: int, token: bytes, timeout_s: float) -> socket.socket:
+    """The node's end of a TCP channel: connect to the client's listener, present the token."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError as error:
+        raise ServiceError(f"no client listens for calls at {host}:{port}: {error}") from error
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(token)
+    except OSError as error:
+        sock.close()
+        raise ServiceError(f"the call channel to {host}:{port} broke: {error}") from error
     sock.settimeout(None)
     return sock

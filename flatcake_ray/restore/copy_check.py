@@ -16,7 +16,8 @@ import numpy as np
 
 from flatcake_ray.core.block_checks import BlockRows, HashSpan
 from flatcake_ray.core.chunks import LayerChunk, PageRun
-from flatcake_ray.cuda_ext.host_hash import DST, HASH_AT, LENGTH, SRC, copy_and_hash, fused
+from flatcake_ray.cuda_ext.host_copy import DST, HASH_AT, op_rows
+from flatcake_ray.cuda_ext.host_hash import copy_and_hash, fused
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,7 @@ def copy_and_check(
     owner = np.searchsorted(run_lo, lo, side="right") - 1
     kept = (owner >= 0) & (hi <= run_hi[np.maximum(owner, 0)])
     lo, hi, owner = lo[kept], hi[kept], owner[kept]
-    ops = np.zeros((len(lo), 4), dtype=np.int64)
-    ops[:, DST] = bases[owner] + (lo - run_lo[owner])
-    ops[:, SRC] = medium.ctypes.data + lo
-    ops[:, LENGTH] = hi - lo
+    ops = op_rows(bases[owner] + (lo - run_lo[owner]), medium.ctypes.data + lo, hi - lo)
     piece_of_span = np.searchsorted(lo, span_lo)
     ops[piece_of_span, HASH_AT] = ops[piece_of_span, DST]
     sums = copy_and_hash(ops)
@@ -140,11 +138,7 @@ def copy_blocks_checked(medium: np.ndarray, rows: BlockRows, into: np.ndarray) -
     ends = rows.offset + rows.length
     if lo < 0 or int(ends.max()) > medium.nbytes or int(ends.max()) - lo > into.nbytes:
         raise AssertionError("a block lies outside the mapped medium or its copy")
-    ops = np.zeros((len(rows), 4), dtype=np.int64)
-    ops[:, DST] = into.ctypes.data + (rows.offset - lo)
-    ops[:, SRC] = medium.ctypes.data + rows.offset
-    ops[:, LENGTH] = rows.length
-    ops[:, HASH_AT] = ops[:, DST]
-    sums = copy_and_hash(ops)
+    copies = into.ctypes.data + (rows.offset - lo)
+    sums = copy_and_hash(op_rows(copies, medium.ctypes.data + rows.offset, rows.length, copies))
     assert sums is not None  # fused() said the native pass is there
     return sums != rows.expected
