@@ -134,10 +134,14 @@ class Lane:
 
     def _read_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            # A job read in place only (a mapped medium into host memory) has no read to
-            # overlap with: its chunks are copied on this thread, each handoff's wake-up
-            # saved (a small restore paid more for those than for its copies).
-            inline = not self._overlap or (not job.plan.fills and job.dest.device.type == "cpu")
+            # A job read in place only (a mapped medium into host memory) in one batch has no
+            # read to overlap with: it is copied on this thread, the handoff's wake-up saved
+            # (a small restore paid more for those than for its copies). One of several
+            # batches is handed off: planning the next overlaps the copy (a 224 MB restore
+            # copied here ran 8-11% slower, BENCHMARKS.md).
+            inline = not self._overlap or (
+                not job.plan.fills and job.dest.device.type == "cpu" and len(job.plan.groups) == 1
+            )
             try:
                 self._stage(job, inline)
                 end: Any = _END
