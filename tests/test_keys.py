@@ -51,19 +51,35 @@ def test_a_keys_digest_does_not_depend_on_the_other_keys_of_its_request(keys, at
     assert (digest_keys("tenant", tuple(keys)) == text_only).all()
 
 
-@given(
-    st.text(min_size=1, max_size=200),
-    st.lists(st.text(min_size=1, max_size=300), min_size=1, max_size=40),
-)
-def test_the_native_batch_digests_are_the_hashlib_digests(namespace, keys):
-    """``core/_digests.c`` (when built) gives the bytes hashlib gives, for any text: keys
-    and namespaces over a BLAKE2b block (128 bytes), multi-byte UTF-8, one-key requests."""
-    from hashlib import blake2b
-
+@pytest.fixture(scope="module", params=[True, False], ids=["four-lanes", "one-lane"])
+def native(request):
+    """``core/_digests.c`` hashing four keys at once (AVX2, where the CPU has it) or one at
+    a time: both must give hashlib's bytes."""
     from flatcake_ray.core import keys as module
 
     if module._native is None:
         pytest.skip("core/_digests.c is not built here (pip install compiles it)")
+    previous = module._native.use_avx2(request.param)
+    yield module._native
+    module._native.use_avx2(previous)
+
+
+@given(
+    st.text(min_size=1, max_size=200),
+    st.lists(
+        st.text(min_size=1, max_size=300) | st.text(min_size=1, max_size=12),
+        min_size=1,
+        max_size=40,
+    ),
+)
+def test_the_native_batch_digests_are_the_hashlib_digests(native, namespace, keys):
+    """``core/_digests.c`` (when built) gives the bytes hashlib gives, for any text: keys
+    and namespaces over a BLAKE2b block (128 bytes), multi-byte UTF-8, one-key requests,
+    runs of four keys that fit one block mixed with keys that do not."""
+    from hashlib import blake2b
+
+    from flatcake_ray.core import keys as module
+
     try:
         prefix = module.namespace_frame(namespace) + b"s"
     except InvalidKeyError:  # a namespace that is not Unicode is refused before hashing
@@ -71,10 +87,10 @@ def test_the_native_batch_digests_are_the_hashlib_digests(namespace, keys):
     try:
         expected = b"".join(blake2b(prefix + k.encode(), digest_size=16).digest() for k in keys)
     except UnicodeEncodeError:  # a key that is not Unicode: the general path refuses it
-        assert module._native.digest_str_keys(prefix, keys) is None
+        assert native.digest_str_keys(prefix, keys) is None
         return
-    assert module._native.digest_str_keys(prefix, keys) == expected
-    assert module._native.digest_str_keys(prefix, [*keys, 7]) is None
+    assert native.digest_str_keys(prefix, keys) == expected
+    assert native.digest_str_keys(prefix, [*keys, 7]) is None
 
 
 @pytest.mark.parametrize("namespace", ["", b"bytes", 7])
@@ -91,16 +107,20 @@ def test_a_namespace_that_is_not_a_non_empty_str_is_refused_on_every_path(namesp
 
 
 @pytest.mark.parametrize("extra", [-2, -1, 0, 1, 2, 129])
-def test_native_digests_at_the_block_edge_are_the_hashlib_digests(extra):
+def test_native_digests_at_the_block_edge_are_the_hashlib_digests(native, extra):
     """A key whose prefix and bytes end just short of, on, or past one 128-byte block: the
-    native path takes one block while they fit, the general update past it."""
+    native path takes one block while they fit, the general update past it; four in a row
+    (one compression of four lanes where all fit)."""
     from hashlib import blake2b
 
     from flatcake_ray.core import keys as module
 
-    if module._native is None:
-        pytest.skip("core/_digests.c is not built here (pip install compiles it)")
     prefix = module.namespace_frame("edge") + b"s"
     key = "k" * (128 - len(prefix) + extra)
     expected = blake2b(prefix + key.encode(), digest_size=16).digest()
-    assert module._native.digest_str_keys(prefix, [key, key]) == expected * 2
+    assert native.digest_str_keys(prefix, [key, key]) == expected * 2
+    short = blake2b(prefix + b"s", digest_size=16).digest()
+    keys = [key, "s", "s", "s", "s", key, "s"]
+    assert native.digest_str_keys(prefix, keys) == b"".join(
+        expected if k == key else short for k in keys
+    )
