@@ -148,10 +148,10 @@ class RemotePut:
         self, target: PutTarget, reach: Reach, offset: int, data: np.ndarray, positions: Any
     ) -> np.ndarray | None:
         """Write the layer's new pages into the owner's memory; their block checksums when
-        they were taken on the way (one pass: a mapped write of the whole layer), else None."""
+        they were taken on the way (one pass: a write of the whole layer), else None."""
+        block_bytes = target.check_pages * self._page_bytes
         if reach is Reach.NIXL:
-            self._route.targets.write(target.peer, offset, data, positions)
-            return None
+            return self._route.targets.write(target.peer, offset, data, positions, block_bytes)
         count = len(data) if positions is None else len(positions)
         memory = self._route.targets.mapped(self._link, target)
         start = offset - target.chunk_offset
@@ -159,7 +159,7 @@ class RemotePut:
         if positions is not None:
             np.take(data, positions, axis=0, out=into)
             return None
-        sums = copy_hashing_source(into, data, target.check_pages * self._page_bytes)
+        sums = copy_hashing_source(into, data, block_bytes)
         if sums is None:
             copy_into(into, data)
         return sums

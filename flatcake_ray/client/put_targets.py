@@ -20,6 +20,7 @@ import numpy as np
 from flatcake_ray.actors.protocol import PutTarget
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.cuda_ext.host_copy import copy_into
+from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
 from flatcake_ray.media.fd_handout import HandedChunk
 
 MAX_MAPPINGS = 8  # owners' chunks mapped at once
@@ -59,21 +60,27 @@ class PutTargets:
                 self._maps.popitem(last=False)  # unmapped once its last view goes
             return known[1]
 
-    def write(self, peer: Any, offset: int, pages: np.ndarray, positions: Any) -> None:
+    def write(
+        self, peer: Any, offset: int, pages: np.ndarray, positions: Any, block_bytes: int
+    ) -> np.ndarray | None:
         """WRITE ``pages[positions]`` (all of them when ``positions`` is None) to ``offset``
-        of ``peer``'s exported memory; returns when the bytes are there."""
+        of ``peer``'s exported memory; returns when the bytes are there, with the checksums
+        of each ``block_bytes`` of what was written when they were taken in the gathering
+        copy (all pages: one pass, where copy, then hash took two), else None."""
         count = len(pages) if positions is None else len(positions)
         nbytes = count * pages.shape[1]
         region = self.staging.take(nbytes, self.timeout_s)
+        sums = None
         try:
             gathered = region.view[:nbytes].reshape(count, pages.shape[1])
-            if positions is None:
-                copy_into(gathered, pages)
-            else:
+            if positions is not None:
                 np.take(pages, positions, axis=0, out=gathered)
+            elif (sums := copy_hashing_source(gathered, pages, block_bytes)) is None:
+                copy_into(gathered, pages)
             self._writer(peer).write(region.view[:nbytes], offset)
         finally:
             self.staging.give(region)
+        return sums
 
     def _writer(self, peer: Any) -> Any:
         from flatcake_ray.actors.nixl_roles import reader_agent
