@@ -52,8 +52,9 @@ class PendingCall:
 
     def ready(self, timeout_s: float) -> bool:
         """Whether its answer is in (or the connection ended) within ``timeout_s``."""
-        readable, _, _ = select.select([self._sock], [], [], max(timeout_s, 0.0))
-        return bool(readable)
+        poller = select.poll()  # not select(): an engine's process may hold fds past 1024
+        poller.register(self._sock, select.POLLIN)
+        return bool(poller.poll(max(int(timeout_s * 1000), 0)))
 
     def result(self) -> Any:
         """The node's answer (its typed error raised here); CallLostError when the
