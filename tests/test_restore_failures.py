@@ -19,7 +19,15 @@ from flatcake_ray.errors import (
 )
 from flatcake_ray.restore import RestorePipeline
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
-from tests.test_restore import DRAM, SLOTS, WAIT, GatedScatter, make_pool, pool_pages
+from tests.test_restore import (
+    DRAM,
+    SLOTS,
+    WAIT,
+    GatedScatter,
+    make_pool,
+    pool_pages,
+    scattered_slots,
+)
 
 # ---- errors and lifecycle --------------------------------------------------------------------
 
@@ -157,9 +165,11 @@ def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
 
     failpoints.arm("plan.chunks", call=lose_the_plan, times=None)
     # A layer per group: a filled slot holds less than a layer, and a mapped restore into
-    # host memory copies four slots' bytes (one layer here) at a time.
+    # host pages that are not back to back copies four slots' bytes (one layer here) at a
+    # time.
     pipeline = pipelines(store, windows=1, slot_bytes=PAGE_BYTES + 4096)
-    handle = pipeline.submit(list(range(6)), make_pool("layer_first"), np.arange(6))
+    slots = scattered_slots(6, seed=3)
+    handle = pipeline.submit(list(range(6)), make_pool("layer_first"), slots)
     with pytest.raises(RestoreError) as caught:
         handle.wait(WAIT)
     assert isinstance(caught.value.__cause__, RuntimeError)
@@ -168,8 +178,8 @@ def test_a_planning_error_reaches_wait_and_the_lane_lives_on(
     # as it goes, so the layer planned before the failure may be in place.
     assert handle.layers_done == (0 if medium is Medium.SSD else 1)
     pool = make_pool("layer_first")
-    assert pipeline.submit(list(range(6)), pool, np.arange(6)).wait(WAIT) == 6
-    assert np.array_equal(pool_pages(pool, "layer_first", np.arange(6)), kv)
+    assert pipeline.submit(list(range(6)), pool, slots).wait(WAIT) == 6
+    assert np.array_equal(pool_pages(pool, "layer_first", slots), kv)
     assert store.stats()["leases_open"] == 0
 
 
