@@ -1,7 +1,9 @@
 """A cold lookup on a storage node's machine: when the chain's home there (asked over its call
-channel) holds the whole request, the other home's answer (a Ray call) is not waited for; it
-is read later (before this client's next put, or its stats), and what it leased goes back
-(``client/locate.py`` ``_settle_late``). Two storage nodes, the driver on the first."""
+channel) holds the whole request, the other home's answer, asked over Ray, is not waited for;
+it is read later (before this client's next put, or its stats), and what it leased goes back
+(``client/locate.py`` ``_settle_late``). Two storage nodes, the driver on the first; the
+client asks the other node over Ray (``remote_direct_calls`` off: with a call channel there,
+both homes' answers are read, their round trips overlapped)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ PAGES = 6
 @pytest.fixture(scope="module")
 def client(ray_service):
     from flatcake_ray.client.client import FlatCakeClient
+    from flatcake_ray.config import ClientConfig
 
     ray_service(NAMESPACE, workers=1, **SMALL_SERVICE, ramp_seconds=0.0)
-    with FlatCakeClient(NAMESPACE) as client:
+    config = ClientConfig(remote_direct_calls=False)
+    with FlatCakeClient(NAMESPACE, config=config) as client:
         yield client
 
 

@@ -17,7 +17,6 @@ stops it, a firewall between the machines, rarely goes away).
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
@@ -50,20 +49,10 @@ class PendingCall:
         self._sock = sock
         self.method = method
 
-    def ready(self, timeout_s: float) -> bool:
-        """Whether its answer is in (or the connection ended) within ``timeout_s``."""
-        poller = select.poll()  # not select(): an engine's process may hold fds past 1024
-        poller.register(self._sock, select.POLLIN)
-        return bool(poller.poll(max(int(timeout_s * 1000), 0)))
-
     def result(self) -> Any:
         """The node's answer (its typed error raised here); CallLostError when the
         connection broke after the call was sent (the node may have run it)."""
         return self._calls._answer(self._sock, self.method)
-
-    def abandon(self) -> None:
-        """Close its connection unread (its answer is not wanted any more)."""
-        self._sock.close()
 
 
 class DirectCalls:

@@ -59,16 +59,12 @@ def hits(answer: LeaseReply | Probe | int | None) -> int:
     return int(answer) if isinstance(answer, int | np.integer) else int(answer.hits)
 
 
-CLOSE_WAIT_S = 1.0  # a closing client waits this long for homes' answers it did not wait for
-
-
 class Locator(LeaseReleases):
     def __init__(self, nodes: NodeTable, rpc_timeout_s: float) -> None:
         super().__init__(nodes, rpc_timeout_s)
         self._where: OrderedDict[bytes, int] = OrderedDict()
         self.fanouts = 0
-        # Homes' finds a cold lookup did not wait for: (Ray reference or direct call sent,
-        # home, the chain's anchor).
+        # Homes' finds a cold lookup did not wait for: (reference, home, the chain's anchor).
         self._late: list[tuple[Any, NodeLink, bytes]] = []
         self.finds_unawaited = 0
         self._recovered: OrderedDict[tuple[bytes, frozenset[int]], None] = OrderedDict()
@@ -233,10 +229,9 @@ class Locator(LeaseReleases):
                 pending.append((link, sent, link.direct.send(method, *sent)))  # type: ignore[union-attr]
             except ChannelClosedError:  # asked over Ray instead
                 refs[getattr(link.handle, method).remote(*sent)] = link
-        for i, (link, sent, call) in enumerate(pending):
-            if whole is not None and any(_holds(a, len(args[1])) for _, a in answers):
-                self._defer(whole, [(late_call, late) for late, _, late_call in pending[i:]])
-                break
+        # Every call sent is read (their round trips overlapped): a connection is not held
+        # for an answer nobody waits on, and a home that knew nothing is told at once.
+        for link, sent, call in pending:
             try:
                 answers.append((link, call.result()))
                 report.direct_calls += 1
@@ -276,8 +271,8 @@ class Locator(LeaseReleases):
         return [answer for answer in answers if self._current(*answer, report)]
 
     def _defer(self, first: bytes, asked: list[tuple[Any, NodeLink]]) -> None:
-        """Homes' ``find``s (Ray references or direct calls sent) not waited for: another
-        home answered the whole request; ``_settle_late`` reads them."""
+        """Homes' ``find``s over Ray not waited for: another home answered the whole request
+        over its call channel; ``_settle_late`` reads them."""
         with self._lock:
             self._late += [(answer, link, first) for answer, link in asked]
             self.finds_unawaited += len(asked)
@@ -292,48 +287,9 @@ class Locator(LeaseReleases):
             late, self._late = self._late, []
         if not late:
             return
-        deadline = time.monotonic() + timeout_s
-        kept = [entry for entry in late if isinstance(entry[0], PendingCall)]
-        kept = self._read_late_direct(kept, deadline, give_up)
-        kept += self._read_late_ray(
-            [e for e in late if not isinstance(e[0], PendingCall)], deadline, give_up
-        )
-        with self._lock:
-            self._late += kept
-
-    def _read_late_direct(
-        self, late: list[tuple[Any, NodeLink, bytes]], deadline: float, give_up: bool
-    ) -> list[tuple[Any, NodeLink, bytes]]:
-        kept = []
-        for call, link, first in late:
-            if not call.ready(deadline - time.monotonic()):
-                if give_up:
-                    call.abandon()  # what it leased runs out by its TTL
-                    self.nodes.mark_down(link, "find took over the RPC timeout")
-                else:
-                    kept.append((call, link, first))
-                continue
-            try:
-                reply = call.result()
-            except (TenantLimitError, AccessDeniedError):
-                continue  # refused this tenant: nothing was leased
-            except ChannelClosedError:
-                continue  # the answer is lost: its lease runs out by its TTL
-            except FlatCakeError as exc:
-                self.nodes.mark_down(link, f"find failed: {exc}")
-                continue
-            self._late_answer(link, first, reply)
-        return kept
-
-    def _read_late_ray(
-        self, late: list[tuple[Any, NodeLink, bytes]], deadline: float, give_up: bool
-    ) -> list[tuple[Any, NodeLink, bytes]]:
-        if not late:
-            return []
         import ray
         from ray.exceptions import RayError
 
-        timeout_s = max(deadline - time.monotonic(), 0.0)
         ready, _ = ray.wait([ref for ref, _, _ in late], num_returns=len(late), timeout=timeout_s)
         answered, kept = set(ready), []
         for ref, link, first in late:
@@ -351,7 +307,8 @@ class Locator(LeaseReleases):
                 self.nodes.mark_down(link, f"find failed: {exc}")
                 continue
             self._late_answer(link, first, reply)
-        return kept
+        with self._lock:
+            self._late += kept
 
     def _late_answer(self, link: NodeLink, first: bytes, reply: Any) -> None:
         """A late home's answer, as a lookup that waited would have used it: its lease goes
@@ -361,12 +318,6 @@ class Locator(LeaseReleases):
         owner = self._where.get(first)
         if reply.owner is None and owner is not None and owner != link.node_id:
             self._record_at([link], first, owner)
-
-    def close(self) -> None:
-        """Read the homes' answers not waited for (their leases go back; a connection held
-        for one is closed), then as ``LeaseReleases.close``."""
-        self._settle_late(CLOSE_WAIT_S, give_up=True)
-        super().close()
 
     def settle_unawaited(self) -> None:
         """The homes' answers not waited for first (their leases released), then every
