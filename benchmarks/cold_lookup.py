@@ -1,12 +1,14 @@
-"""A cold ``locate(lease=True)`` whose chain lives on the client's machine, with and without
-waiting for the other home, in alternation in one client.
+"""A cold ``locate(lease=True)`` whose chain lives on the client's machine, the other home
+asked over its TCP call channel, or over Ray with and without waiting for it, in alternation.
 
-Two storage nodes on a local Ray cluster; a Ray actor pinned to the first holds one client,
-puts 3,421-page chains into DRAM until one is placed on its own node, then alternates cold
-lookups (location cache forgotten) of it: as the client does them (a home on this machine
-that answers the whole request over its call channel ends the lookup; the other home's Ray
-answer is read later) and with that early end turned off (every home's answer waited for).
-Medians of ``--repeats`` each, the lookups' control time in ms.
+Two storage nodes on a local Ray cluster; a Ray actor pinned to the first holds two clients
+(``remote_direct_calls`` on and off), puts 3,421-page chains into DRAM until one is placed on
+its own node, then alternates cold lookups (location cache forgotten) of it: over both call
+channels (both homes asked at once, both answers read); over Ray to the other home as the
+client does it (a home on this machine that answers the whole request over its channel ends
+the lookup; the other home's Ray answer is read later); and over Ray with that early end
+turned off (every home's answer waited for). Medians of ``--repeats`` each, the lookups'
+control time in ms.
 
 .venv/bin/python benchmarks/cold_lookup.py [--repeats 15]
 """
@@ -27,8 +29,10 @@ LAYERS, PAGE_BYTES, PAGES = 4, 16 << 10, 3421
 class ColdLookups:
     def __init__(self, namespace: str) -> None:
         from flatcake_ray.client.client import FlatCakeClient
+        from flatcake_ray.config import ClientConfig
 
         self.client = FlatCakeClient(namespace)
+        self.over_ray = FlatCakeClient(namespace, config=ClientConfig(remote_direct_calls=False))
 
     def run(self, repeats: int) -> dict[str, Any]:
         import flatcake_ray.client.locate as locate
@@ -46,15 +50,16 @@ class ColdLookups:
         if keys is None:
             raise RuntimeError("no chain of 16 was placed on the client's node")
         holds = locate._holds
-        times: dict[str, list[float]] = {"early": [], "wait": []}
+        times: dict[str, list[float]] = {"channels": [], "early": [], "wait": []}
         try:
             for _ in range(repeats):
                 for mode in times:
-                    locate._holds = holds if mode == "early" else lambda answer, pages: False
-                    self.client.forget_locations()
-                    report = self.client.locate(keys, lease=True)
+                    locate._holds = holds if mode != "wait" else lambda answer, pages: False
+                    client = self.client if mode == "channels" else self.over_ray
+                    client.forget_locations()
+                    report = client.locate(keys, lease=True)
                     times[mode].append(report.control_seconds * 1e3)
-                    self.client.stats(nodes=False)
+                    client.stats(nodes=False)
         finally:
             locate._holds = holds
         return {mode: statistics.median(values) for mode, values in times.items()}
@@ -83,8 +88,9 @@ def main() -> None:
         found = ray.get(actor.remote(config.namespace).run.remote(args.repeats))
     print(f"load average {started_load:.2f} at the start, {load_average():.2f} at the end")
     print(f"cold locate(lease=True), {PAGES} pages, owner on the client's machine, medians:")
-    print(f"  the local home's whole answer ends it: {found['early']:.2f} ms")
-    print(f"  every home's answer waited for:       {found['wait']:.2f} ms")
+    print(f"  both homes over call channels (TCP to the other): {found['channels']:.2f} ms")
+    print(f"  the other over Ray, the local whole answer ends it: {found['early']:.2f} ms")
+    print(f"  the other over Ray, every answer waited for:        {found['wait']:.2f} ms")
 
 
 if __name__ == "__main__":
