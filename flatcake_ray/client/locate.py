@@ -243,7 +243,9 @@ class Locator(LeaseReleases):
                 self.nodes.mark_down(link, f"{method} failed: {exc}")
                 report.failures.append(f"node {link.node_id}: {type(exc).__name__}")
         if whole is not None and refs and any(_holds(a, len(args[1])) for _, a in answers):
-            self._defer(whole, list(refs.items()))
+            with self._lock:
+                self._late += [(ref, link, whole) for ref, link in refs.items()]
+                self.finds_unawaited += len(refs)
             refs = {}
         ready: list[Any] = []
         late: list[Any] = []
@@ -269,13 +271,6 @@ class Locator(LeaseReleases):
                     self.release(link, answer, (), report)
             raise limited
         return [answer for answer in answers if self._current(*answer, report)]
-
-    def _defer(self, first: bytes, asked: list[tuple[Any, NodeLink]]) -> None:
-        """Homes' ``find``s over Ray not waited for: another home answered the whole request
-        over its call channel; ``_settle_late`` reads them."""
-        with self._lock:
-            self._late += [(answer, link, first) for answer, link in asked]
-            self.finds_unawaited += len(asked)
 
     def _settle_late(self, timeout_s: float, *, give_up: bool = False) -> None:
         """Read the homes' answers a cold lookup did not wait for (another home had answered
@@ -306,18 +301,13 @@ class Locator(LeaseReleases):
             except RayError as exc:
                 self.nodes.mark_down(link, f"find failed: {exc}")
                 continue
-            self._late_answer(link, first, reply)
+            if isinstance(reply.answer, LeaseReply) and reply.answer.hits:
+                self.release_unawaited(link, reply.answer, RestoreReport(0))
+            owner = self._where.get(first)
+            if reply.owner is None and owner is not None and owner != link.node_id:
+                self._record_at([link], first, owner)
         with self._lock:
             self._late += kept
-
-    def _late_answer(self, link: NodeLink, first: bytes, reply: Any) -> None:
-        """A late home's answer, as a lookup that waited would have used it: its lease goes
-        back, and a home that knew nothing learns where the chain is."""
-        if isinstance(reply.answer, LeaseReply) and reply.answer.hits:
-            self.release_unawaited(link, reply.answer, RestoreReport(0))
-        owner = self._where.get(first)
-        if reply.owner is None and owner is not None and owner != link.node_id:
-            self._record_at([link], first, owner)
 
     def settle_unawaited(self) -> None:
         """The homes' answers not waited for first (their leases released), then every

@@ -27,7 +27,6 @@ import pickle
 import secrets
 import socket
 import struct
-import time
 from typing import Any
 
 import msgpack
@@ -40,7 +39,6 @@ from flatcake_ray.errors import (
     FlatCakeError,
     ServiceError,
     ShapeError,
-    TransferTimeoutError,
 )
 from flatcake_ray.media import peer_socket
 
@@ -204,7 +202,7 @@ def connect(socket_name: str, timeout_s: float) -> socket.socket:
     return sock
 
 
-class TcpCallListener:
+class TcpCallListener(peer_socket.Listener):
     """Listens on ``host`` (this machine's cluster address), a port the system picks, for the
     connection of one node on another machine: the one that presents ``token`` first. Any
     other connection is closed."""
@@ -213,44 +211,27 @@ class TcpCallListener:
         self.host = host
         self.token = secrets.token_bytes(TOKEN_BYTES)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._sock.bind((host, 0))
-            self._sock.listen(8)
-        except BaseException:
-            self._sock.close()
-            raise
+        super().__init__(socket.socket(family, socket.SOCK_STREAM), "call channel")
         self.port: int = self._sock.getsockname()[1]
+
+    def _bind(self) -> None:
+        self._sock.bind((self.host, 0))
 
     def accept_token(self, timeout_s: float) -> socket.socket:
         """The connection that presented the token (blocking; TransferTimeoutError if none
         came in ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError as error:
-                raise TransferTimeoutError(f"no call channel in {timeout_s:.1f} s") from error
-            conn.settimeout(_TOKEN_WAIT_S)
-            try:
-                presented = _recv_exactly(conn, TOKEN_BYTES)
-            except (OSError, ChannelClosedError):
-                presented = b""
-            if hmac.compare_digest(presented, self.token):
-                conn.settimeout(None)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                return conn
-            conn.close()
+        return self._accept_kept(timeout_s, self._presents_token, "its node")
 
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self) -> TcpCallListener:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _presents_token(self, conn: socket.socket) -> bool:
+        conn.settimeout(_TOKEN_WAIT_S)
+        try:
+            presented = _recv_exactly(conn, TOKEN_BYTES)
+        except (OSError, ChannelClosedError):
+            return False
+        if not hmac.compare_digest(presented, self.token):
+            return False
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return True
 
 
 def check_tcp_address(host: object, port: object, token: object) -> tuple[str, int, bytes]:

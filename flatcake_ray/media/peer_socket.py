@@ -1,4 +1,6 @@
-"""A fresh abstract Unix socket that keeps only the connection of one expected process.
+"""A fresh abstract Unix socket that keeps only the connection of one expected process
+(``PeerListener``), on the accept loop every listener of the project shares (``Listener``:
+also ``call_frames.TcpCallListener``).
 
 Both ways a storage node reaches a client process on its machine go through one of these:
 chunk hand-outs (``fd_handout.py``) and direct call channels (``call_frames.py``). The
@@ -13,6 +15,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import Self
 
 from flatcake_ray.errors import ShapeError, TransferTimeoutError
@@ -33,23 +36,28 @@ def check_socket_name(name: object, prefix: str, made_by: str) -> str:
     return name
 
 
-class PeerListener:
-    """Listens on ``prefix`` + a random token; ``accept_from`` takes one process's connection
-    (``what``: what it carries, for the timeout's message)."""
+class Listener:
+    """A listening socket that keeps the first connection ``keeps`` accepts and closes every
+    other unread (anyone may connect to an abstract name or a TCP port). ``what``: what the
+    connection carries, for the timeout's message."""
 
-    def __init__(self, prefix: str, kind: int, what: str) -> None:
+    def __init__(self, sock: socket.socket, what: str) -> None:
         self.what = what
-        self.name = prefix + secrets.token_hex(_TOKEN_HEX // 2)
-        self._sock = socket.socket(socket.AF_UNIX, kind)
+        self._sock = sock
         try:
-            self._sock.bind("\0" + self.name)
+            self._bind()
             self._sock.listen(8)
         except BaseException:
             self._sock.close()
             raise
 
-    def accept_from(self, pid: int, timeout_s: float) -> socket.socket:
-        """The connection process ``pid`` made (blocking; any other process's is closed)."""
+    def _bind(self) -> None:
+        raise NotImplementedError
+
+    def _accept_kept(
+        self, timeout_s: float, keeps: Callable[[socket.socket], bool], whose: str
+    ) -> socket.socket:
+        """The first connection ``keeps`` accepts (blocking; any other is closed)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -57,10 +65,9 @@ class PeerListener:
                 conn, _ = self._sock.accept()
             except TimeoutError as error:
                 raise TransferTimeoutError(
-                    f"no {self.what} from process {pid} in {timeout_s:.1f} s"
+                    f"no {self.what} from {whose} in {timeout_s:.1f} s"
                 ) from error
-            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            if _PEERCRED.unpack(raw)[0] == pid:
+            if keeps(conn):
                 conn.settimeout(None)
                 return conn
             conn.close()
@@ -73,3 +80,24 @@ class PeerListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PeerListener(Listener):
+    """Listens on ``prefix`` + a random token; ``accept_from`` takes one process's
+    connection."""
+
+    def __init__(self, prefix: str, kind: int, what: str) -> None:
+        self.name = prefix + secrets.token_hex(_TOKEN_HEX // 2)
+        super().__init__(socket.socket(socket.AF_UNIX, kind), what)
+
+    def _bind(self) -> None:
+        self._sock.bind("\0" + self.name)
+
+    def accept_from(self, pid: int, timeout_s: float) -> socket.socket:
+        """The connection process ``pid`` made (blocking; any other process's is closed)."""
+
+        def made_by_pid(conn: socket.socket) -> bool:
+            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            return _PEERCRED.unpack(raw)[0] == pid
+
+        return self._accept_kept(timeout_s, made_by_pid, f"process {pid}")

@@ -235,17 +235,23 @@ class RestorePipeline:
         media = {part.medium for part in leased.parts}
         access = {medium: self.source.access(leased, medium) for medium in media}
         mapped = {m: self.source.view(leased, m) for m in media if access[m].mapped}
-        in_place = None
-        if self.device.type == "cpu":
-            slots = (
-                IN_PLACE_SLOTS_BACK_TO_BACK if _back_to_back(dest, leased.hits) else IN_PLACE_SLOTS
-            )
-            in_place = slots * self.slot_bytes
+        in_place = self._in_place_bytes(dest, leased.hits)
         plan = RestorePlan(leased.parts, self.slot_bytes, access, in_place_bytes=in_place)
         medium = Medium.SSD if Medium.SSD in media else Medium.DRAM
         handle = RestoreHandle(next(self._ids), self.source.layers, leased, medium, self._clock())
         outcome = ReadOutcome(leased.hits, requested=dest.pages)
         return Job(handle, leased, plan, dest, self.source, mapped, outcome)
+
+    def _in_place_bytes(self, dest: Destination, hits: int) -> int | None:
+        """A batch's bytes for mapped chunks copied into host memory (None: a device). The
+        destination is looked at only for a restore larger than one small batch (an
+        engine's restores are not)."""
+        if self.device.type != "cpu":
+            return None
+        small = IN_PLACE_SLOTS * self.slot_bytes
+        if hits * dest.layers * dest.page_bytes <= small or not _back_to_back(dest, hits):
+            return small
+        return IN_PLACE_SLOTS_BACK_TO_BACK * self.slot_bytes
 
     def _finish_empty(self, job: Job) -> None:
         job.outcome.pages = 0
