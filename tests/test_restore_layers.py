@@ -103,6 +103,11 @@ def test_bad_destinations_are_typed_errors(make_store, pipelines):
         LayerTensors([tensors[0], tensors[1][:, :1]], [0])  # layers differ in page bytes
     with pytest.raises(ShapeError):
         LayerTensors([t.transpose(-1, -2) for t in tensors], [0])  # last axis strided
+    halves = kv_first_layers()  # K and V planes; then each block's pieces half a piece on
+    piece = 32 * 2 * 32
+    overlapping = [t.as_strided(t.shape, (piece // 2, *t.stride()[1:])) for t in halves]
+    with pytest.raises(ShapeError, match="overlap"):
+        LayerTensors(overlapping, [0])  # blocks sharing bytes: refused before any is written
     with pytest.raises(ShapeError):
         pipeline.submit(keys, LayerTensors(tensors[:3], [0, 1, 2, 3]))  # 3 of 4 layers
     with pytest.raises(ShapeError):
