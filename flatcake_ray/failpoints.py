@@ -30,8 +30,6 @@ Points placed today:
 - ``node.release``: when a storage node handles a lease release (context: ``lease_id``).
 - ``pool.allocate``: before an SSD pool file is pre-allocated at open (context: ``path``).
 - ``pool.write``: before bytes go to an SSD pool file (context: ``offset``).
-- ``deliver.layer``: before one layer of a batch of several read in place is delivered
-  (copied, checked, reported in place; context: ``layer``).
 - ``plan.chunks``: when a restore plans the reads of a layer group (context: ``first``,
   ``end``); ``scheduler.start_prefetches`` and ``scheduler.prefetch_done`` (context:
   ``request_id``): the restore scheduler's bookkeeping.

@@ -89,42 +89,6 @@ def test_per_layer_wait_returns_with_that_layer_in_place(make_store, pipelines):
     assert np.array_equal(saved_pages(tensors, np.arange(8)), kv)
 
 
-@pytest.mark.parametrize("make_dest", ["kv_first", "pool"])
-def test_a_checked_batch_of_layers_is_in_place_a_layer_at_a_time(
-    make_store, pipelines, failpoints, make_dest
-):
-    """A small restore is one batch of every layer (read in place, checked); an engine
-    waiting on its first layer gets it before the next is copied."""
-    store = make_store(verify_dram=True)
-    kv = random_kv(8, seed=63)
-    store.put(list(range(8)), kv, hints=DRAM)  # the arena, read in place
-    if make_dest == "pool":
-        pool = make_pool("layer_first")
-        dest, read = (
-            PagedPool(pool, np.arange(8)),
-            lambda: pool_pages(pool, "layer_first", np.arange(8)),
-        )
-    else:
-        tensors = kv_first_layers()
-        dest, read = LayerTensors(tensors, np.arange(8)), lambda: saved_pages(tensors, np.arange(8))
-    opened = threading.Event()
-
-    def hold_layer_one(layer):
-        if layer == 1:
-            assert opened.wait(WAIT), "test gate never opened"
-
-    failpoints.arm("deliver.layer", call=hold_layer_one, times=None)
-    handle = pipelines(store).submit(list(range(8)), dest)
-    assert handle.wait_for_layer(0, WAIT) == 8
-    assert np.array_equal(read()[:1], kv[:1])
-    with pytest.raises(RestoreTimeoutError):
-        handle.wait_for_layer(1, timeout=0.05)
-    assert not read()[1:].any()
-    opened.set()
-    assert handle.wait(WAIT) == 8
-    assert np.array_equal(read(), kv)
-
-
 def test_bad_destinations_are_typed_errors(make_store, pipelines):
     store = make_store()
     store.put(list(range(4)), random_kv(4))

@@ -21,12 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from flatcake_ray.core.block_checks import BlockRows, HashSpan
+from flatcake_ray.core.block_checks import HashSpan
 from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.cuda_ext.scatter import scatter_layer
-from flatcake_ray.failpoints import failpoint
 from flatcake_ray.restore.copy_check import ChunkChecks, copy_and_check, copy_blocks_checked
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
@@ -45,17 +44,6 @@ class ChunkDelivery:
     def deliver(
         self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
     ) -> None:
-        if chunk.mapped and job.dest.device.type == "cpu" and _layers(chunk.blocks) > 1:
-            # Several layers read in place in one batch: delivered (copied, checked, reported
-            # in place) a layer at a time, so an engine waiting on its first layer starts on
-            # it while the next are copied (vLLM, 8 layers of 15.7 MB: it waited 5.3 ms for
-            # the first; the batch saves the planning and the handoffs, not the copies).
-            for part in _by_layer(chunk, self.page_bytes):
-                failpoint("deliver.layer", layer=part.runs[0].layer if part.runs else None)
-                self.deliver(job, part, None, stats)
-            if chunk.done_layer is not None:
-                job.handle._layer_done(chunk.done_layer)
-            return
         if id(chunk) in job.failed_chunks:
             pass  # its pages are misses already; the layers still count as done below
         elif slot is not None and slot.device is not None:
@@ -310,26 +298,6 @@ class ChunkDelivery:
         if chunk.mapped:
             tally.reads += len(runs)
             tally.bytes += nbytes
-
-
-def _layers(blocks: list[BlockRows]) -> int:
-    """How many layers a checked mapped chunk's blocks come from."""
-    return len({rows.layer for rows in blocks})
-
-
-def _by_layer(chunk: LayerChunk, page_bytes: int) -> list[LayerChunk]:
-    """A mapped chunk of several layers as one chunk per layer, in layer order; each is a
-    whole layer's last runs when ``chunk`` ends its group (``done_layer`` set)."""
-    parts = []
-    for layer in sorted({rows.layer for rows in chunk.blocks} | {r.layer for r in chunk.runs}):
-        runs = [run for run in chunk.runs if run.layer == layer]
-        blocks = [rows for rows in chunk.blocks if rows.layer == layer]
-        part = LayerChunk(chunk.first_layer, chunk.medium, mapped=True, blocks=blocks, runs=runs)
-        part.nbytes = sum(len(run.positions) for run in runs) * page_bytes
-        part.scopes = {run.scope_id for run in runs}
-        part.done_layer = layer if chunk.done_layer is not None else None
-        parts.append(part)
-    return parts
 
 
 class _Scratch(threading.local):
