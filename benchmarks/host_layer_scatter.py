@@ -1,7 +1,8 @@
-"""What a restore's destination costs on the host: vLLM's K/V-first CPU caches, one tensor per
-layer (``[2, blocks, block, heads, head]`` seen block first: a page in two pieces), a
-``LayerTensors`` made for the restore and one scatter per layer of ``--pages`` staged pages,
-as the restore pipeline does for an engine's small restore. Milliseconds per restore, the
+"""What a restore's destination costs on the host: one KV tensor per layer, either vLLM's
+K/V-first CPU caches (``[2, blocks, block, heads, head]`` seen block first: a page in two
+pieces) or blocks in one piece (``[blocks, page]``), a ``LayerTensors`` made for the
+restore and one scatter per layer of ``--pages`` staged pages into scattered blocks, as the
+restore pipeline does for an engine's small restore. Milliseconds per restore, the
 median of ``--trials`` timings of ``--repeat`` restores each; ``--before DIR`` times another
 checkout (``git worktree add DIR <commit>``, its C extensions copied in) in alternation with
 this tree.
@@ -22,16 +23,19 @@ import time
 import numpy as np
 
 
-def measure(layers: int, pages: int, repeat: int, trials: int) -> float:
+def measure(layers: int, pages: int, repeat: int, trials: int, split: bool) -> float:
     import torch
 
     from flatcake_ray.cuda_ext.scatter import scatter_layer
     from flatcake_ray.restore.dest import LayerTensors
 
-    planes = [torch.zeros(2, 2000, 32, 128, dtype=torch.uint8) for _ in range(layers)]
-    tensors = [plane.transpose(0, 1) for plane in planes]  # 8 KiB pages, two 4 KiB pieces
+    if split:  # 8 KiB pages, two 4 KiB pieces
+        planes = [torch.zeros(2, 2000, 32, 128, dtype=torch.uint8) for _ in range(layers)]
+        tensors = [plane.transpose(0, 1) for plane in planes]
+    else:
+        tensors = [torch.zeros(2000, 8192, dtype=torch.uint8) for _ in range(layers)]
     staged = torch.from_numpy(np.random.default_rng(0).integers(0, 256, pages * 8192, np.uint8))
-    blocks, positions = np.arange(100, 100 + pages), np.arange(pages)
+    blocks, positions = 100 + 3 * np.arange(pages), np.arange(pages)  # scattered blocks
 
     def restore() -> None:
         dest = LayerTensors(tensors, blocks)
@@ -46,9 +50,8 @@ def measure(layers: int, pages: int, repeat: int, trials: int) -> float:
         for _ in range(repeat):
             restore()
         times.append((time.perf_counter() - started) / repeat * 1e3)
-    expected = staged.numpy().reshape(pages, 2, 4096)
-    got = torch.stack([planes[0][0, 100 : 100 + pages], planes[0][1, 100 : 100 + pages]], 1)
-    if not np.array_equal(got.reshape(pages, 2, 4096).numpy(), expected):
+    got = tensors[-1][torch.from_numpy(blocks)].reshape(-1).numpy()  # logical page order
+    if not np.array_equal(got, staged.numpy()):
         raise AssertionError("a page landed wrong")
     return statistics.median(times)
 
@@ -63,7 +66,8 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(measure(args.layers, args.pages, args.repeat, args.trials))
+        shape = (args.layers, args.pages, args.repeat, args.trials)
+        print(measure(*shape, split=True), measure(*shape, split=False))
         return
     command = [sys.executable, "-m", "benchmarks.host_layer_scatter", "--child"]
     command += ["--layers", str(args.layers), "--pages", str(args.pages)]
@@ -74,17 +78,20 @@ def main() -> None:
             from benchmarks.stages import import_tree
 
             trees = {"before": import_tree(args.before, scratch), **trees}
-        found: dict[str, list[float]] = {name: [] for name in trees}
+        found: dict[str, list[list[float]]] = {name: [] for name in trees}
         for _ in range(2 if args.before else 1):
             for name, path in trees.items():
                 env = dict(os.environ, **({"PYTHONPATH": path} if path else {}))
                 done = subprocess.run(
                     command, cwd=path, env=env, capture_output=True, text=True, check=True
                 )
-                found[name].append(float(done.stdout.strip().splitlines()[-1]))
-    print(f"{args.pages} pages x {args.layers} layers of 8 KiB into K/V-first CPU caches:")
-    for name, values in found.items():
-        print(f"  {name}: " + " / ".join(f"{v:.3f}" for v in values) + " ms a restore")
+                last = done.stdout.strip().splitlines()[-1]
+                found[name].append([float(value) for value in last.split()])
+    print(f"{args.pages} pages x {args.layers} layers of 8 KiB, ms a restore:")
+    for column, layout in enumerate(("K/V-first (two pieces)", "one piece a block")):
+        for name, runs in found.items():
+            values = " / ".join(f"{run[column]:.3f}" for run in runs)
+            print(f"  {layout}, {name}: {values}")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,9 @@ def test_bad_destinations_are_typed_errors(make_store, pipelines):
     overlapping = [t.as_strided(t.shape, (piece // 2, *t.stride()[1:])) for t in halves]
     with pytest.raises(ShapeError, match="overlap"):
         LayerTensors(overlapping, [0])  # blocks sharing bytes: refused before any is written
+    whole = [t.as_strided(t.shape, (t.stride(0) // 2, *t.stride()[1:])) for t in tensors]
+    with pytest.raises(ShapeError, match="overlap"):
+        LayerTensors(whole, [0])  # one piece a block, each half over the next
     with pytest.raises(ShapeError):
         pipeline.submit(keys, LayerTensors(tensors[:3], [0, 1, 2, 3]))  # 3 of 4 layers
     with pytest.raises(ShapeError):

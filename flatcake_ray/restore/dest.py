@@ -10,16 +10,17 @@ KV memory and copies staged pages there. Two kinds:
   order, as vLLM registers its KV caches; position ``i`` of layer ``l`` goes to block
   ``block_ids[i]`` of ``tensors[l]``. A page is the bytes of ``tensors[l][block]`` in logical
   row-major order, which is what vLLM's connector saves (``tensor[blocks].reshape(n, -1)``),
-  so a page saved under one physical layout restores under another. A block whose bytes are
-  contiguous is copied by the pipeline's scatter (one memcpy per run of consecutive blocks on
-  the CPU); a block split in memory (the K and V halves of a K/V-first physical layout seen
-  block first) is written piece by piece, one byte offset per contiguous piece, in the same
-  logical order: on the host as one native copy row per piece, on a GPU with
+  so a page saved under one physical layout restores under another. A page is written as
+  its contiguous pieces, in that logical order: one piece where the block's bytes are
+  contiguous, several where it is split in memory (the K and V halves of a K/V-first
+  physical layout seen block first). On the host each piece is one native copy row; on a
+  GPU a one-piece block goes through the pipeline's scatter kernel and a split one through
   :func:`scatter_pages`. Where a tensor's pieces lie is found once per shape and strides
   (an engine restores into the same tensors every time), and checked then: no piece of one
   block overlaps one of another, so the pieces of distinct blocks in range are written with
   no check per restore (a restore's destination and its scatters, 60 pages x 3 layers into
-  vLLM's K/V-first CPU caches: 0.42 -> 0.14 ms, ``benchmarks/host_layer_scatter.py``).
+  scattered blocks: 0.42-0.47 -> 0.14 ms, ``benchmarks/host_layer_scatter.py``). A scatter a
+  caller wrapped (tests watch and hold layers) is called for every one-piece layer.
 
 Constructors check everything that can be checked before any byte moves, and raise
 :class:`~flatcake_ray.errors.ShapeError`.
@@ -41,6 +42,7 @@ from flatcake_ray.cuda_ext.host_copy import native_module, op_rows, run_ops
 from flatcake_ray.cuda_ext.scatter import (
     LAYER_FIRST,
     Layout,
+    scatter_layer,
     scatter_layer_reference,
     scatter_pages,
 )
@@ -160,23 +162,23 @@ class _LayerMap:
             self.geometry = _geometry(tuple(data.shape), tuple(data.stride()))
         except ShapeError as exc:
             raise ShapeError(f"layer {layer}: {exc}") from exc
-        if self.geometry.piece_offsets is None:  # one piece: the pipeline's scatter, a pool
-            self.pool: torch.Tensor | None = data.unsqueeze(0)
-            empty = torch.empty(0, dtype=torch.uint8, device=data.device)
-            scatter_layer_reference(empty, self.pool, empty.long(), 0, LAYER_FIRST)  # checks
-            return
-        self.pool = None
         self.span = data.as_strided((self.geometry.span,), (1,))  # every byte it covers
+        # One piece a block: also a one-layer pool, for the scatter kernel (a device) and
+        # for copies straight into consecutive blocks (``host_pages``).
+        self.pool = data.unsqueeze(0) if self.geometry.one_piece else None
 
     def scatter(self, staged: torch.Tensor, blocks: np.ndarray, scatter, stream) -> None:
+        geometry = self.geometry
+        offsets = (blocks[:, None] * self.block_stride + geometry.piece_offsets[None, :]).ravel()
+        own = scatter is scatter_layer  # a scatter a caller wrapped (tests) sees every page
+        if (own or self.pool is None) and _copy_pieces(
+            staged, self.span, offsets, geometry.piece_bytes
+        ):
+            return
         if self.pool is not None:
             ids = torch.from_numpy(blocks)
             scatter(staged, self.pool, ids, 0, LAYER_FIRST, stream=stream, check_slots=False)
-            return
-        geometry = self.geometry
-        assert geometry.piece_offsets is not None
-        offsets = (blocks[:, None] * self.block_stride + geometry.piece_offsets[None, :]).ravel()
-        if not _copy_pieces(staged, self.span, offsets, geometry.piece_bytes):
+        else:
             pieces = torch.from_numpy(offsets)
             scatter_pages(staged, self.span, pieces, geometry.piece_bytes, stream=stream)
 
@@ -184,27 +186,31 @@ class _LayerMap:
 @dataclass(frozen=True)
 class _Geometry:
     """Where the pieces of a block lie, for a ``[blocks, *page]`` uint8 view of one shape and
-    strides: ``piece_offsets`` (bytes from the block's first, in logical order; None where a
-    block is one piece), ``piece_bytes`` each, ``span`` bytes covered by the whole view."""
+    strides: ``piece_offsets`` (bytes from the block's first, in logical order; ``[0]`` where
+    a block is one piece), ``piece_bytes`` each, ``span`` bytes covered by the whole view."""
 
-    piece_offsets: np.ndarray | None
+    piece_offsets: np.ndarray
     piece_bytes: int
     span: int
+
+    @property
+    def one_piece(self) -> bool:
+        return len(self.piece_offsets) == 1
 
 
 @functools.lru_cache(maxsize=512)
 def _geometry(shape: tuple[int, ...], stride: tuple[int, ...]) -> _Geometry:
     """Found once per shape and strides (an engine restores into the same tensors every
-    time). A split layout is checked here, once: no piece of one block overlaps a piece of
-    another, so the pieces of distinct blocks in range (``check_ids``) can be written with
-    no check per restore."""
+    time), and checked then: no piece of one block overlaps a piece of another, so the
+    pieces of distinct blocks in range (``check_ids``) can be written with no check per
+    restore."""
     piece_dims, piece_bytes = _split_contiguous(shape, stride)
     span = sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) + 1
-    if not piece_dims:
-        return _Geometry(None, piece_bytes, span)
-    grid = np.indices([shape[d] for d in piece_dims]).reshape(len(piece_dims), -1)
-    steps = np.array([stride[d] for d in piece_dims], dtype=np.int64)
-    offsets = (grid.T @ steps).astype(np.int64)  # logical (row-major) order
+    offsets = np.zeros(1, dtype=np.int64)  # one piece a block
+    if piece_dims:
+        grid = np.indices([shape[d] for d in piece_dims]).reshape(len(piece_dims), -1)
+        steps = np.array([stride[d] for d in piece_dims], dtype=np.int64)
+        offsets = (grid.T @ steps).astype(np.int64)  # logical (row-major) order
     every = np.sort((np.arange(shape[0])[:, None] * stride[0] + offsets[None, :]).ravel())
     if len(every) > 1 and int(np.diff(every).min()) < piece_bytes:
         raise ShapeError(f"the tensor's blocks overlap in memory (strides {stride})")
