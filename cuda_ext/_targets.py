@@ -24,7 +24,7 @@ from flatcake_ray.cuda_ext._validate import (
     require_bit_view,
     require_tensor,
 )
-from flatcake_ray.cuda_ext.host_copy import copy_many, native_module, op_rows, run_ops
+from flatcake_ray.cuda_ext.host_copy import copy_many, copy_rows_to
 from flatcake_ray.errors import ShapeError
 
 SCATTERED_RUNS = 64  # more runs than this, averaging under 4 pages: one fancy-indexed copy
@@ -136,13 +136,7 @@ def _copy_rows(staging: torch.Tensor, target: Target, offsets: np.ndarray) -> bo
     """Page ``i`` of ``staging`` to byte ``offsets[i]`` of ``target``'s view, one native
     copy row each (checked: inside the view, apart); False, with nothing copied, where the
     native pass is not built."""
-    module = native_module()
-    if module is None:
-        return False
-    page_bytes = target.page_bytes
-    sources = staging.data_ptr() + np.arange(len(offsets), dtype=np.int64) * page_bytes
-    run_ops(module, op_rows(target.view.data_ptr() + offsets, sources, page_bytes), 0)
-    return True
+    return copy_rows_to(target.view.data_ptr(), offsets, staging.data_ptr(), target.page_bytes)
 
 
 def copy_offsets_torch(staging: torch.Tensor, offsets: torch.Tensor, target: Target) -> None:

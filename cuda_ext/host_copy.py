@@ -197,6 +197,19 @@ def op_rows(dst: Any, src: Any, length: Any, hash_at: Any = 0) -> np.ndarray:
     return ops
 
 
+def copy_rows_to(dst: int, offsets: np.ndarray, src: int, row_bytes: int) -> bool:
+    """Row ``i`` of the ``row_bytes`` rows back to back at address ``src`` to address
+    ``dst + offsets[i]``, one native copy row each (the caller has checked that every row
+    lies in live memory and none overlaps another); False, with nothing copied, where the
+    native pass is not built."""
+    module = native_module()
+    if module is None:
+        return False
+    sources = src + np.arange(len(offsets), dtype=np.int64) * row_bytes
+    run_ops(module, op_rows(dst + offsets, sources, row_bytes), 0)
+    return True
+
+
 def run_ops(module: Any, ops: np.ndarray, address: int) -> np.ndarray:
     """A batch of native ops (int64 rows ``DST, SRC, LENGTH, HASH_AT``; every address a valid
     range of the caller's live arrays; ``address``: XXH3's, 0 where no row hashes) on the

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray.cuda_ext import _targets, build, host_copy
+from flatcake_ray.cuda_ext import build, host_copy
 from flatcake_ray.cuda_ext.scatter import (
     LAYER_FIRST,
     LAYOUTS,
@@ -156,7 +156,7 @@ def host_copies(native: bool):
         if host_copy.native_module() is None:
             pytest.skip("cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, or no compiler)")
         return contextlib.nullcontext()
-    return mock.patch.object(_targets, "native_module", return_value=None)
+    return mock.patch.object(host_copy, "native_module", return_value=None)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-rows", "numpy"])

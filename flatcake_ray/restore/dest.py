@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flatcake_ray.cuda_ext.host_copy import native_module, op_rows, run_ops
+from flatcake_ray.cuda_ext.host_copy import copy_rows_to
 from flatcake_ray.cuda_ext.scatter import (
     LAYER_FIRST,
     Layout,
@@ -205,7 +205,8 @@ def _geometry(shape: tuple[int, ...], stride: tuple[int, ...]) -> _Geometry:
     pieces of distinct blocks in range (``check_ids``) can be written with no check per
     restore."""
     piece_dims, piece_bytes = _split_contiguous(shape, stride)
-    span = sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) + 1
+    extent = sum((n - 1) * step for n, step in zip(shape, stride, strict=True)) + 1
+    span = 0 if 0 in shape else extent  # an empty view covers no byte
     offsets = np.zeros(1, dtype=np.int64)  # one piece a block
     if piece_dims:
         grid = np.indices([shape[d] for d in piece_dims]).reshape(len(piece_dims), -1)
@@ -225,17 +226,11 @@ def _copy_pieces(
     ``span``, one native copy row each; False, with nothing copied, on a device or where
     the native pass is not built. The offsets are the caller's proof (checked blocks, a
     checked geometry): a host scatter of arbitrary offsets goes through ``scatter_pages``."""
-    module = native_module()
-    if module is None or span.device.type != "cpu" or staged.device.type != "cpu":
+    if span.device.type != "cpu" or staged.device.type != "cpu" or not staged.is_contiguous():
         return False
-    if (
-        not staged.is_contiguous()
-        or staged.numel() * staged.element_size() != len(offsets) * piece_bytes
-    ):
+    if staged.numel() * staged.element_size() != len(offsets) * piece_bytes:
         return False
-    sources = staged.data_ptr() + np.arange(len(offsets), dtype=np.int64) * piece_bytes
-    run_ops(module, op_rows(span.data_ptr() + offsets, sources, piece_bytes), 0)
-    return True
+    return copy_rows_to(span.data_ptr(), offsets, staged.data_ptr(), piece_bytes)
 
 
 def _consecutive_pages(slots_first: torch.Tensor, slots: np.ndarray) -> np.ndarray | None:
