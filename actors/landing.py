@@ -10,7 +10,8 @@ back when the put commits, aborts or expires (``PutHandle.on_done``).
 Like the arena, the area is ``chunks`` memfds, each holding one tenant's slots at a time (the
 owned allocation of ``core/extents.py``): a put's ticket names only the chunk its slots are
 in, its own tenant's, and the node sends a client only its tenant's chunks
-(``actors/memory_handout.py``); a chunk with no slot left taken is free for any tenant again.
+(``actors/memory_handout.py``); a chunk with no slot left taken is free for any tenant again,
+and one that goes to another tenant gets a fresh file first (``media/chunk_files.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LandingArea:
         count = self.memory.chunks
         # Slots are freed by their put's end, which the put table expires: no TTL here.
         self._space = MediumSpace(chunk, count, 4096, total=nbytes, owned=count > 1)
+        self._space.on_handover = self.memory.renew_chunk
         self._held: dict[int, ScopeRuns] = {}  # random ids: only their owner gives them back
         self._lock = threading.Lock()
         self._exporter: Any = None
@@ -48,6 +50,7 @@ class LandingArea:
         self._exporter = NixlArenaExporter(
             agent.name, self.memory.view, agent=agent, chunk_bytes=self.memory.chunk_bytes
         )
+        self.memory.on_renewed.append(self._exporter.renew)  # registered anew with its file
 
     def peer_of(self, chunk: ArenaChunk) -> Any:
         """The NixlPeerInfo of this chunk alone (None: the area is not exported)."""

@@ -62,6 +62,14 @@ class NodeExports:
             return None
         return self._arena_exporter.peer_info([chunk.offset for chunk in chunks])
 
+    def renew_arena_chunk(self, offset: int) -> None:
+        """The arena chunk at ``offset`` has a fresh file: register it again where a
+        registration pins pages (``DramArena.renew_chunk``)."""
+        if self._arena_exporter is not None:
+            self._arena_exporter.renew(offset)
+        if self._rdma is not None:
+            self._rdma.renew()
+
     @staticmethod
     def _export_rdma(arena: DramArena) -> Any:
         from flatcake_ray.transports.rdma_verbs import RdmaArenaExporter, rdma_probe

@@ -122,6 +122,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
             self.node_id, self.store.arena, self.ship_buffer, landing, self._peers_hold
         )
         self.puts.arena_peer = self.exports.arena_peer
+        self.store.arena.on_renewed.append(self.exports.renew_arena_chunk)
         self.leased_bytes = LeasedBytes(
             config,
             self.ship_buffer,

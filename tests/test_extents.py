@@ -1,5 +1,6 @@
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,34 @@ def test_an_unowned_medium_keeps_every_region_open_to_every_scope():
     assert space.place(first, 48 << 10, reserve_ahead=False) == 0
     assert space.place(second, 16 << 10, reserve_ahead=False) is not None
     assert space.regions_of("a") == space.regions_of("b") == [0, 1]
+
+
+def test_a_region_that_goes_to_another_owner_is_handed_over_first():
+    space = MediumSpace(1 << 20, 3, 4096, owned=True)
+    handed: list[int] = []
+    space.on_handover = handed.append
+    held_by_alpha = set()
+    for _ in range(2):  # alpha takes a region, empties it, takes one again (never handed over)
+        alpha = ScopeRuns(owner="alpha")
+        held_by_alpha.add(space.region_of(space.place(alpha, 4096)))
+        space.release(alpha)
+    assert handed == [] and space.owners == [None] * 3
+    beta = [ScopeRuns(owner="beta") for _ in range(3)]
+    for scope in beta:  # a whole region each: beta takes all three
+        space.place(scope, 1 << 20, reserve_ahead=False)
+    assert sorted(handed) == sorted(held_by_alpha)  # alpha's, first; never one nobody held
+
+    def refuse(region: int) -> None:
+        raise OSError("no memory for a fresh file")
+
+    for scope in beta:
+        space.release(scope)
+    space.on_handover = refuse
+    gamma = ScopeRuns(owner="gamma")
+    with pytest.raises(OSError):  # a region that cannot change hands is not taken
+        space.place(gamma, 1 << 20, reserve_ahead=False)
+    assert space.owners == [None] * 3 and space.free_bytes == space.capacity
+    space.on_handover = handed.append
+    handed.clear()
+    assert space.place(gamma, 1 << 20, reserve_ahead=False) is not None
+    assert handed == [space.region_of(gamma.runs[0].start)]  # handed over now, once

@@ -120,6 +120,49 @@ def test_a_tenant_is_handed_its_own_arena_chunks_and_reads_no_other(service):
         reader.close()
 
 
+def test_a_former_tenants_mapping_reaches_nothing_of_the_next_tenant(service):
+    """A tenant's client maps its chunk and keeps the mapping after its tenant is gone; the
+    chunk goes to the victim (a fresh file): the mapping shows none of the victim's bytes,
+    and garbage written through it reaches none of the victim's reads."""
+    from flatcake_ray.client import tenants
+    from flatcake_ray.client.client import FlatCakeClient
+    from flatcake_ray.config import ClientConfig
+
+    secret = tenants.add_tenant(
+        NAMESPACE, "leaver", layers=LAYERS, page_bytes=PAGE_BYTES, timeout_s=60.0
+    )
+    leaver = FlatCakeClient(NAMESPACE, config=ClientConfig(tenant_secret=secret))
+    try:
+        leaver.put([f"leaver/{i}" for i in range(4)], kv(4, 5), hints=DRAM)
+        handed = leaver.nodes.links[1].hand_chunks("arena")
+        kept = {chunk.offset: map_shared(chunk.fd, chunk.nbytes) for chunk in handed}
+        for chunk in handed:
+            os.close(chunk.fd)
+    finally:
+        leaver.close()
+    tenants.remove_tenant(NAMESPACE, "leaver", timeout_s=60.0)  # its chunk is free
+    victim, link = service["victim"], service["victim"].nodes.links[1]
+    stored: dict[str, np.ndarray] = {}
+    for round_ in range(24):  # until the victim holds a chunk the leaver held
+        held = {c.offset for c in ray.get(link.handle.describe.remote(), timeout=30).arena_chunks}
+        if held & set(kept):
+            break
+        stored[f"heir{round_}"] = data = kv(16, 100 + round_)
+        victim.put([f"heir{round_}/{i}" for i in range(16)], data, hints=DRAM)
+    (offset,) = held & set(kept)
+    former = kept[offset][1]
+    assert not former.any()  # the leaver's mapping: its own pages gone, none of the victim's
+    former[:] = 0xAB  # and what it writes there lands nowhere the victim reads
+    for name, data in stored.items():
+        out = np.zeros_like(data)
+        count = victim.get([f"{name}/{i}" for i in range(data.shape[1])], out)
+        assert np.array_equal(out[:, :count], data[:, :count])
+    assert any(  # and its pages are hits: the check above compared bytes, not just misses
+        victim.get([f"{name}/{i}" for i in range(16)], np.zeros_like(data)) == 16
+        for name, data in stored.items()
+    )
+
+
 def test_a_tenant_is_given_the_nixl_metadata_of_its_own_chunks_only(service):
     """Over NIXL (another machine's path) too: the arena is registered a chunk at a time and
     a tenant is given the metadata of its own chunks only, in ``describe`` and in a put's

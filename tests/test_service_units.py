@@ -121,9 +121,11 @@ def test_a_broken_transport_is_rebuilt_not_reused(monkeypatch):
     )
     link = NodeLink(None, description, False, ServiceConfig(layers=LAYERS, page_bytes=PAGE_BYTES))
     made: list[_RecordingTransport] = []
+    described_again: list[bool] = []
 
-    def make(path, medium, agent):
+    def make(path, medium, agent, *, fresh=False):
         made.append(_RecordingTransport())
+        described_again.append(fresh)
         return made[-1]
 
     monkeypatch.setattr(link, "_make", make)
@@ -132,3 +134,5 @@ def test_a_broken_transport_is_rebuilt_not_reused(monkeypatch):
     first.broken = True
     second, _ = link.transport("remote-dram-nixl", Medium.DRAM, None)
     assert second is not first and first.closed and len(made) == 2
+    # The rebuilt one asks the node what it exports now (a chunk may be registered anew).
+    assert described_again == [False, True]

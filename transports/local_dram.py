@@ -4,8 +4,10 @@ The storage node owns the arena (chunk memfds, no path); a client on the same no
 chunks its tenant was handed (as descriptors, ``media/fd_handout.py``) privately, each at
 its arena offset in one reserved range (:class:`ChunkMap`), and copies pages straight out of
 them. A range outside them is :class:`ForeignMemoryError` (a miss), after one more hand-out
-of the chunks its tenant holds now (it may have taken more since). Nothing crosses a process
-boundary but the lease that says where the pages are.
+of the chunks its tenant holds now (it may have taken more since). A chunk that changed
+tenants since it was mapped has a fresh file (``media/chunk_files.py``): the reader keeps
+each chunk's descriptor, sees the old one retired, and maps the chunk anew before it reads
+there. Nothing crosses a process boundary but the lease that says where the pages are.
 A copy to a GPU is the caller's torch copy on a stream (see ``flatcake_ray/buffers.py``).
 
 Also here: :func:`merge_contiguous`, shared by every transport, which folds ranges that are
@@ -14,6 +16,7 @@ back to back in both source and destination into one (one memcpy, one NIXL descr
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from flatcake_ray.errors import ForeignMemoryError, TransportClosedError
+from flatcake_ray.media.chunk_files import is_retired
 from flatcake_ray.media.chunk_map import ChunkMap
 from flatcake_ray.media.fd_handout import HandedChunk
 from flatcake_ray.transports.base import LOCAL_DRAM, ReadBatch, TransferStats, Transport
@@ -68,6 +72,7 @@ class LocalDramTransport(Transport):
         self._view: np.ndarray | None = arena_view
         self._chunks = chunks  # None: the whole view is this process's to read
         self._hand = hand
+        self._fds: dict[int, int] = {}  # offset -> descriptor of each chunk mapped
         self._lock = threading.Lock()
 
     @classmethod
@@ -84,25 +89,46 @@ class LocalDramTransport(Transport):
 
     def _map(self, handed: Iterable[HandedChunk]) -> None:
         assert self._chunks is not None
+        kept: list[int] = []
         chunks = list(handed)
         try:
             for chunk in chunks:
                 if chunk.offset not in self._chunks.mapped:
                     self._chunks.place(chunk.offset, chunk.fd, chunk.nbytes, shared=False)
+                    self._fds[chunk.offset] = chunk.fd  # to see it retired
+                    kept.append(chunk.fd)
         finally:
-            for chunk in chunks:  # the mapping keeps the memory; no descriptor stays open
-                os.close(chunk.fd)
+            for chunk in chunks:
+                if chunk.fd not in kept:
+                    os.close(chunk.fd)
 
     def holds(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
-        """Whether every range lies in chunks handed to this process (looking once for
-        chunks handed since): only then may its :meth:`mapped_view` be read there."""
+        """Whether every range lies in chunks handed to this process and mapped from their
+        current files (looking once for chunks handed since, or renewed): only then may its
+        :meth:`mapped_view` be read there."""
         chunks = self._chunks
-        if chunks is None or chunks.covers(starts, lengths):
+        if chunks is None:
             return True
         with self._lock:
+            stale = self._retired(starts)
+            if not stale and chunks.covers(starts, lengths):
+                return True
+            for offset in stale:
+                chunks.unplace(offset)
+                os.close(self._fds.pop(offset))
             if self._hand is not None:
                 self._map(self._hand())
             return chunks.covers(starts, lengths)
+
+    def _retired(self, starts: np.ndarray) -> list[int]:
+        """Offsets of the mapped chunks from the one ``starts`` begin in to the one they end
+        in (a few fcntl calls, whatever the number of ranges) whose file was retired."""
+        offsets = sorted(self._fds)
+        if not offsets or not len(starts):
+            return []
+        first = max(bisect.bisect_right(offsets, int(starts.min())) - 1, 0)
+        last = bisect.bisect_right(offsets, int(starts.max()))
+        return [offset for offset in offsets[first:last] if is_retired(self._fds[offset])]
 
     def _check_handed(self, reads: ReadBatch) -> None:
         if not self.holds(reads.src_offsets, reads.lengths):
@@ -131,3 +157,6 @@ class LocalDramTransport(Transport):
         # mmap.close() would raise BufferError while a caller still holds a slice.
         self._view = None
         self._chunks = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}

@@ -136,6 +136,17 @@ class NixlArenaExporter:
             self._peers[wanted] = known
         return known
 
+    def renew(self, offset: int) -> None:
+        """Register the chunk at ``offset`` again: its memory was given a fresh file
+        (``DramArena.renew_chunk``), which a registration that pins pages (an RDMA NIC's)
+        would not follow; the metadata handed out for it since is the new registration's."""
+        if self._registrations is None:
+            return
+        index = offset // self.chunk_bytes
+        self._agent.deregister(self._registrations[index])
+        self._registrations[index] = self._agent.register(self._chunks[offset])
+        self._peers.clear()
+
     def close(self) -> None:
         if self._registrations is None:
             return

@@ -190,6 +190,16 @@ class RdmaArenaExporter:
         region = {"addr": self._buffer.ctypes.data, "length": self._buffer.nbytes}
         return self._port.endpoint(qp, psn, rkey=self._mr.rkey, **region)
 
+    def renew(self) -> None:
+        """Register the arena again: part of it was given a fresh file
+        (``DramArena.renew_chunk``) and the old region pins the old pages. A reader's next
+        READ with the old key fails (its transport is broken, its pages misses) and the
+        client connects again (``accept``), with the new key."""
+        e = self._port.enums
+        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
+        old, self._mr = self._mr, self._port.register(self._buffer, access)
+        old.close()
+
     def release(self, reader: RdmaEndpoint) -> None:
         """Drop a reader's QP (it closed, or died)."""
         qp = self._qps.pop((reader.gid, reader.qp_num), None)

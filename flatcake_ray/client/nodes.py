@@ -109,18 +109,21 @@ class NodeLink:
         key = (path, medium)
         with self._lock:
             known = self._transports.get(key)
-            if known is not None and known[0].broken:
+            broken = known is not None and known[0].broken
+            if known is not None and broken:
                 # A NIXL transport is dead after any transfer error (its peer was removed):
                 # reusing it would turn this node's pages into misses for good.
                 with known[1]:
                     known[0].close()
                 known = None
             if known is None:
-                known = (self._make(path, medium, agent), threading.Lock())
+                known = (self._make(path, medium, agent, fresh=broken), threading.Lock())
                 self._transports[key] = known
             return known
 
-    def _make(self, path: str, medium: Medium, agent: Any) -> Any:
+    def _make(self, path: str, medium: Medium, agent: Any, *, fresh: bool = False) -> Any:
+        """``fresh``: the last one broke; the node's exports may have changed since it was
+        described (a chunk given a fresh file is registered again: ``renew_arena_chunk``)."""
         d = self.description
         timeout = self.config.rpc_timeout_s
         pool_bytes = d.pool_file_bytes * len(d.pool_paths)
@@ -143,9 +146,8 @@ class NodeLink:
 
         if path == base.REMOTE_DRAM_NIXL:
             refresh = self._arena_nixl_now
-            return NixlDramTransport(
-                agent("arena"), d.arena_nixl, timeout_s=timeout, refresh=refresh
-            )
+            peer = (refresh() if fresh else None) or d.arena_nixl
+            return NixlDramTransport(agent("arena"), peer, timeout_s=timeout, refresh=refresh)
         if path == base.REMOTE_SSD_SHIPPED:
             reader = NixlDramTransport(agent("ship"), d.ship_nixl, timeout_s=timeout)
             self._extra.append(reader)

@@ -2,7 +2,8 @@
 
 On the owner's node the client maps the owner's chunk (of its arena, or of its landing area;
 sent as a descriptor, ``media/fd_handout.py``) shared and writable, once per chunk, and
-copies a layer's pages straight in. From another node it
+copies a layer's pages straight in (mapped again when the chunk's file was retired since:
+it changed tenants, ``media/chunk_files.py``). From another node it
 WRITEs them over NIXL: the pages are gathered into a region of the client's own staging
 memory (registered once) and written with one one-sided WRITE, no owner CPU involved.
 """
@@ -21,6 +22,7 @@ from flatcake_ray.actors.protocol import PutTarget
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
+from flatcake_ray.media.chunk_files import is_retired
 from flatcake_ray.media.fd_handout import HandedChunk
 
 MAX_MAPPINGS = 8  # owners' chunks mapped at once
@@ -41,7 +43,7 @@ class PutTargets:
     def __init__(self, staging: StagingArena, timeout_s: float) -> None:
         self.staging = staging
         self.timeout_s = timeout_s
-        self._maps: OrderedDict[tuple[Any, ...], tuple[mmap.mmap, np.ndarray]] = OrderedDict()
+        self._maps: OrderedDict[tuple[Any, ...], _Mapped] = OrderedDict()
         self._writers: OrderedDict[str, Any] = OrderedDict()
         self._agent: Any = None
         self._lock = threading.Lock()
@@ -53,12 +55,15 @@ class PutTargets:
         key = (link.description.actor_name, target.owner, memory, offset)
         with self._lock:
             known = self._maps.get(key)
+            if known is not None and is_retired(known.fd):
+                self._maps.pop(key).close()
+                known = None
             if known is None:
                 known = self._maps[key] = _map_handed(link.hand_chunks(memory, [offset]))
             self._maps.move_to_end(key)
             while len(self._maps) > MAX_MAPPINGS:
-                self._maps.popitem(last=False)  # unmapped once its last view goes
-            return known[1]
+                self._maps.popitem(last=False)[1].close()
+            return known.view
 
     def write(
         self, peer: Any, offset: int, pages: np.ndarray, positions: Any, block_bytes: int
@@ -109,16 +114,31 @@ class PutTargets:
             for writer in self._writers.values():
                 writer.close()
             self._writers.clear()
+            for mapped in self._maps.values():
+                mapped.close()
             self._maps.clear()
             if self._agent is not None:
                 self._agent.close()
                 self._agent = None
 
 
-def _map_handed(handed: list[HandedChunk]) -> tuple[mmap.mmap, np.ndarray]:
+class _Mapped:
+    """A chunk mapped shared, and its descriptor (kept to see the file retired)."""
+
+    def __init__(self, chunk: HandedChunk) -> None:
+        self.fd = chunk.fd
+        self.mapping, self.view = map_shared(chunk.fd, chunk.nbytes)
+
+    def close(self) -> None:
+        os.close(self.fd)  # the mapping goes once its last view does
+
+
+def _map_handed(handed: list[HandedChunk]) -> _Mapped:
     try:
         (chunk,) = handed
-        return map_shared(chunk.fd, chunk.nbytes)
-    finally:
+        mapped = _Mapped(chunk)
+    except BaseException:
         for chunk in handed:
             os.close(chunk.fd)
+        raise
+    return mapped

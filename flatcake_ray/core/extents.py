@@ -18,13 +18,17 @@ runs are taken only from its owner's regions or from a free one, which becomes i
 A region whose last run is freed belongs to no one again. So an owner's share grows a
 region at a time and shrinks a region at a time, and no byte is ever copied to do either:
 a region changes hands only when it is empty. Which owner gets how much is still decided by
-quotas and reclamation (``core/allocation.py``), not by a fixed partition.
+quotas and reclamation (``core/allocation.py``), not by a fixed partition. When a region goes
+to an owner other than the one that held it last, ``on_handover`` hears of it before any run
+there is handed out: the live store gives the region fresh memory then (a new memfd, so a
+former owner's mapping reaches nothing of the next owner's, ``media/arena.py``); the replay
+model, which has no memory, leaves it unset.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from flatcake_ray.core.runs import align_up
@@ -156,6 +160,8 @@ class MediumSpace:
         self.min_run = min_run
         self.owned = owned
         self.owners: list[str | None] = [None] * regions
+        self._last_owners: list[str | None] = [None] * regions
+        self.on_handover: Callable[[int], None] | None = None
         self._next_region = 0  # new scopes rotate over regions (files, hence drives)
 
     @property
@@ -170,6 +176,20 @@ class MediumSpace:
 
     def _open_to(self, region: int, owner: str | None) -> bool:
         return not self.owned or self.owners[region] in (None, owner)
+
+    def _hold(self, region: int, owner: str | None) -> None:
+        """``owner`` holds ``region`` from now; one that another owner held last changes hands
+        first (``on_handover``; if that fails the region stays no one's)."""
+        if not self.owned or self.owners[region] == owner:
+            return
+        former, self._last_owners[region] = self._last_owners[region], owner
+        if former is not None and former != owner and self.on_handover is not None:
+            try:
+                self.on_handover(region)
+            except BaseException:
+                self._last_owners[region] = former
+                raise
+        self.owners[region] = owner
 
     def _settle(self, region: int) -> None:
         """An owned region with nothing left in it belongs to no one again (shrinking)."""
@@ -231,9 +251,12 @@ class MediumSpace:
                 continue
             start = self.allocators[region].allocate(nbytes)
             if start is not None:
+                try:
+                    self._hold(region, owner)
+                except BaseException:
+                    self.allocators[region].free(start, nbytes)
+                    raise
                 self._next_region = (region + 1) % count
-                if self.owned:
-                    self.owners[region] = owner
                 return Run(region, start, nbytes)
         return None
 
@@ -279,9 +302,8 @@ class MediumSpace:
         region = self.region_of(start)
         if not self._open_to(region, scope.owner):
             raise ValueError(f"run {start}+{length} is in a region another owner holds")
+        self._hold(region, scope.owner)
         self.allocators[region].reserve(start, length)
-        if self.owned:
-            self.owners[region] = scope.owner
         scope.runs.append(Run(region, start, length, used))
 
 

@@ -8,20 +8,24 @@ it by name, only map a descriptor the node sends it (``media/fd_handout.py``), a
 sends a tenant's client its own tenant's chunks only (``StorageNode.hand_chunks``). The
 owner maps every chunk side by side (``media/chunk_map.py``), so its view of the arena is one
 array. A memfd goes with the last process that holds it: a node that dies leaves nothing
-behind to clean up.
+behind to clean up. A chunk that changes hands gets a fresh memfd (:meth:`DramArena.renew_chunk`,
+``media/chunk_files.py``): what the former tenant's client mapped is not the next tenant's.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from flatcake_ray.cuda_ext.host_copy import copy_into
-from flatcake_ray.errors import ConfigError
+from flatcake_ray.errors import ConfigError, MediumFullError
+from flatcake_ray.media.chunk_files import new_chunk_file, retire
 from flatcake_ray.media.chunk_map import ChunkMap
 from flatcake_ray.media.log import log_once
 
@@ -61,6 +65,7 @@ class DramArena:
         self, nbytes: int, name: str, hugepages: str = "auto", chunk_bytes: int = 0
     ) -> None:
         self.nbytes = nbytes
+        self.name = name
         self.chunk_bytes = chunk_bytes or nbytes
         self.huge = self._choose_pages(nbytes, hugepages)
         align = HUGE_PAGE if self.huge else mmap.PAGESIZE
@@ -69,14 +74,22 @@ class DramArena:
         count = -(-nbytes // self.chunk_bytes) if nbytes else 0
         try:
             for index in range(count):
-                self._make_chunk(name, index)
+                self._make_chunk(index)
         except BaseException:
             self._close_fds()
             raise
         self.view = (
             self._map.view[:nbytes] if self._map is not None else np.zeros(0, dtype=np.uint8)
         )
-        self.cuda_registered = self._register_with_cuda()
+        self._cuda_chunks: set[int] = set()  # chunks registered with cudaHostRegister
+        self.renewals = 0
+        # Told the offset of each chunk renewed: exports that registered it (a storage node's).
+        self.on_renewed: list[Callable[[int], None]] = []
+        self._register_with_cuda()
+
+    @property
+    def cuda_registered(self) -> bool:
+        return bool(self._cuda_chunks)
 
     @property
     def chunks(self) -> int:
@@ -94,19 +107,59 @@ class DramArena:
         """The descriptor of the chunk that starts at arena offset ``offset``."""
         return self.chunk_fds[offset // self.chunk_bytes]
 
-    def _make_chunk(self, name: str, index: int) -> None:
-        flags = os.MFD_CLOEXEC | (os.MFD_HUGETLB if self.huge else 0)
-        fd = os.memfd_create(f"flatcake-{name}-{index}", flags)
-        self.chunk_fds.append(fd)
+    def _make_chunk(self, index: int) -> None:
         start, nbytes = self.chunk_span(index)
-        os.ftruncate(fd, self._mapped_bytes(nbytes))
+        size = self._mapped_bytes(nbytes)
+        fd = new_chunk_file(f"flatcake-{self.name}-{index}", size, huge=self.huge)
+        self.chunk_fds.append(fd)
         # Allocated now, not at first touch: with only MAP_POPULATE (here and in a client's
         # mapping), a client's first write into a chunk ran at 0.55x its later writes
         # (224 MB: 20-22 ms against 12), so a put into memory not written since the node
         # started paid it (every put of a fresh node).
-        os.posix_fallocate(fd, 0, self._mapped_bytes(nbytes))
+        os.posix_fallocate(fd, 0, size)
         assert self._map is not None
-        self._map.place(start, fd, self._mapped_bytes(nbytes), shared=True)
+        self._map.place(start, fd, size, shared=True)
+
+    def renew_chunk(self, index: int) -> None:
+        """Give chunk ``index`` a fresh memfd in place of its own, which is retired (its pages
+        freed, ``media/chunk_files.py``): the chunk goes to another tenant, and a process that
+        mapped it before (the former tenant's client) must reach nothing written there now.
+
+        The owner's view keeps its addresses (the new file is mapped over the old at the same
+        place) and never maps a retired file; the old pages are freed before the new ones are
+        allocated, so a renewal needs no memory beyond the chunk. It runs under the store's
+        lock, as the new tenant's put takes the chunk (``benchmarks/chunk_renewal.py`` times
+        it). Whatever the chunk held is gone: call it only for an empty chunk. No memory for
+        the fresh file is :class:`MediumFullError`."""
+        try:
+            self._renew(index)
+        except OSError as error:  # no memory for the fresh file: the chunk is not handed over
+            raise MediumFullError(f"a fresh file for DRAM chunk {index}: {error}") from error
+        self.renewals += 1
+        for renewed in self.on_renewed:
+            renewed(index * self.chunk_bytes)
+
+    def _renew(self, index: int) -> None:
+        assert self._map is not None
+        start, nbytes = self.chunk_span(index)
+        size = self._mapped_bytes(nbytes)
+        fd = new_chunk_file(f"flatcake-{self.name}-{index}", size, huge=self.huge)
+        try:
+            self._unregister_chunk(index)
+            self._map.place(start, fd, size, shared=True, populate=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self.chunk_fds[index] = self.chunk_fds[index], fd
+        try:
+            retire(old)
+        finally:
+            os.close(old)
+        # Allocated, as a new chunk is (a client's first writes would fault in every page),
+        # but not pre-faulted in the owner's own mapping: that would take as long again,
+        # under the store's lock, for reads that fault around 16 pages at a time anyway.
+        os.posix_fallocate(fd, 0, size)
+        self._register_chunk(index)
 
     def _mapped_bytes(self, nbytes: int) -> int:
         return -(-nbytes // HUGE_PAGE) * HUGE_PAGE if self.huge else nbytes
@@ -126,27 +179,50 @@ class DramArena:
             log_once("hugepages", "DRAM arena: no reserved 2 MiB huge pages; using 4 KiB pages")
         return False
 
-    def _register_with_cuda(self) -> bool:
+    def _cudart(self) -> Any:
         import sys
 
         torch = sys.modules.get("torch")  # never import CUDA just for this
         if torch is None or not self.nbytes or not torch.cuda.is_available():
+            return None
+        return torch.cuda.cudart()
+
+    def _register_with_cuda(self) -> None:
+        """Register every chunk (one registration each, so one can be renewed alone), or
+        none where one fails (copies to a GPU are then staged by CUDA, slower)."""
+        if self._cudart() is None:
+            return
+        for index in range(self.chunks):
+            if not self._register_chunk(index):
+                for registered in list(self._cuda_chunks):
+                    self._unregister_chunk(registered)
+                return
+
+    def _register_chunk(self, index: int) -> bool:
+        cudart = self._cudart()
+        if cudart is None:
             return False
-        result = torch.cuda.cudart().cudaHostRegister(self.view.ctypes.data, self.nbytes, 0)
+        start, nbytes = self.chunk_span(index)
+        result = cudart.cudaHostRegister(self.view[start:].ctypes.data, nbytes, 0)
         if int(result) != 0:
-            log_once("cudareg", "cudaHostRegister of the DRAM arena failed: %s", result)
+            log_once("cudareg", "cudaHostRegister of a DRAM arena chunk failed: %s", result)
             return False
+        self._cuda_chunks.add(index)
         return True
+
+    def _unregister_chunk(self, index: int) -> None:
+        if index in self._cuda_chunks:
+            self._cuda_chunks.discard(index)
+            start, _ = self.chunk_span(index)
+            self._cudart().cudaHostUnregister(self.view[start:].ctypes.data)
 
     def write(self, offset: int, data: np.ndarray) -> None:
         flat = data.reshape(-1).view(np.uint8)
         copy_into(self.view[offset : offset + flat.size], flat)
 
     def close(self) -> None:
-        if self.cuda_registered:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.view.ctypes.data)
+        for index in list(self._cuda_chunks):
+            self._unregister_chunk(index)
         self.view = np.zeros(0, dtype=np.uint8)
         # A view still alive elsewhere (a traceback's frame, a caller's slice) keeps the
         # mapping until it goes (the chunk map unmaps when its last view does); the memory

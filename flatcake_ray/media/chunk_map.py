@@ -62,14 +62,24 @@ class ChunkMap:
         self.view = np.frombuffer(self._array, dtype=np.uint8)[:nbytes]
         self.mapped: dict[int, int] = {}  # offset -> bytes of every chunk mapped
 
-    def place(self, offset: int, fd: int, nbytes: int, *, shared: bool) -> None:
-        """Map ``nbytes`` of the file open as ``fd`` at ``offset``: ``shared`` writable (the
-        owner; a put writing in place), or private (a reader: its writes, were it to make
-        any, would land in its own copy, never the file). The caller keeps ``fd``."""
+    def place(
+        self, offset: int, fd: int, nbytes: int, *, shared: bool, populate: bool = True
+    ) -> None:
+        """Map ``nbytes`` of the file open as ``fd`` at ``offset``, over whatever was there:
+        ``shared`` writable (the owner; a put writing in place; pre-faulted unless not
+        ``populate``), or private (a reader: its writes, were it to make any, would land in
+        its own copy, never the file). The caller keeps ``fd``."""
         prot = mmap.PROT_READ | mmap.PROT_WRITE
-        kind = mmap.MAP_SHARED | _MAP_POPULATE if shared else mmap.MAP_PRIVATE
+        faulted = _MAP_POPULATE if populate else _MAP_NORESERVE
+        kind = mmap.MAP_SHARED | faulted if shared else mmap.MAP_PRIVATE
         _mmap(self.base + offset, nbytes, prot, kind | _MAP_FIXED, fd)
         self.mapped[offset] = nbytes
+
+    def unplace(self, offset: int) -> None:
+        """Unmap the chunk at ``offset``: its range is reserved address space again."""
+        nbytes = self.mapped.pop(offset)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+        _mmap(self.base + offset, nbytes, _PROT_NONE, flags, -1)
 
     def covers(self, starts: np.ndarray, lengths: np.ndarray) -> bool:
         """Whether every range ``[start, start + length)`` lies in mapped chunks."""

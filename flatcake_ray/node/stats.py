@@ -93,6 +93,7 @@ def store_stats(store: StoreParts) -> dict[str, Any]:
     reserved = summed["ssd_reserved"]
     return {
         **store.counters,
+        "chunks_renewed": store.arena.renewals,  # given a fresh file as they changed tenants
         **{k: summed[k] for k in ("reclaimed_scopes", "reclaimed_bytes", "quarantined_scopes")},
         "forks": summed["forks"],
         **{k: summed[k] for k in _REPLICA_COUNTERS},

@@ -105,6 +105,8 @@ class FlatCakeStore:
             undo.callback(self.manifest.close)
             recover(self.manifest, self.tenancy, self.catalog)
             undo.pop_all()
+        # A chunk going to another tenant gets a fresh file first (docs/security.md).
+        self.tenancy.space[Medium.DRAM].on_handover = self.arena.renew_chunk
         self.writer = SegmentWriter(
             self._lock,
             self.arena,
