@@ -76,6 +76,11 @@ class LandingArea:
                 del self._held[region_id]
                 self._space.release(runs)
 
+    def forget(self, owner: str) -> None:
+        """``owner`` was removed: a chunk it held last changes hands whoever takes it next."""
+        with self._lock:
+            self._space.forget(owner)
+
     def chunk_at(self, offset: int) -> ArenaChunk:
         """The chunk that holds ``offset`` (what a put's ticket names)."""
         return self.memory.chunk(offset // self.memory.chunk_bytes)

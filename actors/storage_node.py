@@ -116,6 +116,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         landing_name = f"{config.namespace}-landing-{self.node_id}"
         landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
+        self.tenants.on_removed.append(landing.forget)
         self.puts = NodePuts(self.store, landing, self.counters, (os.getpid(), self.started_at))
         self.handout = MemoryHandout(self.store, landing, config.rpc_timeout_s)
         self.exports = NodeExports(

@@ -90,6 +90,33 @@ def test_a_former_tenants_mapping_reaches_nothing_the_next_tenant_writes(store):
     os.close(kept.fd)
 
 
+def test_a_tenant_added_again_under_its_name_gets_fresh_files(store):
+    """Removing a tenant and adding it again is how its secret is rotated: the clients of
+    the one removed (a leaked secret's) must reach nothing the new one writes."""
+    put(store, "alpha", 1)
+    (chunk,) = store.arena_chunks("alpha")
+    kept = handed(store, chunk.offset)
+    store.remove_tenant("alpha")
+    store.set_tenant(Tenant("alpha", secret_hash(new_secret()), LAYERS, PAGE_BYTES))
+    keys = take_every_chunk(store, "alpha", 10)  # the same name takes the chunk back
+    assert is_retired(kept.fd) and pages_in(store, "alpha", keys, chunk.offset)
+    os.close(kept.fd)
+    area = LandingArea(2 * CHUNK, f"again-{os.getpid()}", chunks=2)
+    try:
+        first = [area.take(CHUNK, "alpha") for _ in range(2)]
+        kept = [os.dup(area.memory.chunk_fd(c.offset)) for c in area.chunks_of("alpha")]
+        for slot_id, _ in first:
+            area.give(slot_id, "alpha")
+        area.forget("alpha")  # removed from the service
+        for _ in range(2):
+            area.take(CHUNK, "alpha")  # added again: both chunks fresh
+        assert all(is_retired(fd) for fd in kept)
+    finally:
+        for fd in kept:
+            os.close(fd)
+        area.close()
+
+
 def reference(keys: list[str]) -> np.ndarray:
     """The pages :func:`put` wrote for ``keys`` (sessions of four pages, seeded by session)."""
     sessions = {int(key.split("-")[1]) for key in keys}

@@ -445,6 +445,40 @@ def test_a_peer_given_some_chunks_reaches_those_and_nixl_refuses_the_rest(nixl_u
         owner.close()
 
 
+@pytest.mark.parametrize("tls", [None, "tcp"], ids=["ucx-default", "tcp"])
+def test_a_renewed_chunk_is_read_from_its_fresh_file(nixl_usable, monkeypatch, tls):
+    """A chunk that changed tenants has a fresh file mapped where the old one was
+    (``DramArena.renew_chunk``) and is registered again (``NixlArenaExporter.renew``): a peer
+    given the chunk now READs and WRITEs the fresh file's bytes, never the retired one's."""
+    from flatcake_ray.media.arena import DramArena
+    from flatcake_ray.transports.nixl_dram import NixlArenaExporter
+    from flatcake_ray.transports.nixl_write import NixlDramWriter
+
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+    owner = agent_over(tls, monkeypatch)
+    arena = DramArena(2 * CHUNK, f"renew-{tls}-{os.getpid()}", "off", CHUNK)
+    exporter = NixlArenaExporter(owner.name, arena.view, agent=owner, chunk_bytes=CHUNK)
+    arena.on_renewed.append(exporter.renew)
+    arena.write(CHUNK, pattern(CHUNK, 1))  # the former tenant's bytes
+    arena.renew_chunk(1)
+    arena.write(CHUNK, pattern(CHUNK, 2))  # the next tenant's, in the fresh file
+    reader = NixlDramTransport(agent_over(tls, monkeypatch), exporter.peer_info([CHUNK]))
+    writer = NixlDramWriter(agent_over(tls, monkeypatch), exporter.peer_info([CHUNK]))
+    out = np.zeros(CHUNK, np.uint8)
+    try:
+        reader.read(ReadBatch([CHUNK], [CHUNK], [0]), out)
+        assert np.array_equal(out, pattern(CHUNK, 2))
+        writer.write(np.full(4096, 7, np.uint8), CHUNK + 8192)
+        assert (arena.view[CHUNK + 8192 : CHUNK + 12288] == 7).all()
+    finally:
+        reader.close()
+        writer.close()
+        exporter.close()
+        owner.close()
+        arena.close()
+
+
 def test_over_tcp_the_owner_side_checks_nothing_a_stale_descriptor_still_reads(
     nixl_usable, monkeypatch
 ):

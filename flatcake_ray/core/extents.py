@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 from flatcake_ray.core.runs import align_up
 
+_GONE = "\0gone"  # the last owner of a region whose owner was forgotten: no owner's name
+
 
 class ExtentAllocator:
     """Aligned first-fit allocation over ``[base, base + capacity)``."""
@@ -190,6 +192,12 @@ class MediumSpace:
                 self._last_owners[region] = former
                 raise
         self.owners[region] = owner
+
+    def forget(self, owner: str) -> None:
+        """``owner`` is gone (a removed tenant): a region it held last changes hands when
+        anyone takes it next, one re-added under the same name included (its clients are not
+        those of the one removed: a tenant's secret is rotated so)."""
+        self._last_owners = [_GONE if last == owner else last for last in self._last_owners]
 
     def _settle(self, region: int) -> None:
         """An owned region with nothing left in it belongs to no one again (shrinking)."""

@@ -84,7 +84,10 @@ class Tenancy:
         catalog = self._catalogs.pop(name, None)
         if catalog is None:
             return 0
-        return sum(catalog.free_scope(scope) for scope in list(catalog.scopes.values()))
+        freed = sum(catalog.free_scope(scope) for scope in list(catalog.scopes.values()))
+        for space in self.space.values():  # a tenant of this name added again is another
+            space.forget(name)
+        return freed
 
     def lease_runs(self, lease: Lease, medium: Medium) -> list[tuple[int, int]]:
         """The ``[start, end)`` spans on ``medium`` of the runs of ``lease``'s scopes that are
