@@ -1,9 +1,10 @@
 """What a storage node exports for one-sided access: its arena, ship buffer and landing area
 over NIXL (one agent, one progress thread; peers READ the first two and WRITE puts into the
-arena and the landing area), and its arena as an RDMA memory region. The arena and the
+arena and the landing area), and its arena as RDMA memory regions. The arena and the
 landing area are registered a chunk at a time, and a tenant is given the NIXL metadata of
 its own chunks only (:meth:`NodeExports.arena_peer`, ``LandingArea.peer_of``): its NIXL
-refuses any other address of the node. Each export is
+refuses any other address of the node. The RDMA export likewise: a memory region per arena
+chunk, a reader given the keys of its tenant's (:meth:`NodeExports.accept_rdma`). Each export is
 optional: NIXL or RDMA missing, or a node with no DRAM, leaves it out and says why (readers
 and writers then take another path).
 """
@@ -68,24 +69,32 @@ class NodeExports:
         if self._arena_exporter is not None:
             self._arena_exporter.renew(offset)
         if self._rdma is not None:
-            self._rdma.renew()
+            self._rdma.renew(offset)
 
     @staticmethod
     def _export_rdma(arena: DramArena) -> Any:
-        from flatcake_ray.transports.rdma_verbs import RdmaArenaExporter, rdma_probe
+        from flatcake_ray.transports.rdma_export import RdmaArenaExporter
+        from flatcake_ray.transports.rdma_port import rdma_probe
 
         if rdma_probe() is not None or not arena.nbytes:
             return None
-        return RdmaArenaExporter(arena.view)
+        return RdmaArenaExporter(arena.view, chunk_bytes=arena.chunk_bytes)
 
     @property
     def rdma(self) -> bool:
         return self._rdma is not None
 
-    def accept_rdma(self, reader: Any) -> Any:
+    def accept_rdma(self, reader: Any, chunks: Iterable[ArenaChunk]) -> Any:
+        """Connect ``reader`` to the arena, given the keys of ``chunks`` (its tenant's) only."""
         if self._rdma is None:
             raise ServiceError("this node exports no RDMA memory region")
-        return self._rdma.accept(reader)
+        return self._rdma.accept(reader, [chunk.offset for chunk in chunks])
+
+    def rdma_regions(self, chunks: Iterable[ArenaChunk]) -> tuple[Any, ...]:
+        """The RDMA regions (keys) of ``chunks`` alone; none without an RDMA export."""
+        if self._rdma is None:
+            return ()
+        return self._rdma.regions([chunk.offset for chunk in chunks])
 
     def wake(self) -> None:
         """Peers are about to READ or WRITE this node's memory."""

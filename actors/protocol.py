@@ -49,6 +49,7 @@ class NodeDescription:
     ship_nixl: Any = None  # NixlPeerInfo of the ship (bounce) buffer
     nixl_reason: str | None = None  # why NIXL is unusable on that node
     rdma: bool = False  # the arena is exported for one-sided RDMA READs (accept_rdma)
+    arena_rdma: tuple[Any, ...] = ()  # RdmaRegions (keys) of the caller's tenant's chunks alone
     verify_dram: bool = False  # readers check DRAM blocks too (SSD blocks always)
     gap_bytes: int = 64 << 10  # coalescing: holes smaller than this are read and dropped
     tenant: str = "default"  # whose geometry ``layers`` and ``page_bytes`` are

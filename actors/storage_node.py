@@ -178,6 +178,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
             pool_direct=store.pool.direct,
             started_at=self.started_at,
             arena_nixl=exports.arena_peer(store.arena_chunks(tenant.name)),
+            arena_rdma=exports.rdma_regions(store.arena_chunks(tenant.name)),
             ship_nixl=exports.ship_peer,
             nixl_reason=exports.nixl_reason,
             rdma=exports.rdma,
@@ -277,8 +278,8 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
 
     def accept_rdma(self, secret: object, reader: Any) -> Any:
         """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""
-        self._tenant(secret)
-        return self.exports.accept_rdma(reader)
+        chunks = self.store.arena_chunks(self._tenant(secret).name)
+        return self.exports.accept_rdma(reader, chunks)
 
     # ---- lookups ---------------------------------------------------------------------------
     def lookup(

@@ -10,13 +10,15 @@ each chunk's descriptor, sees the old one retired, and maps the chunk anew befor
 there. Nothing crosses a process boundary but the lease that says where the pages are.
 A copy to a GPU is the caller's torch copy on a stream (see ``flatcake_ray/buffers.py``).
 
-Also here: :func:`merge_contiguous`, shared by every transport, which folds ranges that are
-back to back in both source and destination into one (one memcpy, one NIXL descriptor).
+Also here, shared by every transport: :func:`merge_contiguous`, which folds ranges that are
+back to back in both source and destination into one (one memcpy, one NIXL descriptor), and
+:func:`split_at`, which cuts them where a registration ends.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import threading
 import time
@@ -46,6 +48,28 @@ def merge_contiguous(batch: ReadBatch) -> ReadBatch:
     starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
     merged_lengths = np.add.reduceat(lengths, starts)
     return ReadBatch(src[starts], merged_lengths, dst[starts])
+
+
+def split_at(batch: ReadBatch, bounds: np.ndarray) -> ReadBatch:
+    """The same copies, each range cut where it crosses one of ``bounds`` (source offsets):
+    a NIXL transfer descriptor, or an RDMA work request, lies inside one registration."""
+    src, lengths, dst = batch.src_offsets, batch.lengths, batch.dst_offsets
+    if not len(src) or not len(bounds):
+        return batch
+    bounds = np.sort(bounds)
+    crossing = np.searchsorted(bounds, src + lengths, "left") > np.searchsorted(
+        bounds, src, "right"
+    )
+    if not crossing.any():
+        return batch
+    pieces: list[tuple[int, int, int]] = []
+    for s, n, d, cut in zip(
+        src.tolist(), lengths.tolist(), dst.tolist(), crossing.tolist(), strict=True
+    ):
+        edges = [s, *(int(b) for b in bounds if s < b < s + n), s + n] if cut else [s, s + n]
+        pieces += [(a, b - a, d + a - s) for a, b in itertools.pairwise(edges)]
+    columns = np.array(pieces, dtype=np.int64).T
+    return ReadBatch(columns[0], columns[1], columns[2])
 
 
 def copy_ranges(source: np.ndarray, batch: ReadBatch, dst: np.ndarray) -> int:

@@ -13,7 +13,6 @@ The agent itself (registrations, transfers, progress) is ``nixl_agent.py``.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from flatcake_ray.transports.base import (
     TransferStats,
     Transport,
 )
+from flatcake_ray.transports.local_dram import split_at
 from flatcake_ray.transports.nixl_agent import (
     DEFAULT_TIMEOUT_S,
     NixlAgent,
@@ -168,28 +168,6 @@ class NixlArenaExporter:
 def descriptors(addresses: np.ndarray, lengths: np.ndarray, device: int = 0) -> np.ndarray:
     device_column = np.full(addresses.shape, device, dtype=np.uint64)
     return np.column_stack((addresses.astype(np.uint64), lengths.astype(np.uint64), device_column))
-
-
-def split_at(batch: ReadBatch, bounds: np.ndarray) -> ReadBatch:
-    """The same copies, each range cut where it crosses one of ``bounds`` (source offsets):
-    a NIXL transfer descriptor lies inside one registration."""
-    src, lengths, dst = batch.src_offsets, batch.lengths, batch.dst_offsets
-    if not len(src) or not len(bounds):
-        return batch
-    bounds = np.sort(bounds)
-    crossing = np.searchsorted(bounds, src + lengths, "left") > np.searchsorted(
-        bounds, src, "right"
-    )
-    if not crossing.any():
-        return batch
-    pieces: list[tuple[int, int, int]] = []
-    for s, n, d, cut in zip(
-        src.tolist(), lengths.tolist(), dst.tolist(), crossing.tolist(), strict=True
-    ):
-        edges = [s, *(int(b) for b in bounds if s < b < s + n), s + n] if cut else [s, s + n]
-        pieces += [(a, b - a, d + a - s) for a, b in itertools.pairwise(edges)]
-    columns = np.array(pieces, dtype=np.int64).T
-    return ReadBatch(columns[0], columns[1], columns[2])
 
 
 class _NixlReader(Transport):

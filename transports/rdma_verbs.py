@@ -1,17 +1,18 @@
 """Remote DRAM by one-sided RDMA READ over libibverbs (pyverbs), where an RDMA NIC exists.
 
-Owner side: ``RdmaArenaExporter(arena)`` registers the arena as a memory region that remote
-peers may READ. Each reader gets its own RC queue pair from ``accept(reader_endpoint)``.
-
-Reader side: ``RdmaVerbsTransport()`` opens the device and creates its queue pair; the two
-:class:`RdmaEndpoint` records (queue pair number, PSN, LID/GID, MTU, and on the owner's side
-the region's address, length and rkey) are swapped out of band, e.g.::
+Owner side: ``RdmaArenaExporter`` (``rdma_export.py``) registers the arena a chunk at a
+time as memory regions peers may READ, and gives each reader the keys of its tenant's
+chunks only. Reader side: ``RdmaVerbsTransport()`` opens the device and creates its queue
+pair; the two :class:`RdmaEndpoint` records (queue pair number, PSN, LID/GID, MTU, and on the
+owner's side the arena's address and the reader's regions) are swapped out of band, e.g.::
 
     transport = RdmaVerbsTransport.connected(lambda mine: ray.get(node.accept_rdma.remote(mine)))
 
-after which ``read`` posts one RDMA READ work request per range (long ranges split at the
-port's message limit), keeps up to ``max_outstanding`` in flight, and polls the completion
-queue. The owner's CPU takes no part in a read.
+after which ``read`` posts one RDMA READ work request per piece (ranges cut at chunk
+borders, a region each, and at the port's message limit), keeps up to ``max_outstanding``
+in flight, and polls the completion queue. The owner's CPU takes no part in a read. A read
+that reaches past the regions it was given asks ``refresh`` once for those its tenant holds
+now (it may have taken more since), then is :class:`ForeignMemoryError` (a miss).
 
 A failed or timed-out read moves the queue pair to the error state (which flushes every
 outstanding request, so nothing writes into ``dst`` afterwards); the transport is then
@@ -20,20 +21,19 @@ broken and must be replaced by a new connection.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from flatcake_ray.errors import (
+    ForeignMemoryError,
     TransferError,
     TransferTimeoutError,
     TransportClosedError,
-    TransportUnavailableError,
 )
 from flatcake_ray.transports.base import (
     REMOTE_DRAM_RDMA,
@@ -42,45 +42,28 @@ from flatcake_ray.transports.base import (
     TransferStats,
     Transport,
 )
+from flatcake_ray.transports.local_dram import split_at
+from flatcake_ray.transports.rdma_port import (
+    RdmaEndpoint,
+    RdmaPort,
+    RdmaRegion,
+    new_psn,
+    rdma_probe,
+)
+
+__all__ = [
+    "RdmaEndpoint",
+    "RdmaRegion",
+    "RdmaVerbsTransport",
+    "placed",
+    "rdma_probe",
+    "split_ranges",
+]
 
 DEFAULT_TIMEOUT_S = 30.0
 _MAX_WR_BYTES = 1 << 30  # an SGE length is 32-bit; stay well inside it and max_msg_sz
-_RD_ATOMIC = 16  # outstanding READs per QP, capped by what the device allows
 _POLL_SLEEP_MAX_S = 0.001
 _DRAIN_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class RdmaEndpoint:
-    """One side of an RC connection, exchanged out of band (picklable).
-
-    ``addr``/``length``/``rkey`` describe the exported region; a reader sends zeros there.
-    """
-
-    qp_num: int
-    psn: int
-    lid: int
-    gid: str
-    mtu: int
-    addr: int = 0
-    length: int = 0
-    rkey: int = 0
-
-
-def rdma_probe() -> str | None:
-    """``None`` when pyverbs imports and sees at least one RDMA device, else why not."""
-    try:
-        import pyverbs.device as device
-        from pyverbs.pyverbs_error import PyverbsError
-    except ImportError as exc:
-        return f"pyverbs not importable ({exc})"
-    try:
-        devices = device.get_device_list()
-    except PyverbsError as exc:
-        return f"no RDMA device (pyverbs: {exc})"  # libibverbs raises when it finds none
-    if not devices:
-        return "no RDMA device"
-    return None
 
 
 def split_ranges(reads: ReadBatch, limit: int) -> ReadBatch:
@@ -95,132 +78,33 @@ def split_ranges(reads: ReadBatch, limit: int) -> ReadBatch:
     return ReadBatch(reads.src_offsets[owner] + skip, lengths, reads.dst_offsets[owner] + skip)
 
 
-class _Port:
-    """An opened device port: context, protection domain, completion queue and limits."""
-
-    def __init__(self, device: str | None, port: int, gid_index: int, cq_depth: int) -> None:
-        reason = rdma_probe()
-        if reason is not None:
-            raise TransportUnavailableError(reason)
-        import pyverbs.device as dev
-        import pyverbs.enums
-        from pyverbs.cq import CQ
-        from pyverbs.pd import PD
-
-        self.enums = pyverbs.enums
-        name = device or dev.get_device_list()[0].name.decode()
-        self.context = dev.Context(name=name)
-        self.port = port
-        self.gid_index = gid_index
-        self.port_attr = self.context.query_port(port)
-        self.device_attr = self.context.query_device()
-        self.gid = str(self.context.query_gid(port, gid_index))
-        self.pd = PD(self.context)
-        self.cq = CQ(self.context, cq_depth, None, None, 0)
-
-    def endpoint(self, qp: Any, psn: int, **region: int) -> RdmaEndpoint:
-        lid, mtu = self.port_attr.lid, self.port_attr.active_mtu
-        return RdmaEndpoint(qp.qp_num, psn, lid, self.gid, mtu, **region)
-
-    def create_qp(self, max_send_wr: int) -> Any:
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-
-        e = self.enums
-        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap, sq_sig_all=1)
-        attr = QPAttr(port_num=self.port)
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-        return QP(self.pd, init, attr)  # returned in INIT: RTR needs the peer's number
-
-    def connect(self, qp: Any, local_psn: int, remote: RdmaEndpoint) -> None:
-        """Move ``qp`` through RTR to RTS, aimed at ``remote``'s queue pair."""
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-
-        e = self.enums
-        attr = QPAttr(port_num=self.port)
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-        attr.path_mtu = min(self.port_attr.active_mtu, remote.mtu)
-        attr.dest_qp_num = remote.qp_num
-        attr.rq_psn = remote.psn
-        attr.sq_psn = local_psn
-        attr.max_dest_rd_atomic = min(_RD_ATOMIC, self.device_attr.max_qp_rd_atom)
-        attr.max_rd_atomic = min(_RD_ATOMIC, self.device_attr.max_qp_init_rd_atom)
-        attr.min_rnr_timer = 12
-        attr.timeout = 14  # 4.096 us * 2**14 = 67 ms per attempt
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        # A GRH is required on RoCE and harmless on InfiniBand.
-        route = GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid_index)
-        attr.ah_attr = AHAttr(port_num=self.port, is_global=1, gr=route, dlid=remote.lid)
-        qp.to_rts(attr)
-
-    def register(self, buffer: np.ndarray, access: int) -> Any:
-        from pyverbs.mr import MR
-
-        return MR(self.pd, buffer.nbytes, access, address=buffer.ctypes.data)
-
-    def close(self) -> None:
-        self.context.close()  # closes the PD, CQ, QPs and MRs made from it
-
-
-def _psn() -> int:
-    return random.getrandbits(24)
-
-
-class RdmaArenaExporter:
-    """Owner side: the arena as a remotely readable memory region, one QP per reader."""
-
-    def __init__(
-        self, buffer: np.ndarray, *, device: str | None = None, port: int = 1, gid_index: int = 0
-    ) -> None:
-        self._buffer = buffer  # pinned by the MR until close
-        self._port = _Port(device, port, gid_index, cq_depth=16)
-        e = self._port.enums
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-        self._mr = self._port.register(buffer, access)
-        self._qps: dict[tuple[str, int], Any] = {}
-
-    def accept(self, reader: RdmaEndpoint) -> RdmaEndpoint:
-        """Make a QP for ``reader`` and connect it; returns what the reader needs."""
-        qp = self._port.create_qp(max_send_wr=1)  # the owner only answers READs
-        psn = _psn()
-        self._port.connect(qp, psn, reader)
-        self._qps[(reader.gid, reader.qp_num)] = qp
-        region = {"addr": self._buffer.ctypes.data, "length": self._buffer.nbytes}
-        return self._port.endpoint(qp, psn, rkey=self._mr.rkey, **region)
-
-    def renew(self) -> None:
-        """Register the arena again: part of it was given a fresh file
-        (``DramArena.renew_chunk``) and the old region pins the old pages. A reader's next
-        READ with the old key fails (its transport is broken, its pages misses) and the
-        client connects again (``accept``), with the new key."""
-        e = self._port.enums
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-        old, self._mr = self._mr, self._port.register(self._buffer, access)
-        old.close()
-
-    def release(self, reader: RdmaEndpoint) -> None:
-        """Drop a reader's QP (it closed, or died)."""
-        qp = self._qps.pop((reader.gid, reader.qp_num), None)
-        if qp is not None:
-            qp.close()
-
-    def close(self) -> None:
-        try:
-            for qp in self._qps.values():
-                qp.close()  # before the MR: no READ may be answered from unregistered memory
-            self._qps.clear()
-            self._mr.close()
-        finally:
-            self._port.close()
+def placed(
+    reads: ReadBatch, regions: tuple[RdmaRegion, ...], limit: int
+) -> tuple[ReadBatch, np.ndarray] | None:
+    """The pieces to post for ``reads`` (cut at region borders and at ``limit`` bytes) and
+    the remote key of each; None when a piece lies outside every region."""
+    if not regions:
+        return None if len(reads) else (reads, np.zeros(0, np.int64))
+    regions = tuple(sorted(regions, key=lambda region: region.offset))
+    starts = np.array([r.offset for r in regions], dtype=np.int64)
+    ends = starts + np.array([r.length for r in regions], dtype=np.int64)
+    pieces = split_ranges(split_at(reads, starts[1:]), limit)
+    index = np.searchsorted(starts, pieces.src_offsets, side="right") - 1
+    inside = (index >= 0) & (pieces.src_offsets + pieces.lengths <= ends[np.maximum(index, 0)])
+    if not inside.all():
+        return None
+    keys = np.array([r.rkey for r in regions], dtype=np.int64)
+    return pieces, keys[index]
 
 
 class RdmaVerbsTransport(Transport):
-    """Reader side: RDMA READs of a peer's exported arena into caller buffers.
+    """Reader side: RDMA READs of a peer's exported arena chunks into caller buffers.
 
     Destination buffers are registered as MRs on first use and cached by address range (see
-    :class:`RegistrationCache`), so reuse one staging buffer across reads.
+    :class:`RegistrationCache`), so reuse one staging buffer across reads. ``port``: an
+    opened :class:`RdmaPort` (or a stand-in with its methods); by default ``device``'s.
+    ``refresh``: the regions the peer exports to this reader now (asked once when a read
+    reaches past those it knows).
     """
 
     name = REMOTE_DRAM_RDMA
@@ -229,27 +113,30 @@ class RdmaVerbsTransport(Transport):
         self,
         *,
         device: str | None = None,
-        port: int = 1,
+        port: Any = None,
         gid_index: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         max_outstanding: int = 64,
         max_registrations: int = 8,
+        refresh: Callable[[], tuple[RdmaRegion, ...]] | None = None,
     ) -> None:
         if timeout_s <= 0 or max_outstanding < 1:
             raise ValueError("timeout_s must be positive and max_outstanding at least 1")
-        self._port = _Port(device, port, gid_index, cq_depth=max_outstanding)
+        self._port = port if port is not None else RdmaPort(device, 1, gid_index, max_outstanding)
         self._window = max_outstanding
         self._qp = self._port.create_qp(max_send_wr=max_outstanding)
-        self._psn = _psn()
+        self._psn = new_psn()
         self._timeout_s = timeout_s
         self._peer: RdmaEndpoint | None = None
+        self._refresh = refresh
         self._broken: str | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._max_wr = min(_MAX_WR_BYTES, int(self._port.port_attr.max_msg_sz))
-        access = self._port.enums.IBV_ACCESS_LOCAL_WRITE
+        self._max_wr = min(_MAX_WR_BYTES, self._port.max_message)
         self._mrs = RegistrationCache(
-            lambda buf: self._port.register(buf, access), lambda mr: mr.close(), max_registrations
+            lambda buf: self._port.register(buf, remote_read=False),
+            lambda mr: mr.close(),
+            max_registrations,
         )
 
     @classmethod
@@ -278,27 +165,35 @@ class RdmaVerbsTransport(Transport):
         return self._port.endpoint(self._qp, self._psn)
 
     def connect(self, peer: RdmaEndpoint) -> None:
-        if peer.rkey == 0 or peer.length == 0:
-            raise ValueError("the peer endpoint exports no memory region")
+        if peer.length == 0:
+            raise ValueError("the peer endpoint exports no memory")
         self._port.connect(self._qp, self._psn, peer)
         self._peer = peer
 
     def read(self, reads: ReadBatch, dst: np.ndarray) -> TransferStats:
         peer = self._usable_peer()
         reads.check_destination(dst)
-        reads.check_source(peer.length, f"the RDMA region of QP {peer.qp_num}")
-        pieces = split_ranges(reads.nonempty(), self._max_wr)
+        reads.check_source(peer.length, f"the RDMA arena of QP {peer.qp_num}")
+        pieces, keys = self._placed(reads.nonempty())
         start = time.perf_counter()
         if len(pieces):
-            from pyverbs.pyverbs_error import PyverbsError
-
             try:
                 with self._lock, self._mrs.use(dst) as mr:
-                    self._run(pieces, dst, mr, peer, time.monotonic() + self._timeout_s)
-            except PyverbsError as exc:  # registering dst, posting, polling
+                    self._run(pieces, keys, dst, mr, time.monotonic() + self._timeout_s)
+            except self._port.errors as exc:  # registering dst, posting, polling
                 raise TransferError(f"RDMA READ failed: {exc}") from exc
         elapsed = time.perf_counter() - start
         return TransferStats(reads.total_bytes, len(pieces), elapsed, self.name)
+
+    def _placed(self, reads: ReadBatch) -> tuple[ReadBatch, np.ndarray]:
+        assert self._peer is not None
+        found = placed(reads, self._peer.regions, self._max_wr)
+        if found is None and self._refresh is not None:
+            self._peer = replace(self._peer, regions=self._refresh())
+            found = placed(reads, self._peer.regions, self._max_wr)
+        if found is None:
+            raise ForeignMemoryError("a range outside the arena chunks exported to this tenant")
+        return found
 
     def _usable_peer(self) -> RdmaEndpoint:
         if self._closed:
@@ -310,13 +205,23 @@ class RdmaVerbsTransport(Transport):
         return self._peer
 
     def _run(
-        self, pieces: ReadBatch, dst: np.ndarray, mr: Any, peer: RdmaEndpoint, deadline: float
+        self, pieces: ReadBatch, keys: np.ndarray, dst: np.ndarray, mr: Any, deadline: float
     ) -> None:
+        assert self._peer is not None
+        base, local = self._peer.addr, dst.ctypes.data
         posted = done = 0
         try:
             while done < len(pieces):
                 while posted < len(pieces) and posted - done < self._window:
-                    self._post(pieces, posted, dst, mr, peer)
+                    self._port.post_read(
+                        self._qp,
+                        posted,
+                        local + int(pieces.dst_offsets[posted]),
+                        int(pieces.lengths[posted]),
+                        mr.lkey,
+                        base + int(pieces.src_offsets[posted]),
+                        int(keys[posted]),
+                    )
                     posted += 1
                 arrived, failure = self._reap(posted - done, deadline)
                 done += arrived
@@ -326,33 +231,18 @@ class RdmaVerbsTransport(Transport):
             self._abort(posted - done, reason=type(exc).__name__)
             raise
 
-    def _post(
-        self, pieces: ReadBatch, i: int, dst: np.ndarray, mr: Any, peer: RdmaEndpoint
-    ) -> None:
-        from pyverbs.wr import SGE, SendWR
-
-        e = self._port.enums
-        local = dst.ctypes.data + int(pieces.dst_offsets[i])
-        sge = SGE(local, int(pieces.lengths[i]), mr.lkey)
-        wr = SendWR(wr_id=i, opcode=e.IBV_WR_RDMA_READ, num_sge=1, sg=[sge])
-        wr.set_wr_rdma(peer.rkey, peer.addr + int(pieces.src_offsets[i]))
-        self._qp.post_send(wr)
-
     def _reap(self, outstanding: int, deadline: float) -> tuple[int, str]:
         """Wait for at least one completion; return how many arrived and the first failure."""
-        success = self._port.enums.IBV_WC_SUCCESS
         pause = 0.0
         while True:
-            count, completions = self._port.cq.poll(outstanding)
-            failed = [wc for wc in completions if wc.status != success]
+            completions = self._port.poll(outstanding)
+            failed = [c for c in completions if not c.ok]
             if failed:
-                wc = failed[0]
-                return count, (
-                    f"RDMA READ {wc.wr_id} completed with status {wc.status} "
-                    f"(vendor error {wc.vendor_err})"
-                )
-            if count:
-                return count, ""
+                return len(
+                    completions
+                ), f"RDMA READ {failed[0].wr_id} completed with {failed[0].detail}"
+            if completions:
+                return len(completions), ""
             if time.monotonic() > deadline:
                 raise TransferTimeoutError("RDMA READ did not complete before its deadline")
             if pause:
@@ -361,16 +251,11 @@ class RdmaVerbsTransport(Transport):
 
     def _abort(self, outstanding: int, reason: str) -> None:
         """Flush the QP so no request can still write into the destination; mark it broken."""
-        from pyverbs.qp import QPAttr
-
-        e = self._port.enums
         self._broken = reason
-        attr = QPAttr()
-        attr.qp_state = e.IBV_QPS_ERR
-        self._qp.modify(attr, e.IBV_QP_STATE)
+        self._port.to_error(self._qp)
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
         while outstanding > 0 and time.monotonic() < deadline:
-            count, _ = self._port.cq.poll(outstanding)  # flushed requests, statuses moot
+            count = len(self._port.poll(outstanding))  # flushed requests, statuses moot
             outstanding -= count
             time.sleep(0 if count else _POLL_SLEEP_MAX_S)
         # Requests still unflushed keep their MR (and through it ``dst``) alive in the

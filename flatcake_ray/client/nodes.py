@@ -194,7 +194,10 @@ class NodeLink:
         def accept(mine: Any) -> Any:
             return ray.get(self.handle.accept_rdma.remote(mine), timeout=timeout)
 
-        return RdmaVerbsTransport.connected(accept, timeout_s=timeout)
+        def regions_now() -> Any:  # the chunks its tenant holds there now (it may grow)
+            return ray.get(self.handle.describe.remote(), timeout=timeout).arena_rdma
+
+        return RdmaVerbsTransport.connected(accept, timeout_s=timeout, refresh=regions_now)
 
     def close(self) -> None:
         if self.direct is not None:
