@@ -1,7 +1,7 @@
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.extents import ExtentAllocator, MediumSpace, ScopeRuns
@@ -121,3 +121,48 @@ def test_a_region_that_goes_to_another_owner_is_handed_over_first():
     handed.clear()
     assert space.place(gamma, 1 << 20, reserve_ahead=False) is not None
     assert handed == [space.region_of(gamma.runs[0].start)]  # handed over now, once
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 2), st.integers(1, 80)), max_size=80)
+)
+@example([("a", 0, 1), ("a", 0, 67), ("a", 0, 1)])  # removed, then its name comes back
+@example([("a", 0, 1), ("b", 0, 1), ("a", 0, 67), ("a", 1, 1), ("c", 0, 71), ("b", 1, 1)])
+def test_no_region_reaches_another_owner_without_a_handover(steps):
+    """Whatever the owners do (place, release, be forgotten), a run placed in a region whose
+    last run was another owner's (or a forgotten owner's) comes after ``on_handover`` for
+    that region; no two owners ever have runs in one region."""
+    space = MediumSpace(region_bytes=256 << 10, regions=3, min_run=4096, owned=True)
+    handed: list[int] = []
+    space.on_handover = handed.append
+    scopes = {(o, i): ScopeRuns(owner=o) for o in "abc" for i in range(3)}
+    last: dict[int, str] = {}  # region -> whose run was placed there last ("gone": forgotten)
+    clean: set[int] = set()  # regions handed over since their last run was placed
+    dead: list[ScopeRuns] = []  # a forgotten owner's scopes: runs still held, never extended
+    for owner, index, pages in steps:
+        scope = scopes[(owner, index)]
+        if pages > 70:
+            space.release(scope)
+            if dead:
+                space.release(dead.pop(0))  # given back later, as an aborted put's slots
+            continue
+        if pages > 66:  # removed: its scopes go dead, whoever takes its name is another
+            for i in range(3):
+                dead.append(scopes[(owner, i)])
+                scopes[(owner, i)] = ScopeRuns(owner=owner)
+            space.forget(owner)
+            last = {r: ("gone" if o == owner else o) for r, o in last.items()}
+            continue
+        before = len(handed)
+        placed = space.place(scope, pages * 4096)
+        clean |= set(handed[before:])
+        if placed is None:
+            continue
+        region = space.region_of(placed)
+        if last.get(region, owner) != owner:
+            assert region in clean  # handed over since another owner's last run there
+        last[region] = owner
+        clean.discard(region)
+        others = [s for s in scopes.values() if s.owner != owner] + dead
+        assert region not in {r.allocator for s in others for r in s.runs}

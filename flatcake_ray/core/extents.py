@@ -196,8 +196,10 @@ class MediumSpace:
     def forget(self, owner: str) -> None:
         """``owner`` is gone (a removed tenant): a region it held last changes hands when
         anyone takes it next, one re-added under the same name included (its clients are not
-        those of the one removed: a tenant's secret is rotated so)."""
+        those of the one removed: a tenant's secret is rotated so). A region it still has
+        runs in (being given back) is no one's to take until they are."""
         self._last_owners = [_GONE if last == owner else last for last in self._last_owners]
+        self.owners = [_GONE if holder == owner else holder for holder in self.owners]
 
     def _settle(self, region: int) -> None:
         """An owned region with nothing left in it belongs to no one again (shrinking)."""
