@@ -58,8 +58,7 @@ class LeasedBytes:
     ) -> Iterator[ShipReply]:
         if not isinstance(stream_id, int) or isinstance(stream_id, bool):
             raise ReadRangeError("a stream id is an int")
-        chunk = self._ship_buffer.regions.chunk_bytes  # a window's region lies in one chunk
-        windows = check_windows(src_offsets, lengths, counts, chunk)
+        windows = check_windows(src_offsets, lengths, counts, self._config.ship_bytes // 2)
 
         def check(src: np.ndarray, sizes: np.ndarray) -> None:
             self.leased(tenant, Medium.SSD, src, sizes)

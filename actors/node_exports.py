@@ -34,6 +34,7 @@ class NodeExports:
         self._arena_exporter: Any = None
         self._agent: Any = None
         self._busy = busy
+        self.ship_peer: Any = None
         self.nixl_reason = self._export_nixl(f"fc{node_id}", arena, ship_buffer, landing)
         self._rdma = self._export_rdma(arena)
 
@@ -52,7 +53,7 @@ class NodeExports:
             self._arena_exporter = NixlArenaExporter(
                 tag, arena.view, agent=self._agent, chunk_bytes=arena.chunk_bytes
             )
-        ship_buffer.export(self._agent)
+        self.ship_peer = ship_buffer.export(self._agent)
         landing.export(self._agent)
         return None
 

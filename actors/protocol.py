@@ -46,7 +46,7 @@ class NodeDescription:
     started_at: float  # wall clock; a changed value means the node restarted
     # NixlPeerInfo of the caller's tenant's arena chunks (none other), None without NIXL
     arena_nixl: Any = None
-    ship_nixl: Any = None  # NixlPeerInfo of the ship (bounce) buffer's chunks the tenant holds
+    ship_nixl: Any = None  # NixlPeerInfo of the ship (bounce) buffer
     nixl_reason: str | None = None  # why NIXL is unusable on that node
     rdma: bool = False  # the arena is exported for one-sided RDMA READs (accept_rdma)
     arena_rdma: tuple[Any, ...] = ()  # RdmaRegions (keys) of the caller's tenant's chunks alone

@@ -1,15 +1,10 @@
-"""The owner's side of shipped SSD reads.
+"""The owner's side of shipped SSD reads, and the region allocator the landing area shares.
 
 - :class:`ShipBuffer` ("remote-ssd-shipped"): a reader on another node, with no NVMe-oF view
   of this node's pool, asks for SSD ranges; the node reads them (coalesced O_DIRECT, the
   local-SSD transport's code) into a region of a NIXL-registered bounce buffer, and the
   reader fetches the region with one NIXL READ, then frees it. Regions expire after a TTL,
-  so a reader that died does not hold the buffer. The buffer is ``SHIP_CHUNKS`` chunks,
-  each registered on its own and holding one tenant's regions at a time (the owned
-  allocation of ``core/extents.py``, as the arena and the landing area), and a tenant is
-  given the NIXL metadata of its own chunks only (:meth:`ShipBuffer.peer_of`): its NIXL
-  cannot READ another tenant's shipped bytes. A chunk that goes to another tenant is
-  registered again (its former tenant's key dies on an RDMA NIC).
+  so a reader that died does not hold the buffer.
 - :meth:`ShipBuffer.stream`: the same for a whole restore in one call (a Ray streaming
   generator): the node reads window after window into free regions and yields each region
   as soon as it is filled, so its SSD reads run ahead of the reader's fetches, bounded by
@@ -27,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.core.extents import MediumSpace, ScopeRuns
 from flatcake_ray.core.runs import align_up
 from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferTimeoutError
 from flatcake_ray.media.buffers import AlignedBuffer
@@ -44,55 +38,60 @@ class ShipReply:
     io_commands: int  # O_DIRECT reads the node made
 
 
-SHIP_CHUNKS = 4  # a reader's window is a quarter of the buffer: a chunk holds one
-
-
 class RegionAllocator:
-    """Regions of a fixed buffer of ``chunks`` chunks, each freed explicitly or when its TTL
-    runs out; with more than one chunk, a chunk holds one owner's regions at a time and a
-    region never crosses a chunk (``on_handover`` hears of a chunk changing owners)."""
+    """First-fit regions of a fixed buffer, each freed explicitly or when its TTL runs out."""
 
-    def __init__(self, nbytes: int, ttl_s: float, chunks: int = 1) -> None:
+    def __init__(self, nbytes: int, ttl_s: float) -> None:
         self.nbytes = nbytes
         self.ttl_s = ttl_s
-        self.chunk_bytes = align_up(-(-nbytes // chunks)) if chunks > 1 else nbytes
-        count = -(-nbytes // self.chunk_bytes)
-        self.space = MediumSpace(self.chunk_bytes, count, 4096, total=nbytes, owned=count > 1)
-        self._held: dict[int, tuple[ScopeRuns, float]] = {}
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # sorted (start, length)
+        self._held: dict[int, tuple[int, int, float, str]] = {}
 
     def allocate(self, nbytes: int, owner: str = "") -> tuple[int, int]:
         """(region id, start) of a region only ``owner`` may free (ids are random 63-bit
         numbers, so nobody else can name it); ShipBufferFullError when nothing fits."""
-        runs = ScopeRuns(owner=owner)
-        start = self.space.place(runs, align_up(nbytes), reserve_ahead=False)
-        if start is None:
+        nbytes = align_up(nbytes)
+        found = self._first_fit(nbytes)
+        if found is None:
             self._expire(time.monotonic())
-            start = self.space.place(runs, align_up(nbytes), reserve_ahead=False)
-        if start is None:
+            found = self._first_fit(nbytes)
+        if found is None:
             raise ShipBufferFullError(f"no {nbytes} free bytes in the {self.nbytes}-byte buffer")
         region_id = secrets.randbits(63)
-        self._held[region_id] = (runs, time.monotonic() + self.ttl_s)
-        return region_id, start
+        self._held[region_id] = (found, nbytes, time.monotonic() + self.ttl_s, owner)
+        return region_id, found
+
+    def _first_fit(self, nbytes: int) -> int | None:
+        for i, (start, length) in enumerate(self._free):
+            if length >= nbytes:
+                rest = (start + nbytes, length - nbytes)
+                self._free[i : i + 1] = [rest] if rest[1] else []
+                return start
+        return None
 
     def free(self, region_id: object, owner: str = "") -> bool:
         """Give back ``owner``'s region; False (nothing changes) for anyone else's."""
-        if not isinstance(region_id, int):
-            return False
-        held = self._held.get(region_id)
-        if held is None or held[0].owner != owner:
+        held = self._held.get(region_id) if isinstance(region_id, int) else None
+        if held is None or held[3] != owner or not isinstance(region_id, int):
             return False
         del self._held[region_id]
-        self.space.release(held[0])
+        self._give_back(held[0], held[1])
         return True
 
-    def chunks_of(self, owner: str) -> list[int]:
-        """Offsets of the chunks ``owner`` holds regions in now."""
-        return [region * self.chunk_bytes for region in self.space.regions_of(owner)]
+    def _give_back(self, start: int, length: int) -> None:
+        merged = sorted([*self._free, (start, length)])
+        out: list[tuple[int, int]] = []
+        for s, n in merged:
+            if out and out[-1][0] + out[-1][1] == s:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((s, n))
+        self._free = out
 
     def _expire(self, now: float) -> None:
-        for region_id, (runs, deadline) in list(self._held.items()):
-            if deadline < now:
-                self.free(region_id, runs.owner or "")
+        for region_id, held in list(self._held.items()):
+            if held[2] < now:
+                self.free(region_id, held[3])
 
     @property
     def held(self) -> int:
@@ -100,11 +99,9 @@ class RegionAllocator:
 
 
 class ShipBuffer:
-    def __init__(
-        self, nbytes: int, pool: SsdPool, *, ttl_s: float, chunks: int = SHIP_CHUNKS
-    ) -> None:
+    def __init__(self, nbytes: int, pool: SsdPool, *, ttl_s: float) -> None:
         self.buffer = AlignedBuffer(nbytes)
-        self.regions = RegionAllocator(self.buffer.nbytes, ttl_s, chunks)
+        self.regions = RegionAllocator(self.buffer.nbytes, ttl_s)
         self.reader = LocalSsdTransport(pool)
         self.exporter: Any = None  # a NixlArenaExporter of ``buffer`` once exported
         self._lock = threading.Lock()
@@ -116,27 +113,12 @@ class ShipBuffer:
             **{"ship_streams": 0, "ship_stream_waits": 0},
         }
 
-    def export(self, agent: Any) -> None:
-        """Register the buffer on the node's exporter agent, a chunk at a time."""
+    def export(self, agent: Any) -> Any:
+        """Register the buffer on the node's exporter agent; returns its NixlPeerInfo."""
         from flatcake_ray.transports.nixl_dram import NixlArenaExporter
 
-        self.exporter = NixlArenaExporter(
-            agent.name, self.buffer.array, agent=agent, chunk_bytes=self.regions.chunk_bytes
-        )
-        self.regions.space.on_handover = self._renew
-
-    def _renew(self, chunk: int) -> None:
-        """A chunk goes to another tenant: registered again, so the key its former tenant
-        was given (on an RDMA NIC) reaches nothing shipped there now."""
-        assert self.exporter is not None
-        self.exporter.renew(chunk * self.regions.chunk_bytes)
-
-    def peer_of(self, owner: str) -> Any:
-        """The NixlPeerInfo of ``owner``'s chunks alone (None: the buffer is not exported)."""
-        if self.exporter is None:
-            return None
-        with self._lock:
-            return self.exporter.peer_info(self.regions.chunks_of(owner))
+        self.exporter = NixlArenaExporter(agent.name, self.buffer.array, agent=agent)
+        return self.exporter.peer_info()
 
     def ship(self, src_offsets: np.ndarray, lengths: np.ndarray, owner: str = "") -> ShipReply:
         total = self._fits(lengths)
@@ -146,10 +128,8 @@ class ShipBuffer:
 
     def _fits(self, lengths: np.ndarray) -> int:
         total = int(np.asarray(lengths, dtype=np.int64).sum())
-        if total > self.regions.chunk_bytes:
-            raise ReadRangeError(
-                f"{total} bytes asked, a region of the ship buffer holds {self.regions.chunk_bytes}"
-            )
+        if total > self.buffer.nbytes:
+            raise ReadRangeError(f"{total} bytes asked, the ship buffer holds {self.buffer.nbytes}")
         return total
 
     def _fill(

@@ -179,7 +179,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
             started_at=self.started_at,
             arena_nixl=exports.arena_peer(store.arena_chunks(tenant.name)),
             arena_rdma=exports.rdma_regions(store.arena_chunks(tenant.name)),
-            ship_nixl=self.ship_buffer.peer_of(tenant.name),
+            ship_nixl=exports.ship_peer,
             nixl_reason=exports.nixl_reason,
             rdma=exports.rdma,
             verify_dram=store.config.verify_dram,

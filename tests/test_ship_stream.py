@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from flatcake_ray.actors.shipping import ShipBuffer
-from flatcake_ray.errors import ReadRangeError, ShipBufferFullError, TransferTimeoutError
+from flatcake_ray.errors import ReadRangeError, TransferTimeoutError
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 
@@ -91,28 +91,3 @@ def test_a_stream_id_runs_once_per_tenant_and_another_tenant_cannot_stop_it(ship
         next(buffer.stream(windows(1), "t", 4, 5.0, allow_all))
     buffer.stop("other", 4)
     assert len(list(stream)) == 1  # not stopped: the second window still comes
-
-
-def test_each_tenants_regions_lie_in_chunks_of_its_own():
-    """The ship buffer's regions, by tenant: a chunk holds one tenant's regions at a time,
-    a tenant's regions share its chunk, an emptied chunk is free again, and one that goes
-    to another tenant is handed over (registered again, when exported) first."""
-    from flatcake_ray.actors.shipping import RegionAllocator
-
-    regions = RegionAllocator(4 * WINDOW, ttl_s=60, chunks=4)
-    handed: list[int] = []
-    regions.space.on_handover = handed.append
-    first, at = regions.allocate(WINDOW // 4, "a")
-    second, again = regions.allocate(WINDOW // 4, "a")
-    third, theirs = regions.allocate(WINDOW // 4, "b")
-    assert at // WINDOW == again // WINDOW != theirs // WINDOW  # a's share its chunk
-    assert regions.chunks_of("a") == [at // WINDOW * WINDOW]
-    assert not regions.free(first, "b") and regions.held == 3  # not b's to give back
-    with pytest.raises(ShipBufferFullError):  # a region never crosses a chunk
-        regions.allocate(WINDOW + 4096, "c")
-    for region_id, owner in ((first, "a"), (second, "a"), (third, "b")):
-        assert regions.free(region_id, owner)
-    assert regions.chunks_of("a") == [] and regions.held == 0 and handed == []
-    taken = [regions.allocate(WINDOW, "c")[1] // WINDOW for _ in range(4)]  # every chunk
-    assert sorted(taken) == [0, 1, 2, 3]
-    assert sorted(handed) == sorted({at // WINDOW, theirs // WINDOW})  # a's and b's chunks

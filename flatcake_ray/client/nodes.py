@@ -149,27 +149,19 @@ class NodeLink:
             peer = (refresh() if fresh else None) or d.arena_nixl
             return NixlDramTransport(agent("arena"), peer, timeout_s=timeout, refresh=refresh)
         if path == base.REMOTE_SSD_SHIPPED:
-            ship_now = self._ship_nixl_now  # its tenant's chunks of the buffer, as they change
-            peer = (ship_now() if fresh else None) or d.ship_nixl
-            reader = NixlDramTransport(agent("ship"), peer, timeout_s=timeout, refresh=ship_now)
+            reader = NixlDramTransport(agent("ship"), d.ship_nixl, timeout_s=timeout)
             self._extra.append(reader)
             return ShippedSsdTransport(self.handle, reader, d.ship_nixl.length, pool_bytes, timeout)
         if path == base.REMOTE_DRAM_RDMA:
             return self._rdma(timeout)
         raise ServiceError(f"no transport named {path!r}")
 
-    def _described_now(self) -> NodeDescription:
-        """The node's description as it stands now: the chunks of its arena and of its ship
-        buffer this tenant holds now, and their NIXL peers (readers learn them as they grow)."""
+    def _arena_nixl_now(self) -> Any:
+        """The NIXL peer of the arena chunks this tenant holds on the node now."""
         import ray
 
-        return ray.get(self.handle.describe.remote(), timeout=self.config.rpc_timeout_s)
-
-    def _arena_nixl_now(self) -> Any:
-        return self._described_now().arena_nixl
-
-    def _ship_nixl_now(self) -> Any:
-        return self._described_now().ship_nixl
+        description = ray.get(self.handle.describe.remote(), timeout=self.config.rpc_timeout_s)
+        return description.arena_nixl
 
     def hand_chunks(self, memory: str, offsets: list[int] | None = None) -> list[HandedChunk]:
         """This tenant's chunks of the node's ``memory`` ("arena" or "landing"; at
@@ -203,7 +195,7 @@ class NodeLink:
             return ray.get(self.handle.accept_rdma.remote(mine), timeout=timeout)
 
         def regions_now() -> Any:  # the chunks its tenant holds there now (it may grow)
-            return self._described_now().arena_rdma
+            return ray.get(self.handle.describe.remote(), timeout=timeout).arena_rdma
 
         return RdmaVerbsTransport.connected(accept, timeout_s=timeout, refresh=regions_now)
 
