@@ -134,7 +134,7 @@ class LocalDramTransport(Transport):
         if chunks is None:
             return True
         with self._lock:
-            stale = self._retired(starts)
+            stale = self._retired(starts, lengths)
             if not stale and chunks.covers(starts, lengths):
                 return True
             for offset in stale:
@@ -144,14 +144,14 @@ class LocalDramTransport(Transport):
                 self._map(self._hand())
             return chunks.covers(starts, lengths)
 
-    def _retired(self, starts: np.ndarray) -> list[int]:
-        """Offsets of the mapped chunks from the one ``starts`` begin in to the one they end
-        in (a few fcntl calls, whatever the number of ranges) whose file was retired."""
+    def _retired(self, starts: np.ndarray, lengths: np.ndarray) -> list[int]:
+        """Offsets of the mapped chunks from the one the ranges begin in to the one they
+        end in (a few fcntl calls, whatever the number of ranges) whose file was retired."""
         offsets = sorted(self._fds)
         if not offsets or not len(starts):
             return []
         first = max(bisect.bisect_right(offsets, int(starts.min())) - 1, 0)
-        last = bisect.bisect_right(offsets, int(starts.max()))
+        last = bisect.bisect_right(offsets, int((starts + lengths).max()) - 1)
         return [offset for offset in offsets[first:last] if is_retired(self._fds[offset])]
 
     def _check_handed(self, reads: ReadBatch) -> None:

@@ -109,13 +109,13 @@ class NodeLink:
         key = (path, medium)
         with self._lock:
             known = self._transports.get(key)
-            broken = known is not None and known[0].broken
-            if known is not None and broken:
+            broken = False
+            if known is not None and known[0].broken:
                 # A NIXL transport is dead after any transfer error (its peer was removed):
                 # reusing it would turn this node's pages into misses for good.
                 with known[1]:
                     known[0].close()
-                known = None
+                known, broken = None, True
             if known is None:
                 known = (self._make(path, medium, agent, fresh=broken), threading.Lock())
                 self._transports[key] = known
@@ -156,12 +156,15 @@ class NodeLink:
             return self._rdma(timeout)
         raise ServiceError(f"no transport named {path!r}")
 
-    def _arena_nixl_now(self) -> Any:
-        """The NIXL peer of the arena chunks this tenant holds on the node now."""
+    def _described_now(self) -> NodeDescription:
+        """The node's description as it stands now: the arena chunks this tenant holds
+        there now, and how to reach them (NIXL peer, RDMA keys)."""
         import ray
 
-        description = ray.get(self.handle.describe.remote(), timeout=self.config.rpc_timeout_s)
-        return description.arena_nixl
+        return ray.get(self.handle.describe.remote(), timeout=self.config.rpc_timeout_s)
+
+    def _arena_nixl_now(self) -> Any:
+        return self._described_now().arena_nixl
 
     def hand_chunks(self, memory: str, offsets: list[int] | None = None) -> list[HandedChunk]:
         """This tenant's chunks of the node's ``memory`` ("arena" or "landing"; at
@@ -195,7 +198,7 @@ class NodeLink:
             return ray.get(self.handle.accept_rdma.remote(mine), timeout=timeout)
 
         def regions_now() -> Any:  # the chunks its tenant holds there now (it may grow)
-            return ray.get(self.handle.describe.remote(), timeout=timeout).arena_rdma
+            return self._described_now().arena_rdma
 
         return RdmaVerbsTransport.connected(accept, timeout_s=timeout, refresh=regions_now)
 
