@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from flatcake_ray.actors.auth import Gate
 from flatcake_ray.actors.tenant_limits import TenantLimits
-from flatcake_ray.core.tenants import Tenant
+from flatcake_ray.core.tenants import Tenant, seal_key
 from flatcake_ray.node.store import FlatCakeStore
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ class NodeTenants:
         tenant = self.gate.tenant(secret)
         if self.table.get(tenant.name) != tenant:
             self.sync()
+        if secret and not self.store.tenancy.seals(tenant.name):
+            self.store.tenancy.learn_seal(tenant.name, seal_key(secret))
         if metered:
             self.limits.call(tenant.name)
         return tenant

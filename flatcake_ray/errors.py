@@ -64,6 +64,10 @@ class StoreWriteError(FlatCakeError):
     """Writing a segment failed; nothing of it was published."""
 
 
+class SealError(StoreWriteError):
+    """Sealing or unsealing SSD pages failed: no libcrypto, a malformed key or buffer."""
+
+
 class TamperedWriteError(StoreWriteError):
     """A layer a client wrote into the owner's memory is not, at landing, what the client
     says it wrote (its checksums): someone else wrote there. The put was aborted."""

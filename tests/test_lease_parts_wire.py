@@ -50,3 +50,19 @@ def test_pages_that_are_not_a_run_travel_as_they_are(make_store) -> None:
         back = pickle.loads(pickle.dumps(scattered))
         assert np.array_equal(back.dst_positions, scattered.dst_positions)
         assert np.array_equal(back.src_pages, part.src_pages)
+
+
+def test_a_sealed_part_arrives_sealed(make_store) -> None:
+    """The reader unseals a part's SSD bytes only if the part says they are sealed."""
+    from flatcake_ray.core.tenants import DEFAULT_TENANT, new_secret, seal_key
+
+    store = make_store()
+    store.tenancy.learn_seal(DEFAULT_TENANT, seal_key(new_secret()))
+    keys = [f"sealed/{i}" for i in range(5)]
+    store.put(keys, np.ones((LAYERS, 5, PAGE_BYTES), np.uint8), hints=PutHints(turn=1))
+    lease = store.lease(request_digests(keys, None))
+    try:
+        (part,) = lease_parts(lease)
+        assert part.sealed and pickle.loads(pickle.dumps(part)).sealed
+    finally:
+        store.release(lease)

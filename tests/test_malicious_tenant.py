@@ -11,14 +11,16 @@ chunks, mapped shared and writable; the SSD pool files, which any process of the
 OS user can open by path), all the time, while another tenant puts and restores DRAM and SSD
 pages. The victim gets 0 wrong bytes: its puts commit or fail with ``TamperedWriteError``,
 and its restores deliver its own bytes or miss (bounded: ``ROUNDS`` rounds, at most
-``SOAK_S`` seconds). What this does not show: the pool files can still be *read* by path
-(``docs/security.md``)."""
+``SOAK_S`` seconds). And what it reads by path: the pool files hold a tenant's SSD pages
+sealed under a key derived from that tenant's secret, so another tenant's process that
+opens them finds none of the victim's bytes there, while the victim restores them."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from flatcake_ray.actors.protocol import PutMemory
 from flatcake_ray.client.put_targets import map_shared
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.errors import ForeignMemoryError, TamperedWriteError, TransferError
+from flatcake_ray.transports.base import LOCAL_SSD
 from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
 from tests.same_user import opened_through_proc
 
@@ -220,6 +223,31 @@ def test_a_process_of_the_same_user_cannot_open_the_nodes_memory(service):
     link = service["victim"].nodes.links[1]
     assert ray.get(link.handle.stats.remote(), timeout=30)["memory_private"] is True
     assert opened_through_proc(node_pid(link)) == []
+
+
+def marked(pages: int, seed: int) -> np.ndarray:
+    """Pages whose every 64-byte line is distinct and findable (the seed, then its place)."""
+    lines = np.arange(LAYERS * pages * PAGE_BYTES // 64, dtype=np.uint64) + (seed << 40)
+    return np.repeat(lines, 8).view(np.uint8).reshape(LAYERS, pages, PAGE_BYTES).copy()
+
+
+def test_a_tenants_ssd_pages_read_by_path_show_none_of_its_bytes(service):
+    """Every pool file opened by path (``describe`` names them to every tenant, and a
+    process of the service's OS user can open them anyway) holds none of the victim's SSD
+    bytes, which the victim's own client restores exactly."""
+    victim, mallory = service["victim"], service["mallory"]
+    data = marked(16, seed=23)
+    keys = [f"sealed/{i}" for i in range(16)]
+    victim.put(keys, data, hints=SSD)
+    assert victim.probe(keys).on_ssd
+    description = ray.get(mallory.nodes.links[1].handle.describe.remote(), timeout=30)
+    on_drive = b"".join(Path(path).read_bytes() for path in description.pool_paths)
+    lines = data.reshape(-1, 64)
+    assert sum(on_drive.find(line.tobytes()) >= 0 for line in lines[:: len(lines) // 64]) == 0
+    out = np.zeros_like(data)
+    report = victim.restore_report(keys, out)
+    assert report.pages == 16 and np.array_equal(out, data)
+    assert list(report.paths) == [LOCAL_SSD]  # read from the pool files, then unsealed
 
 
 class Mallory:

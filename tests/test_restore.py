@@ -9,10 +9,11 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.tenants import DEFAULT_TENANT, new_secret, seal_key
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import RestoreTimeoutError
 from flatcake_ray.media import buffers as media
@@ -150,13 +151,20 @@ def test_long_layers_stream_through_small_slots_in_chunks(make_store, pipelines)
     slot_pages=st.integers(1, 6),
     gap_bytes=st.sampled_from([0, 64 << 10]),
     wanted=st.integers(1, 60),
+    sealed=st.booleans(),
 )
+# Sealed SSD pages of 5,000 bytes (not whole cipher blocks) through slots of about two pages.
+@example(5000, [7, 9], [False, False, False, False], 2, 0, 16, True)
 def test_any_layout_of_turns_restores_exactly(
-    page_bytes, cuts, on_dram, slot_pages, gap_bytes, wanted
+    page_bytes, cuts, on_dram, slot_pages, gap_bytes, wanted, sealed
 ):
+    """Also with the SSD pages sealed (a tenant with a key): blocks cut by a slot's end, at
+    any byte of a cipher block, unseal piece by piece."""
     ends = np.cumsum(cuts).tolist()
     with tempfile.TemporaryDirectory() as root:
         store = FlatCakeStore(small_config(root, page_bytes=page_bytes, gap_bytes=gap_bytes))
+        if sealed:
+            store.tenancy.learn_seal(DEFAULT_TENANT, seal_key(new_secret()))
         try:
             kv = random_kv(ends[-1], seed=ends[-1], page_bytes=page_bytes)
             put_turns(store, kv, ends, [DRAM if d else None for d in on_dram[: len(ends)]])

@@ -45,6 +45,7 @@ from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.homes import anchor_of
 from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
+from flatcake_ray.core.tenants import seal_key
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
 from flatcake_ray.media.buffers import as_page_bytes
@@ -125,6 +126,7 @@ class FlatCakeClient:
             lease_ttl_s=self.config.lease_ttl_s,
             gds=self._gds_enabled(),
             on_release=self._account,
+            seal_key=seal_key(secret) if secret else None,
         )
         self._pipelines: dict[torch.device, RestorePipeline] = {}
         self.paths: dict[str, PathTally] = {}

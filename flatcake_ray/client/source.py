@@ -134,6 +134,7 @@ class TransportSource(Source):
         lease_ttl_s: float,
         gds: bool,
         on_release: Callable[[HeldLease, ReadOutcome, int], None],
+        seal_key: bytes | None = None,
     ) -> None:
         self.nodes, self.locator = nodes, locator
         self.layers, self.page_bytes = layers, page_bytes
@@ -142,6 +143,11 @@ class TransportSource(Source):
         self._lease_ttl_s = lease_ttl_s
         self._gds = gds
         self._on_release = on_release
+        self._seal_key = seal_key
+
+    @property
+    def seal_key(self) -> bytes | None:
+        return self._seal_key
 
     def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased:
         report = RestoreReport(len(keys))
@@ -206,7 +212,7 @@ class TransportSource(Source):
         held: HeldLease = leased.token
         link: NodeLink = leased.token.link  # set: a leased prefix has hits
         path = self.path(leased, medium)
-        if path == LOCAL_SSD and self._gds and slot.device is not None:
+        if path == LOCAL_SSD and self._gds and slot.device is not None and self.seal_key is None:
             path = LOCAL_SSD_GDS
         batch = _batch(reads)
         stream = held.streams.get(medium)

@@ -110,6 +110,9 @@ class Catalog:
     ) -> None:
         self.config = config
         self.tenant = tenant
+        # The key its SSD pages are sealed under (``core.tenants.seal_key``), once a caller
+        # presenting the tenant's secret has told it; None: written plain (no secret).
+        self.seal_key: bytes | None = None
         self.policy: PlacementRule = policy or PlacementPolicy(config.placement)
         self.index = PageIndex()
         self.segments: dict[int, Segment] = {}
@@ -276,12 +279,21 @@ class Catalog:
         segment = Segment(
             next(self._ids), scope.scope_id, scope.medium, offset, layout, digests[new_positions]
         )
+        segment.sealed = self._seals(scope)
         replica = None
         if self.policy.replicate(Placement(scope.medium, rule)):
             replica = self.replicas.plan(scope, segment)
         return PutPlan(
             segment, new_positions, session.session_id, rule, turn, parent_segment, replica
         )
+
+    def _seals(self, scope: Scope) -> bool:
+        """Whether a new segment of ``scope`` is written sealed: SSD pages of a tenant whose
+        key is known, in a scope of sealed segments only (one written plain before stays
+        readable beside the new ones: a scope is sealed whole or not at all)."""
+        if self.seal_key is None or scope.medium is not Medium.SSD:
+            return False
+        return all(self.segments[s].sealed for s in scope.segments if s in self.segments)
 
     def _touch_used(self, values: np.ndarray) -> None:
         """A put's stored pages were just used by the engine (from its own cache, maybe, so

@@ -29,6 +29,7 @@ class LeasePart:
     checksums: np.ndarray | None  # uint64 [layers, blocks]; None in the replay model
     src_pages: np.ndarray  # int64, ascending: pages of the segment the lease wants
     dst_positions: np.ndarray  # int64: the request position of each of those pages
+    sealed: bool = False  # SSD bytes sealed under the tenant's key: unsealed after the read
 
     def extent_offset(self, layer: int) -> int:
         """Medium-local offset of this segment's layer ``layer`` (its page 0)."""
@@ -50,7 +51,8 @@ class LeasePart:
         # On the wire a run of consecutive pages (a whole prefix in one segment, the common
         # lease) is its first page and length, not 8 bytes a page each way.
         fields = (self.scope_id, self.medium, self.offset, self.layout, self.checksums)
-        return _unpacked_part, (*fields, _as_run(self.src_pages), _as_run(self.dst_positions))
+        runs = (_as_run(self.src_pages), _as_run(self.dst_positions))
+        return _unpacked_part, (fields, *runs, self.sealed)
 
 
 def _as_run(values: np.ndarray) -> tuple[int, int] | np.ndarray:
@@ -68,9 +70,13 @@ def _from_run(packed: tuple[int, int] | np.ndarray) -> np.ndarray:
     return packed
 
 
-def _unpacked_part(*fields: object) -> LeasePart:
-    *head, src, dst = fields
-    return LeasePart(*head, _from_run(src), _from_run(dst))  # type: ignore[arg-type, call-arg]
+def _unpacked_part(
+    fields: tuple[int, Medium, int, SegmentLayout, np.ndarray | None],
+    src: tuple[int, int] | np.ndarray,
+    dst: tuple[int, int] | np.ndarray,
+    sealed: bool,
+) -> LeasePart:
+    return LeasePart(*fields, _from_run(src), _from_run(dst), sealed)
 
 
 def lease_parts(lease: Lease) -> tuple[LeasePart, ...]:
@@ -92,6 +98,7 @@ def lease_parts(lease: Lease) -> tuple[LeasePart, ...]:
                 segment.checksums,
                 np.asarray(lease.pages[group], dtype=np.int64),
                 np.asarray(group, dtype=np.int64),
+                segment.sealed,
             )
         )
     return tuple(parts)

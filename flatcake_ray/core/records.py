@@ -42,6 +42,8 @@ class Segment:
     # A DRAM read replica of this (SSD) segment: same id, layout, digests and checksums,
     # its own scope and offset. Readers are handed it instead of the segment while it lives.
     replica: Segment | None = None
+    # Written sealed under its tenant's key (``cuda_ext/host_seal.py``): readers unseal it.
+    sealed: bool = False
 
 
 @dataclass

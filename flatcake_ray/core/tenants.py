@@ -14,6 +14,7 @@ and an in-process store use.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import secrets
 from dataclasses import dataclass
@@ -41,6 +42,16 @@ def secret_hash(secret: object) -> str:
     if not isinstance(secret, str) or not 16 <= len(secret) <= 256:
         raise TenantError("a tenant secret is a string of 16 to 256 characters")
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def seal_key(secret: object) -> bytes:
+    """The AES-256 key a tenant's SSD pages are sealed under at rest (``cuda_ext/host_seal``):
+    derived from its secret, which the service never stores, so only the tenant's clients, and
+    the node while they call it, can know it."""
+    secret_hash(secret)  # the same checks as any presented secret
+    assert isinstance(secret, str)
+    material = secret.encode("utf-8", "surrogatepass")
+    return hmac.new(material, b"flatcake-ray ssd pages at rest v1", hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)

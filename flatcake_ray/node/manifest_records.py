@@ -91,6 +91,8 @@ def _check_segment(record: dict[str, Any], header: dict[str, Any]) -> None:
         raise RecordError(f"tenant {tenant!r} is not a tenant name")
     blocks = -(-pages // check_pages)  # one checksum per block of pages, per layer
     _bytes(record, "checksums", 8 * layers * blocks)
+    if not isinstance(record.get("sealed", False), bool):  # records before sealing lack it
+        raise RecordError("sealed is not a bool")
     session = record.get("session")
     if type(session) not in (str, int, bytes) or check_session_id(session) != session:
         raise RecordError(f"session {session!r} is not a valid session id")

@@ -78,6 +78,8 @@ def segment_from_record(catalog: Catalog, record: dict[str, Any]) -> Segment:
     digests = np.frombuffer(record["digests"], dtype=DIGEST_DTYPE).copy()
     checksums = np.frombuffer(record["checksums"], dtype=np.uint64).copy()
     checksums = checksums.reshape(layout.layers, layout.blocks)
-    return Segment(
+    segment = Segment(
         record["segment"], record["scope"], Medium.SSD, record["offset"], layout, digests, checksums
     )
+    segment.sealed = record.get("sealed", False)
+    return segment

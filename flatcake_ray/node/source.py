@@ -68,6 +68,10 @@ class NodeSource(Source):
             Medium.SSD: MediumAccess(False, True, store.pool.file_bytes, ALIGN, config.gap_bytes),
         }
 
+    @property
+    def seal_key(self) -> bytes | None:
+        return self._catalog.seal_key
+
     def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased:
         lease = self._store.lease(keys, namespace=namespace, tenant=self._catalog.tenant)
         return Leased(lease.hits, lease_parts(lease), lease)
@@ -88,7 +92,7 @@ class NodeSource(Source):
         batch = ReadBatch(
             [r.src for r in reads], [r.length for r in reads], [r.slot_offset for r in reads]
         )
-        if self._gds is not None and slot.device is not None:
+        if self._gds is not None and slot.device is not None and self.seal_key is None:
             stats = self._gds.read(batch, slot.device)
             return FillStats(stats.path, stats.bytes, stats.commands, stats.seconds, on_device=True)
         started = time.perf_counter()

@@ -78,6 +78,18 @@ class Tenancy:
         quota = {Medium.DRAM: tenant.quota_dram, Medium.SSD: tenant.quota_ssd}
         return self.ensure(tenant.name, tenant.layers, tenant.page_bytes, quota)
 
+    def seals(self, name: str) -> bool:
+        """Whether tenant ``name``'s SSD pages are written sealed (its key is known)."""
+        catalog = self._catalogs.get(name)
+        return catalog is not None and catalog.seal_key is not None
+
+    def learn_seal(self, name: str, key: bytes) -> None:
+        """Tenant ``name``'s seal key, derived from the secret a caller just presented (the
+        service keeps only secrets' hashes, so the node learns it from its callers)."""
+        catalog = self._catalogs.get(name)
+        if catalog is not None and catalog.seal_key != key:
+            catalog.seal_key = key
+
     def remove(self, name: str) -> int:
         """Free every scope of tenant ``name`` (its leases and puts must be gone); returns the
         bytes freed."""

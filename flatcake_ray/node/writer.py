@@ -39,6 +39,7 @@ from flatcake_ray.media.buffers import AlignedBuffer, StagingBuffers
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.node.checksums import parallel_layer_checksums
 from flatcake_ray.node.manifest import Manifest
+from flatcake_ray.node.sealed_write import seal_and_write
 
 log = logging.getLogger(__name__)
 
@@ -225,12 +226,18 @@ class SegmentWriter:
         replica = state.plan.replica  # a DRAM read replica of the same bytes (placement.py)
         block[layout.layer_bytes : layout.layer_stride] = 0
         state.checksums[layer] = self._layer_sums(state, layer, block, sums)
-        self.pool.write(self.layer_extent(state, layer), block[: layout.layer_stride])
-        self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=1)
-        if replica is not None:
+        if replica is not None:  # plain bytes: the replica is the tenant's own chunk
             at = replica.offset + layout.layer_offset(layer)
             self.arena.write(at, block[: layout.layer_bytes])
             self._count(dram_bytes_written=layout.layer_bytes)
+        at, stride = self.layer_extent(state, layer), block[: layout.layer_stride]
+        key = state.catalog.seal_key if state.plan.segment.sealed else None
+        if key is not None:  # planned sealed only where its tenant's key is known
+            commands = seal_and_write(self.pool, at, stride, key, layout, state.checksums[layer])
+        else:
+            self.pool.write(at, stride)
+            commands = 1
+        self._count(ssd_bytes_written=layout.layer_stride, ssd_write_commands=commands)
 
     def commit(self, state: WriteState) -> np.ndarray:
         """Make the segment durable and its keys visible; returns the mask published."""
@@ -279,6 +286,7 @@ class SegmentWriter:
             "layers": segment.layout.layers,
             "page_bytes": segment.layout.page_bytes,
             "check_pages": segment.layout.check_pages,
+            "sealed": segment.sealed,
         }
 
     def abort(self, state: WriteState) -> None:

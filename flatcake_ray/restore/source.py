@@ -21,7 +21,10 @@ Who calls what, in which order (the pipeline is the only caller):
 5. ``fill(leased, medium, reads, slot)`` for a filled medium, from a window's reader thread,
    one chunk at a time, any number of times: read each :class:`SlotRead` into the slot's host
    bytes, or, for a path that reads straight into GPU memory (GDS), into its device twin
-   (then say so: ``FillStats.on_device``).
+   (then say so: ``FillStats.on_device``). SSD bytes of a sealed part (``LeasePart.sealed``)
+   are filled as they lie on the drive; the pipeline unseals them in the slot with the
+   source's ``seal_key`` (a source with a key reads sealed parts through host slots, never
+   GDS).
    Raises :class:`~flatcake_ray.errors.TransferError` when the bytes cannot be had (the
    pages of that chunk become misses); any other exception fails the restore.
 6. ``release(leased, outcome)`` exactly once, when the restore ends (also after a failure):
@@ -135,6 +138,12 @@ class Source(abc.ABC):
     layers: int
     page_bytes: int
     fills_dram: bool = False
+
+    @property
+    def seal_key(self) -> bytes | None:
+        """The key its tenant's sealed SSD pages are unsealed with (``core.tenants.seal_key``);
+        None: sealed parts stay sealed and fail their checks (misses)."""
+        return None
 
     @abc.abstractmethod
     def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased: ...

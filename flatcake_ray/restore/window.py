@@ -26,6 +26,7 @@ from flatcake_ray.errors import TransferError
 from flatcake_ray.restore.dest import Destination
 from flatcake_ray.restore.handle import RestoreHandle
 from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
+from flatcake_ray.restore.unseal import SealedBlocks
 
 __all__ = ["Gauge", "Job", "Lane"]
 
@@ -44,6 +45,25 @@ class Job:
     dispatched: bool = False  # handed to a lane, which finishes it; under the pipeline's lock
     error: BaseException | None = None
     failed_chunks: set[int] = field(default_factory=set)  # id() of chunks whose fill failed
+    sealed: SealedBlocks | None = None  # the wanted blocks whose SSD bytes arrive sealed
+
+    def __post_init__(self) -> None:
+        self.sealed = SealedBlocks.of(self.leased.parts)
+
+    def unseal(self, chunk: LayerChunk, slot: Slot, stats: FillStats | None) -> None:
+        """A filled chunk's sealed blocks made plain in its slot (scatter thread), before
+        they are delivered. A source without the key cannot read them: a plain miss, not a
+        checksum failure (which would quarantine the tenant's pages for everyone)."""
+        sealed = self.sealed
+        if sealed is None or stats is None or id(chunk) in self.failed_chunks:
+            return
+        if chunk.medium is not Medium.SSD or sealed.scopes.isdisjoint(chunk.scopes):
+            return
+        key = self.source.seal_key
+        if key is None or stats.on_device or slot.host is None:
+            self.lose(chunk, TransferError("sealed SSD pages, and this reader has no key"))
+            return
+        sealed.unseal(key, chunk.reads, slot.host)
 
     def fill(self, chunk: LayerChunk, slot: Slot) -> FillStats:
         """Read a filled chunk into ``slot`` (reader thread) and count it."""
@@ -214,6 +234,8 @@ class Lane:
             return
         try:
             if job.error is None:
+                if slot is not None:
+                    job.unseal(chunk, slot, stats)
                 self._deliver(job, chunk, slot, stats)
         except BaseException as exc:  # kept on the job; wait() raises it
             job.error = exc
