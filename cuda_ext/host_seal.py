@@ -14,8 +14,10 @@ nothing stored beside its checksum, and it can be unsealed wherever it sits (a s
 buffer, another node). Equal blocks seal to equal bytes: a same-user process learns which
 blocks are equal, nothing of what they hold.
 
-The cipher is the system's libcrypto (OpenSSL, which Python's own ``hashlib`` links) through
-ctypes, which releases the GIL while a row is ciphered; AES-NI does the rounds.
+The cipher is the system's libcrypto (OpenSSL, which Python's own ``hashlib`` links; AES-NI
+does the rounds), found through ctypes. With ``cuda_ext/_copyhash.c`` built, its
+``ctr_rows`` walks the rows in C with the GIL released, on the idle copy threads at once;
+without it, one thread makes a ctypes call a row (each lets the GIL go).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flatcake_ray.core.layout import SegmentLayout
-from flatcake_ray.cuda_ext.host_copy import SPLIT_BYTES, idle_threads, run_split
+from flatcake_ray.cuda_ext.host_copy import SPLIT_BYTES, idle_threads, native_module, run_split
 from flatcake_ray.errors import SealError
 
 KEY_BYTES = 32
@@ -43,6 +45,15 @@ class _Crypto:
     cipher: int  # EVP_aes_256_ctr()
     init: ctypes._CFuncPtr  # type: ignore[name-defined]
     update: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    @property
+    def addresses(self) -> tuple[int, int, int, int, int]:
+        """What ``_copyhash.ctr_rows`` calls: the cipher, then the four EVP functions."""
+
+        def at(function: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+            return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+        return self.cipher, at(self.new), at(self.free), at(self.init), at(self.update)
 
 
 @functools.cache
@@ -111,24 +122,21 @@ def ctr_rows(
     counters[:, 0] = np.asarray(sums, np.uint64)
     counters[:, 1] = at // _CTR_BLOCK
     skips = at % _CTR_BLOCK
+    module = native_module()
+    if module is None:  # not built: one thread, a ctypes call a row (the GIL let go in each)
+        _run(crypto, key, base.ctypes.data, starts, sizes, counters, skips)
+        return
+    rows = np.stack([base.ctypes.data + starts, sizes, skips], axis=1).astype(np.int64)
     threads = min(idle_threads(), count) if int(sizes.sum()) >= SPLIT_BYTES else 1
-    # ctypes lets the GIL go while libcrypto ciphers a row: rows split over the idle copy
-    # threads cipher at once (a thread's share: every ``threads``-th row from its first).
-    run_split(
-        [
-            functools.partial(
-                _run,
-                crypto,
-                key,
-                base.ctypes.data,
-                starts[first::threads],
-                sizes[first::threads],
-                counters[first::threads],
-                skips[first::threads],
-            )
-            for first in range(max(1, threads))
-        ]
+    claimed = np.zeros(1, dtype=np.int64)
+    step = max(1, count // (8 * threads)) if threads > 1 else max(1, count)
+    cipher = functools.partial(
+        module.ctr_rows, rows, counters.view(np.uint8), claimed, key, crypto.addresses, step
     )
+    failed: list[int] = []
+    run_split([lambda: failed.append(cipher())] * max(1, threads))
+    if sum(failed):
+        raise SealError(f"libcrypto failed on {sum(failed)} rows while sealing")
 
 
 def _run(
@@ -145,7 +153,6 @@ def _run(
         raise SealError("libcrypto could not make a cipher context")
     done = ctypes.c_int(0)
     scratch = ctypes.create_string_buffer(_CTR_BLOCK)
-    counters = np.ascontiguousarray(counters)  # a thread's share is a strided view
     first = counters.ctypes.data
     try:
         if crypto.init(context, crypto.cipher, None, key, first) != 1:

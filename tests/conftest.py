@@ -104,6 +104,19 @@ def random_kv(pages: int, seed: int = 0, layers: int = LAYERS, page_bytes: int =
     return rng.integers(0, 256, size=(layers, pages, page_bytes), dtype=np.uint8)
 
 
+def marked_kv(pages: int, seed: int) -> np.ndarray:
+    """Pages whose every 64-byte line is distinct and findable: the seed, then its place."""
+    lines = np.arange(LAYERS * pages * PAGE_BYTES // 64, dtype=np.uint64) + (seed << 40)
+    return np.repeat(lines, 8).view(np.uint8).reshape(LAYERS, pages, PAGE_BYTES).copy()
+
+
+def lines_found(kv: np.ndarray, haystack: bytes, samples: int = 64) -> int:
+    """How many of ``samples`` 64-byte lines of ``kv``, spread over it, ``haystack`` holds."""
+    lines = kv.reshape(-1, 64)
+    picked = lines[:: max(1, len(lines) // samples)]
+    return sum(haystack.find(line.tobytes()) >= 0 for line in picked)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules marked ``long`` first: ``make test-unit``'s two workers take whole modules in
     collection order, so a long one left for last keeps one worker busy while the other waits."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray.core.tenants import new_secret, seal_key
@@ -25,7 +25,21 @@ def reference(key: bytes, plain: bytes, block_sum: int, into: int) -> bytes:
     return stream.update(bytes(into % 16) + plain)[into % 16 :]
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.fixture(params=["native", "ctypes"])
+def path(request, monkeypatch):
+    """Both ways a batch is ciphered: the native row loop, and a ctypes call a row."""
+    from flatcake_ray.cuda_ext import host_seal
+
+    if request.param == "ctypes":
+        monkeypatch.setattr(host_seal, "native_module", lambda: None)
+    elif host_seal.native_module() is None:
+        pytest.skip("cuda_ext/_copyhash is not built here")
+    return request.param
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     rows=st.lists(
         st.tuples(st.integers(1, 5000), st.integers(0, 2**64 - 1), st.integers(0, 1 << 20)),
@@ -34,7 +48,7 @@ def reference(key: bytes, plain: bytes, block_sum: int, into: int) -> bytes:
     ),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_rows_seal_as_the_reference_and_unseal_back(rows, seed):
+def test_rows_seal_as_the_reference_and_unseal_back(path, rows, seed):
     key = seal_key(new_secret())
     lengths = np.array([n for n, _, _ in rows], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]) + 7  # rows back to back, odd start
@@ -59,6 +73,22 @@ def test_a_key_is_the_secrets_own():
     assert len(seal_key(secret)) == 32
     with pytest.raises(TenantError):
         seal_key("short")
+
+
+def test_a_big_batch_splits_over_threads_and_matches_one_thread(monkeypatch):
+    from flatcake_ray.cuda_ext import host_seal
+
+    key = seal_key(new_secret())
+    plain = np.random.default_rng(3).integers(0, 256, 16 << 20, dtype=np.uint8)
+    offsets = np.arange(256, dtype=np.int64) * (64 << 10)
+    lengths = np.full(256, 64 << 10, dtype=np.int64)
+    sums = np.arange(256, dtype=np.uint64) * 0x9E3779B97F4A7C15
+    split, alone = plain.copy(), plain.copy()
+    monkeypatch.setattr(host_seal, "idle_threads", lambda: 2)
+    ctr_rows(key, split, offsets, lengths, sums)
+    monkeypatch.setattr(host_seal, "native_module", lambda: None)
+    ctr_rows(key, alone, offsets, lengths, sums)
+    assert np.array_equal(split, alone) and not np.array_equal(split, plain)
 
 
 def test_bad_input_is_a_typed_error_and_touches_nothing():

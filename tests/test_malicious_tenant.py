@@ -30,7 +30,7 @@ from flatcake_ray.client.put_targets import map_shared
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.errors import ForeignMemoryError, TamperedWriteError, TransferError
 from flatcake_ray.transports.base import LOCAL_SSD
-from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE
+from tests.conftest import LAYERS, PAGE_BYTES, SMALL_SERVICE, lines_found, marked_kv
 from tests.same_user import opened_through_proc
 
 pytestmark = pytest.mark.ray
@@ -225,25 +225,18 @@ def test_a_process_of_the_same_user_cannot_open_the_nodes_memory(service):
     assert opened_through_proc(node_pid(link)) == []
 
 
-def marked(pages: int, seed: int) -> np.ndarray:
-    """Pages whose every 64-byte line is distinct and findable (the seed, then its place)."""
-    lines = np.arange(LAYERS * pages * PAGE_BYTES // 64, dtype=np.uint64) + (seed << 40)
-    return np.repeat(lines, 8).view(np.uint8).reshape(LAYERS, pages, PAGE_BYTES).copy()
-
-
 def test_a_tenants_ssd_pages_read_by_path_show_none_of_its_bytes(service):
     """Every pool file opened by path (``describe`` names them to every tenant, and a
     process of the service's OS user can open them anyway) holds none of the victim's SSD
     bytes, which the victim's own client restores exactly."""
     victim, mallory = service["victim"], service["mallory"]
-    data = marked(16, seed=23)
+    data = marked_kv(16, seed=23)
     keys = [f"sealed/{i}" for i in range(16)]
     victim.put(keys, data, hints=SSD)
     assert victim.probe(keys).on_ssd
     description = ray.get(mallory.nodes.links[1].handle.describe.remote(), timeout=30)
     on_drive = b"".join(Path(path).read_bytes() for path in description.pool_paths)
-    lines = data.reshape(-1, 64)
-    assert sum(on_drive.find(line.tobytes()) >= 0 for line in lines[:: len(lines) // 64]) == 0
+    assert lines_found(data, on_drive) == 0
     out = np.zeros_like(data)
     report = victim.restore_report(keys, out)
     assert report.pages == 16 and np.array_equal(out, data)

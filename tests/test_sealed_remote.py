@@ -19,17 +19,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import decode  # noqa: E402
 from flatcake_ray.transports.base import LOCAL_SSD, REMOTE_SSD_SHIPPED  # noqa: E402
-from tests.conftest import LAYERS, PAGE_BYTES  # noqa: E402
+from tests.conftest import LAYERS, PAGE_BYTES, lines_found, marked_kv  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 NAMESPACE = "fc-sealed-remote"
 SSD = PutHints(turn=1)
-
-
-def marked(pages: int, seed: int) -> np.ndarray:
-    """Pages whose every 64-byte line is distinct and findable (the seed, then its place)."""
-    lines = np.arange(LAYERS * pages * PAGE_BYTES // 64, dtype=np.uint64) + (seed << 40)
-    return np.repeat(lines, 8).view(np.uint8).reshape(LAYERS, pages, PAGE_BYTES).copy()
 
 
 class TenantClient:
@@ -91,7 +85,7 @@ def clients(ray_service):
 
 def test_sealed_pages_ship_sealed_and_unseal_at_either_reader(clients):
     writer = next(iter(clients.values()))
-    data = marked(200, seed=31)  # 6.5 MB through a 4 MiB ship buffer: several windows
+    data = marked_kv(200, seed=31)  # 6.5 MB through a 4 MiB ship buffer: several windows
     keys = [f"far/{i}" for i in range(200)]
     assert ray.get(writer.put.remote(keys, data), timeout=60) == "SSD"
     owner = ray.get(writer.owner.remote(keys), timeout=30)
@@ -103,5 +97,4 @@ def test_sealed_pages_ship_sealed_and_unseal_at_either_reader(clients):
     pool = b"".join(
         Path(p).read_bytes() for p in ray.get(reader.pool_paths.remote(owner), timeout=30)
     )
-    lines = data.reshape(-1, 64)
-    assert sum(pool.find(line.tobytes()) >= 0 for line in lines[:: len(lines) // 64]) == 0
+    assert lines_found(data, pool) == 0

@@ -9,7 +9,7 @@ import numpy as np
 
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.tenants import Tenant, new_secret, seal_key, secret_hash
-from tests.conftest import LAYERS, PAGE_BYTES
+from tests.conftest import LAYERS, PAGE_BYTES, lines_found, marked_kv
 
 SSD = PutHints(turn=1)  # a first turn: the placement puts it on SSD
 
@@ -21,33 +21,18 @@ def _tenant(store, name: str) -> str:
     return secret
 
 
-def _marked_kv(pages: int, seed: int) -> np.ndarray:
-    """Pages whose every 64-byte line is distinct and findable (a seed and its place)."""
-    lines = np.arange(LAYERS * pages * PAGE_BYTES // 64, dtype=np.uint64) + (seed << 40)
-    words = np.repeat(lines, 8).astype(np.uint64)
-    return words.view(np.uint8).reshape(LAYERS, pages, PAGE_BYTES).copy()
-
-
 def _pool_bytes(store) -> bytes:
     return b"".join(Path(p).read_bytes() for p in store.pool.paths)
-
-
-def _lines_found(kv: np.ndarray, haystack: bytes, sample: int = 64) -> int:
-    flat = kv.reshape(-1)
-    step = max(64, flat.nbytes // sample // 64 * 64)
-    return sum(
-        haystack.find(flat[at : at + 64].tobytes()) >= 0 for at in range(0, flat.nbytes, step)
-    )
 
 
 def test_a_tenants_ssd_pages_lie_sealed_and_restore_plain(make_store):
     store = make_store()
     _tenant(store, "alpha")
-    kv = _marked_kv(12, seed=3)
+    kv = marked_kv(12, seed=3)
     keys = [f"k{i}" for i in range(12)]
     store.put(keys, kv, tenant="alpha", hints=SSD)
     assert store.stats()["tenants"]["alpha"]["ssd_used"] > 0
-    assert _lines_found(kv, _pool_bytes(store)) == 0  # none of its bytes, by path
+    assert lines_found(kv, _pool_bytes(store)) == 0  # none of its bytes, by path
     out = np.zeros_like(kv)
     assert store.get(keys, out, tenant="alpha") == 12
     assert np.array_equal(out, kv)
@@ -57,15 +42,15 @@ def test_a_tenant_without_a_secret_writes_plain(make_store):
     """The default tenant of an open service has no secret, so no key: nothing to seal
     against (every job is that tenant)."""
     store = make_store()
-    kv = _marked_kv(6, seed=4)
+    kv = marked_kv(6, seed=4)
     store.put([f"p{i}" for i in range(6)], kv, hints=SSD)
-    assert _lines_found(kv, _pool_bytes(store)) > 0
+    assert lines_found(kv, _pool_bytes(store)) > 0
 
 
 def test_a_reader_without_the_key_misses_and_quarantines_nothing(make_store):
     store = make_store()
     _tenant(store, "alpha")
-    kv = _marked_kv(8, seed=5)
+    kv = marked_kv(8, seed=5)
     keys = [f"k{i}" for i in range(8)]
     store.put(keys, kv, tenant="alpha", hints=SSD)
     config = store.config
@@ -80,7 +65,7 @@ def test_a_reader_without_the_key_misses_and_quarantines_nothing(make_store):
 def test_sealed_pages_come_back_after_a_restart_to_the_tenants_key(make_store):
     store = make_store()
     secret = _tenant(store, "alpha")
-    kv = _marked_kv(8, seed=6)
+    kv = marked_kv(8, seed=6)
     keys = [f"k{i}" for i in range(8)]
     store.put(keys, kv, tenant="alpha", hints=SSD)
     config = store.config
@@ -94,7 +79,7 @@ def test_sealed_pages_come_back_after_a_restart_to_the_tenants_key(make_store):
 def test_another_key_reads_no_wrong_byte(make_store):
     store = make_store()
     _tenant(store, "alpha")
-    kv = _marked_kv(8, seed=7)
+    kv = marked_kv(8, seed=7)
     keys = [f"k{i}" for i in range(8)]
     store.put(keys, kv, tenant="alpha", hints=SSD)
     store.tenancy.learn_seal("alpha", seal_key(new_secret()))  # a wrong key
