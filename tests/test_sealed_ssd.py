@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.tenants import Tenant, new_secret, seal_key, secret_hash
+from flatcake_ray.errors import StoreWriteError
 from tests.conftest import LAYERS, PAGE_BYTES, lines_found, marked_kv
 
 SSD = PutHints(turn=1)  # a first turn: the placement puts it on SSD
@@ -86,3 +88,20 @@ def test_another_key_reads_no_wrong_byte(make_store):
     out = np.zeros_like(kv)
     got = store.get(keys, out, tenant="alpha")
     assert got == 0 and not out.any()
+
+
+def test_a_sealed_write_that_fails_publishes_nothing(make_store, failpoints):
+    """A drive error on any piece of a sealed layer (written several at once) fails the put
+    with its typed error once every piece in flight has ended; the space goes back."""
+    store = make_store(ssd_file_bytes=64 << 20)
+    _tenant(store, "alpha")
+    kv = marked_kv(1200, seed=9)  # layers of 9.4 MiB: three pieces each
+    keys = [f"k{i}" for i in range(1200)]
+    failpoints.arm("pool.write", raises=OSError(5, "injected I/O error"), times=None)
+    with pytest.raises(StoreWriteError):
+        store.put(keys, kv, tenant="alpha", hints=SSD)
+    failpoints.disarm("pool.write")
+    assert store.exists(keys, tenant="alpha") == 0
+    store.put(keys, kv, tenant="alpha", hints=SSD)
+    out = np.zeros_like(kv)
+    assert store.get(keys, out, tenant="alpha") == 1200 and np.array_equal(out, kv)
