@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.core.extents import MediumSpace, ScopeRuns
+from flatcake_ray.core.extents import MediumSpace, ScopeRuns, hand_over_vacated
 from flatcake_ray.media.arena import ArenaChunk, DramArena
 
 
@@ -80,6 +80,10 @@ class LandingArea:
         """``owner`` was removed: a chunk it held last changes hands whoever takes it next."""
         with self._lock:
             self._space.forget(owner)
+
+    def hand_over_vacated(self) -> int:
+        """Give every chunk its tenant left empty a fresh file now, off the area's lock."""
+        return hand_over_vacated(self._space, self._lock, self.memory.renew_chunk)
 
     def chunk_at(self, offset: int) -> ArenaChunk:
         """The chunk that holds ``offset`` (what a put's ticket names)."""

@@ -30,6 +30,7 @@ A plain class: ``flatcake_ray/client/deploy.py`` wraps it with ``ray.remote``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -70,7 +71,7 @@ from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
-from flatcake_ray.errors import ServiceError
+from flatcake_ray.errors import MediumFullError, ServiceError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.root_slot import RootSlot
 from flatcake_ray.node.store import FlatCakeStore
@@ -80,6 +81,8 @@ _COUNTERS = (
     *("puts_inline", "puts_none", "puts_layerwise", "puts_aborted", "tenants_removed"),
     *("fallback_reads", "lease_misses", "leased_pages", "leases_broken", "ranges_refused"),
 )
+
+log = logging.getLogger(__name__)
 
 
 class StorageNode(HomeCalls, LeasedBytesCalls):
@@ -115,7 +118,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         self.tenants.on_removed += [self.leases.drop_tenant, self.homes.drop_tenant]
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         landing_name = f"{config.namespace}-landing-{self.node_id}"
-        landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
+        landing = self.landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
         self.tenants.on_removed.append(landing.forget)
         self.puts = NodePuts(self.store, landing, self.counters, (os.getpid(), self.started_at))
         self.handout = MemoryHandout(self.store, landing, config.rpc_timeout_s)
@@ -142,11 +145,17 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
 
     # ---- reports ---------------------------------------------------------------------------
     def _tick(self) -> None:
-        """Before each report: expire puts and leases, re-read the tenant table."""
+        """Before each report: expire puts and leases, re-read the tenant table, give the
+        chunks tenants left empty fresh files (off the store's lock)."""
         self.store.puts.expire(time.monotonic())
         self._expire_leases()
         self.gate.refresh()
         self.tenants.sync()
+        try:
+            self.store.hand_over_vacated()
+            self.landing.hand_over_vacated()
+        except MediumFullError as exc:  # no memory for a fresh file now: the next taker pays
+            log.warning("a vacated chunk keeps its file for now: %s", exc)
 
     def report_now(self) -> bool:
         return bool(self.membership.report(self._usage()))

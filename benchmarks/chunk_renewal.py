@@ -1,5 +1,7 @@
 """What giving a chunk a fresh file costs (``DramArena.renew_chunk``: a chunk that goes to
-another tenant, issue 23), by chunk size, and what a local reader's check for renewed chunks
+another tenant, issue 23), by chunk size, what the put that takes such a chunk pays with the
+renewal under the store's lock and after it was done ahead of time (``hand_over_vacated``),
+and what a local reader's check for renewed chunks
 adds to a restore's range check (``LocalDramTransport.holds`` on ``--ranges`` ranges over
 every chunk of an arena of ``--chunks``). Medians of ``--trials``; ``--before DIR`` times
 the range check of another checkout (``git worktree add DIR <commit>``) too, each tree in
@@ -61,6 +63,45 @@ def holds_us(chunks: int, ranges: int, trials: int) -> float:
         arena.close()
 
 
+def taking_put_ms(chunk_bytes: int, trials: int, *, ahead: bool) -> float:
+    """A one-page put of a tenant that takes the chunk another tenant left empty: with the
+    chunk's fresh file made by that put, under the store's lock, or (``ahead``) made before
+    it off the lock (``FlatCakeStore.hand_over_vacated``, what a storage node does before
+    each report). A third tenant holds the arena's other chunk throughout."""
+    from flatcake_ray.config import StoreConfig
+    from flatcake_ray.core.catalog import PutHints
+    from flatcake_ray.core.tenants import Tenant, new_secret, secret_hash
+    from flatcake_ray.node.store import FlatCakeStore
+
+    page = 4096
+    dram = PutHints(turn=2, prior_reply_tokens=1)
+    kv = np.ones((1, 1, page), dtype=np.uint8)
+    times = []
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as root:
+        config = StoreConfig(
+            root=root, layers=1, page_bytes=page, dram_bytes=2 * chunk_bytes, dram_chunks=2,
+            ssd_file_bytes=16 << 20, ssd_files_per_dir=1, fsync=False, hugepages="off",
+        )  # fmt: skip
+        with FlatCakeStore(config) as store:
+
+            def tenant(name: str) -> str:
+                store.set_tenant(Tenant(name, secret_hash(new_secret()), 1, page))
+                return name
+
+            store.put(["f"], kv, tenant=tenant("filler"), hints=dram)
+            for trial in range(trials + 1):
+                store.put([f"a{trial}"], kv, tenant=tenant("alpha"), hints=dram)
+                store.remove_tenant("alpha")  # its chunk empty, last held by another
+                if ahead:
+                    store.hand_over_vacated()
+                start = time.perf_counter()
+                store.put([f"b{trial}"], kv, tenant=tenant("beta"), hints=dram)
+                if trial:  # the first warms up
+                    times.append(time.perf_counter() - start)
+                store.remove_tenant("beta")
+    return statistics.median(times) * 1e3
+
+
 def holds_in(tree: str | None, args: argparse.Namespace) -> float:
     """``holds_us`` measured in a fresh process importing ``tree`` (None: this one)."""
     env = dict(os.environ)
@@ -89,6 +130,10 @@ def main() -> None:
     for mib in args.sizes_mib:
         ms = renewal_ms(mib << 20, args.trials)
         print(f"renew a {mib} MiB chunk: {ms:.1f} ms ({mib / 1024 / (ms / 1e3):.1f} GiB/s)")
+        inline = taking_put_ms(mib << 20, args.trials, ahead=False)
+        ahead = taking_put_ms(mib << 20, args.trials, ahead=True)
+        print(f"  a put taking a {mib} MiB chunk another tenant left: {inline:.1f} ms renewing it")
+        print(f"  under the store's lock, {ahead:.2f} ms after it was renewed ahead, off the lock")
     with tempfile.TemporaryDirectory() as scratch:
         from benchmarks.stages import import_tree
 

@@ -200,3 +200,41 @@ def test_a_landing_chunk_changes_tenants_and_a_put_writer_maps_it_anew():
     finally:
         targets.close()
         area.close()
+
+
+def test_a_vacated_chunk_is_renewed_off_the_lock_and_the_next_tenant_pays_nothing(store):
+    """What a storage node does before each report: a chunk alpha left empty gets its fresh
+    file while the store keeps answering (the store's lock is not held), then beta takes it
+    with no renewal in its put."""
+    import threading
+
+    put(store, "alpha", 1)
+    (chunk,) = store.arena_chunks("alpha")
+    kept = handed(store, chunk.offset)
+    store.remove_tenant("alpha")
+    started, go_on = threading.Event(), threading.Event()
+    renew = store.arena.renew_chunk
+
+    def slow_renew(index: int) -> None:
+        started.set()
+        assert go_on.wait(30)
+        renew(index)
+
+    store.arena.renew_chunk = slow_renew  # type: ignore[method-assign]
+    renewer = threading.Thread(target=store.hand_over_vacated)
+    renewer.start()
+    try:
+        assert started.wait(30)
+        assert store.exists(["anything"], tenant="beta") == 0  # answered: the lock is free
+        assert store.arena_chunks("beta") == ()
+        put(store, "beta", 5)  # not into the chunk being renewed
+        assert chunk.offset not in {c.offset for c in store.arena_chunks("beta")}
+    finally:
+        go_on.set()
+        renewer.join(30)
+        store.arena.renew_chunk = renew  # type: ignore[method-assign]
+    assert is_retired(kept.fd) and store.stats()["chunks_renewed"] == 1
+    take_every_chunk(store, "beta", 10)
+    assert chunk.offset in {c.offset for c in store.arena_chunks("beta")}
+    assert store.stats()["chunks_renewed"] == 1  # beta's put renewed nothing
+    os.close(kept.fd)

@@ -1,10 +1,11 @@
 import itertools
+import threading
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from flatcake_ray.core.extents import ExtentAllocator, MediumSpace, ScopeRuns
+from flatcake_ray.core.extents import ExtentAllocator, MediumSpace, ScopeRuns, hand_over_vacated
 
 
 def test_first_fit_and_merge_on_free():
@@ -129,10 +130,12 @@ def test_a_region_that_goes_to_another_owner_is_handed_over_first():
 )
 @example([("a", 0, 1), ("a", 0, 67), ("a", 0, 1)])  # removed, then its name comes back
 @example([("a", 0, 1), ("b", 0, 1), ("a", 0, 67), ("a", 1, 1), ("c", 0, 71), ("b", 1, 1)])
+@example([("a", 0, 1), ("a", 0, 71), ("b", 0, 65), ("b", 0, 1), ("a", 0, 1)])  # ahead of time
 def test_no_region_reaches_another_owner_without_a_handover(steps):
-    """Whatever the owners do (place, release, be forgotten), a run placed in a region whose
-    last run was another owner's (or a forgotten owner's) comes after ``on_handover`` for
-    that region; no two owners ever have runs in one region."""
+    """Whatever the owners do (place, release, be forgotten, have vacated regions handed
+    over ahead of time), a run placed in a region whose last run was another owner's (or a
+    forgotten owner's) comes after a handover of that region; a region is handed over ahead
+    of time only while it is empty; no two owners ever have runs in one region."""
     space = MediumSpace(region_bytes=256 << 10, regions=3, min_run=4096, owned=True)
     handed: list[int] = []
     space.on_handover = handed.append
@@ -146,6 +149,14 @@ def test_no_region_reaches_another_owner_without_a_handover(steps):
             space.release(scope)
             if dead:
                 space.release(dead.pop(0))  # given back later, as an aborted put's slots
+            continue
+        if 63 < pages <= 66:  # the store's tick: vacated regions handed over now
+            before = len(handed)
+            hand_over_vacated(space, threading.Lock(), handed.append)
+            ahead = set(handed[before:])
+            live = [*scopes.values(), *dead]
+            assert not ahead & {r.allocator for s in live for r in s.runs}  # empty ones only
+            clean |= ahead
             continue
         if pages > 66:  # removed: its scopes go dead, whoever takes its name is another
             for i in range(3):
@@ -166,3 +177,30 @@ def test_no_region_reaches_another_owner_without_a_handover(steps):
         clean.discard(region)
         others = [s for s in scopes.values() if s.owner != owner] + dead
         assert region not in {r.allocator for s in others for r in s.runs}
+
+
+def test_a_vacated_region_handed_over_ahead_is_no_ones_meanwhile_and_free_after():
+    space = MediumSpace(1 << 20, 2, 4096, owned=True)
+    handed: list[int] = []
+    space.on_handover = handed.append
+    alpha = ScopeRuns(owner="alpha")
+    region = space.region_of(space.place(alpha, 1 << 20, reserve_ahead=False))
+    assert space.vacated() == []  # in use
+    space.release(alpha)
+    assert space.vacated() == [region]
+    space.begin_handover(region)
+    beta = [ScopeRuns(owner=name) for name in ("beta", "alpha")]
+    assert space.place(beta[0], 1 << 20, reserve_ahead=False) is not None  # the other region
+    assert space.place(beta[1], 1 << 20, reserve_ahead=False) is None  # not even its last owner
+    with pytest.raises(ValueError):
+        space.begin_handover(region)  # already being handed over
+    space.end_handover(region, done=True)
+    assert space.vacated() == []
+    gamma = ScopeRuns(owner="gamma")
+    assert space.region_of(space.place(gamma, 1 << 20, reserve_ahead=False)) == region
+    assert handed == []  # taken for free: its handover was paid ahead of time
+    space.release(gamma)
+    space.begin_handover(region)
+    space.end_handover(region, done=False)  # the work failed: the next other taker pays it
+    delta = ScopeRuns(owner="delta")
+    assert space.place(delta, 1 << 20, reserve_ahead=False) is not None and handed == [region]

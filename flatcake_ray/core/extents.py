@@ -22,18 +22,23 @@ quotas and reclamation (``core/allocation.py``), not by a fixed partition. When 
 to an owner other than the one that held it last, ``on_handover`` hears of it before any run
 there is handed out: the live store gives the region fresh memory then (a new memfd, so a
 former owner's mapping reaches nothing of the next owner's, ``media/arena.py``); the replay
-model, which has no memory, leaves it unset.
+model, which has no memory, leaves it unset. Since that work is paid under the caller's lock
+by whoever takes the region, the store also does it ahead of time for regions left empty
+(``vacated``, ``begin_handover``, ``end_handover``), off its lock: a region being handed over
+is no one's to take.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from flatcake_ray.core.runs import align_up
 
 _GONE = "\0gone"  # the last owner of a region whose owner was forgotten: no owner's name
+_RENEWING = "\0renewing"  # the holder of a region handed over ahead of time: no one may take it
 
 
 class ExtentAllocator:
@@ -201,10 +206,41 @@ class MediumSpace:
         self._last_owners = [_GONE if last == owner else last for last in self._last_owners]
         self.owners = [_GONE if holder == owner else holder for holder in self.owners]
 
+    def vacated(self) -> list[int]:
+        """Empty regions that someone held last: the next other owner to take one would pay
+        its handover (``on_handover``) then, under its caller's lock. Handed over ahead of
+        time (``begin_handover``, the work, ``end_handover``), they are taken for free."""
+        if not self.owned:
+            return []
+        return [
+            region
+            for region, (holder, last) in enumerate(
+                zip(self.owners, self._last_owners, strict=True)
+            )
+            if holder is None and last is not None and self._empty(region)
+        ]
+
+    def begin_handover(self, region: int) -> None:
+        """``region`` (one of :meth:`vacated`) is no one's to take until ``end_handover``."""
+        if self.owners[region] is not None or not self._empty(region):
+            raise ValueError(f"region {region} is held or in use")
+        self.owners[region] = _RENEWING
+
+    def end_handover(self, region: int, *, done: bool) -> None:
+        """The handover of ``region`` ended; ``done``: whoever takes it next pays none."""
+        if self.owners[region] != _RENEWING:
+            raise ValueError(f"region {region} is not being handed over")
+        self.owners[region] = None
+        if done:
+            self._last_owners[region] = None
+
+    def _empty(self, region: int) -> bool:
+        allocator = self.allocators[region]
+        return allocator.free_bytes == allocator.capacity
+
     def _settle(self, region: int) -> None:
         """An owned region with nothing left in it belongs to no one again (shrinking)."""
-        allocator = self.allocators[region]
-        if self.owned and allocator.free_bytes == allocator.capacity:
+        if self.owned and self._empty(region):
             self.owners[region] = None
 
     @property
@@ -315,6 +351,34 @@ class MediumSpace:
         self._hold(region, scope.owner)
         self.allocators[region].reserve(start, length)
         scope.runs.append(Run(region, start, length, used))
+
+
+def hand_over_vacated(
+    space: MediumSpace, lock: AbstractContextManager[object], hand_over: Callable[[int], None]
+) -> int:
+    """Hand over every vacated region of ``space`` now (``hand_over(region)``: the live
+    store's fresh file), the work outside ``lock``, which guards ``space``; returns how many
+    were. One whose handover raised stays vacated (its next taker pays it) and the first
+    error is raised once every other has ended."""
+    with lock:
+        regions = space.vacated()
+        for region in regions:
+            space.begin_handover(region)
+    done, errors = 0, []
+    for region in regions:
+        ok = False
+        try:
+            hand_over(region)
+            ok = True
+            done += 1
+        except Exception as exc:  # raised below, after the other regions
+            errors.append(exc)
+        finally:
+            with lock:
+                space.end_handover(region, done=ok)
+    if errors:
+        raise errors[0]
+    return done
 
 
 def _merge(extents: list[tuple[int, int]]) -> list[tuple[int, int]]:

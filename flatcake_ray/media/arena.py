@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,7 @@ class DramArena:
         )
         self._cuda_chunks: set[int] = set()  # chunks registered with cudaHostRegister
         self.renewals = 0
+        self._renewing = threading.Lock()  # one renewal at a time (the registrations change)
         # Told the offset of each chunk renewed: exports that registered it (a storage node's).
         self.on_renewed: list[Callable[[int], None]] = []
         self._register_with_cuda()
@@ -128,16 +130,19 @@ class DramArena:
         The owner's view keeps its addresses (the new file is mapped over the old at the same
         place) and never maps a retired file; the old pages are freed before the new ones are
         allocated, so a renewal needs no memory beyond the chunk. It runs under the store's
-        lock, as the new tenant's put takes the chunk (``benchmarks/chunk_renewal.py`` times
-        it). Whatever the chunk held is gone: call it only for an empty chunk. No memory for
-        the fresh file is :class:`MediumFullError`."""
-        try:
-            self._renew(index)
-        except OSError as error:  # no memory for the fresh file: the chunk is not handed over
-            raise MediumFullError(f"a fresh file for DRAM chunk {index}: {error}") from error
-        self.renewals += 1
-        for renewed in self.on_renewed:
-            renewed(index * self.chunk_bytes)
+        lock as the new tenant's put takes the chunk, or ahead of time off that lock for a
+        chunk left empty (``core/extents.py`` ``hand_over_vacated``); renewals of one arena
+        run one at a time (``benchmarks/chunk_renewal.py`` times one). Whatever the chunk
+        held is gone: call it only for an empty chunk. No memory for the fresh file is
+        :class:`MediumFullError`."""
+        with self._renewing:
+            try:
+                self._renew(index)
+            except OSError as error:  # no memory for the fresh file: not handed over
+                raise MediumFullError(f"a fresh file for DRAM chunk {index}: {error}") from error
+            self.renewals += 1
+            for renewed in self.on_renewed:
+                renewed(index * self.chunk_bytes)
 
     def _renew(self, index: int) -> None:
         assert self._map is not None
