@@ -34,6 +34,7 @@ from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
 from flatcake_ray.errors import (
     CallLostError,
     ChannelClosedError,
+    ForeignMemoryError,
     ServiceError,
     ShapeError,
     StoreWriteError,
@@ -153,7 +154,15 @@ class RemotePut:
         if reach is Reach.NIXL:
             return self._route.targets.write(target.peer, offset, data, positions, block_bytes)
         count = len(data) if positions is None else len(positions)
-        memory = self._route.targets.mapped(self._link, target)
+        try:
+            memory = self._route.targets.mapped(self._link, target)
+        except ForeignMemoryError as exc:
+            # The ticket's chunk is the tenant's while the put lives: refused, the put is over
+            # (expired or aborted there; its chunk was emptied and maybe renewed since).
+            raise StoreWriteError(
+                f"put {self._ticket.put_id if self._ticket else '?'}: its owner no longer "
+                f"holds the memory it was given ({exc}); the put expired or was aborted"
+            ) from exc
         start = offset - target.chunk_offset
         into = memory[start : start + count * self._page_bytes].reshape(count, -1)
         if positions is not None:
