@@ -180,6 +180,34 @@ def test_any_layout_of_turns_restores_exactly(
             store.close()
 
 
+def test_a_page_cut_by_a_slots_end_is_checked_where_it_is_delivered_from(
+    make_store, pipelines, failpoints
+):
+    """A page that a slot's end cuts in two is read again whole into the next slot and
+    delivered from there, so its bytes are checked there: a write to the drive between the
+    two reads (here: into the part the first slot also held) is a miss, never its bytes."""
+    page_bytes = 6000  # not a divisor of the slot: page 3 straddles the first slot's end
+    store = make_store(page_bytes=page_bytes, gap_bytes=0)
+    kv = random_kv(60, seed=5, page_bytes=page_bytes)
+    store.put(list(range(60)), kv, hints=PutHints(turn=1))
+    file_index, at = store.pool.locate(int(store.gvas([0])[0]) & ((1 << 48) - 1))
+    fills: list[int] = []
+
+    def write_between_reads(**_context: object) -> None:
+        fills.append(1)
+        if len(fills) == 2:  # the first slot held pages 0-2 and the start of page 3
+            with open(store.pool.paths[file_index], "r+b") as pool_file:
+                pool_file.seek(at + 3 * page_bytes + 100)
+                pool_file.write(b"\xff" * 200)
+
+    failpoints.arm("source.fill", call=write_between_reads, times=None)
+    pipeline = pipelines(store, slot_bytes=5 * 4096, windows=1, slot_layers=1)
+    pool, slots = make_pool("layer_first", page_bytes, torch.uint8), scattered_slots(60)
+    restored = pipeline.submit(list(range(60)), pool, slots, "layer_first").wait(WAIT)
+    assert len(fills) > 2 and restored <= 3  # no page from the written one on
+    assert np.array_equal(pool_pages(pool, "layer_first", slots)[:, :restored], kv[:, :restored])
+
+
 def flip_on_drive(store: FlatCakeStore, page: int, layer: int, scope_pages: int) -> None:
     """Flip a byte of ``page``'s ``layer`` in its pool file (its scope holds ``scope_pages``
     pages: a layer's stride is their bytes, 4 KiB aligned)."""

@@ -80,11 +80,21 @@ def cut_piece(
     chunk: LayerChunk, member: WantedRange, end: int, base: int, cut: int | None
 ) -> int | None:
     """Hash and deliver what of ``member`` lies before read byte ``end``; returns the start
-    of the first wanted page cut in two by ``end`` (the next piece starts at it)."""
-    feed_checks(chunk, member, end, base)
+    of the first wanted page cut in two by ``end`` (the next piece starts at it).
+
+    Such a page is delivered from the next piece, which reads it again whole, so its bytes
+    are hashed there too, not here: a check fed from this piece's copy of them would pass
+    whatever the next read brought (a write to the drive between the two reads was
+    delivered unchecked)."""
     page_bytes = member.part.layout.page_bytes
     limit = (end - member.skip + member.lo) // page_bytes  # pages ending by ``end``
     stop = int(np.searchsorted(member.src, limit, side="left"))
+    cut_here = None  # the start of a wanted page that ``end`` cuts in two
+    after = max(member.delivered, stop)
+    if after < len(member.src):
+        page_start = member.skip + int(member.src[after]) * page_bytes - member.lo
+        cut_here = page_start if page_start < end else None
+    feed_checks(chunk, member, end if cut_here is None else cut_here, base)
     first = member.delivered
     for run_start, run_stop in run_bounds(member.src[first:stop]):
         page = int(member.src[first + run_start])
@@ -97,11 +107,7 @@ def cut_piece(
             )
         )
     member.delivered = max(first, stop)
-    if cut is None and member.delivered < len(member.src):
-        page_start = member.skip + int(member.src[member.delivered]) * page_bytes - member.lo
-        if page_start < end:
-            return page_start
-    return cut
+    return cut_here if cut is None and cut_here is not None else cut
 
 
 def feed_checks(chunk: LayerChunk, member: WantedRange, end: int, base: int) -> None:
