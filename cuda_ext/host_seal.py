@@ -113,10 +113,12 @@ def ctr_rows(
     if base.dtype != np.uint8 or not base.flags.c_contiguous or not base.flags.writeable:
         raise SealError("sealing needs writable contiguous uint8 memory")
     count = len(offsets)
+    if not count:  # nothing to cipher (and no counter block for libcrypto's first init)
+        return
     at = np.zeros(count, np.int64) if into is None else np.asarray(into, np.int64)
     starts = np.asarray(offsets, np.int64)
     sizes = np.asarray(lengths, np.int64)
-    if count and (starts.min() < 0 or int((starts + sizes).max()) > base.nbytes):
+    if starts.min() < 0 or int((starts + sizes).max()) > base.nbytes:
         raise SealError("a row to seal lies outside its buffer")
     counters = np.empty((count, 2), dtype=">u8")
     counters[:, 0] = np.asarray(sums, np.uint64)
@@ -129,12 +131,12 @@ def ctr_rows(
     rows = np.stack([base.ctypes.data + starts, sizes, skips], axis=1).astype(np.int64)
     threads = min(idle_threads(), count) if int(sizes.sum()) >= SPLIT_BYTES else 1
     claimed = np.zeros(1, dtype=np.int64)
-    step = max(1, count // (8 * threads)) if threads > 1 else max(1, count)
+    step = max(1, count // (8 * threads)) if threads > 1 else count
     cipher = functools.partial(
         module.ctr_rows, rows, counters.view(np.uint8), claimed, key, crypto.addresses, step
     )
     failed: list[int] = []
-    run_split([lambda: failed.append(cipher())] * max(1, threads))
+    run_split([lambda: failed.append(cipher())] * threads)
     if sum(failed):
         raise SealError(f"libcrypto failed on {sum(failed)} rows while sealing")
 

@@ -23,16 +23,30 @@ def _tenant(store, name: str) -> str:
     return secret
 
 
+def _stored(store, pages: int, seed: int) -> tuple[str, list[str], np.ndarray]:
+    """Tenant alpha, its key learnt, with ``pages`` marked pages put on SSD: its secret,
+    keys and pages."""
+    secret = _tenant(store, "alpha")
+    kv = marked_kv(pages, seed=seed)
+    keys = [f"k{i}" for i in range(pages)]
+    store.put(keys, kv, tenant="alpha", hints=SSD)
+    return secret, keys, kv
+
+
+def _reopened(make_store, store):
+    """``store`` closed and opened again on its root (a node restart)."""
+    config = store.config
+    store.close()
+    return make_store(**{f: getattr(config, f) for f in ("dram_bytes", "ssd_file_bytes")})
+
+
 def _pool_bytes(store) -> bytes:
     return b"".join(Path(p).read_bytes() for p in store.pool.paths)
 
 
 def test_a_tenants_ssd_pages_lie_sealed_and_restore_plain(make_store):
     store = make_store()
-    _tenant(store, "alpha")
-    kv = marked_kv(12, seed=3)
-    keys = [f"k{i}" for i in range(12)]
-    store.put(keys, kv, tenant="alpha", hints=SSD)
+    _, keys, kv = _stored(store, 12, seed=3)
     assert store.stats()["tenants"]["alpha"]["ssd_used"] > 0
     assert lines_found(kv, _pool_bytes(store)) == 0  # none of its bytes, by path
     out = np.zeros_like(kv)
@@ -51,13 +65,8 @@ def test_a_tenant_without_a_secret_writes_plain(make_store):
 
 def test_a_reader_without_the_key_misses_and_quarantines_nothing(make_store):
     store = make_store()
-    _tenant(store, "alpha")
-    kv = marked_kv(8, seed=5)
-    keys = [f"k{i}" for i in range(8)]
-    store.put(keys, kv, tenant="alpha", hints=SSD)
-    config = store.config
-    store.close()
-    reopened = make_store(**{f: getattr(config, f) for f in ("dram_bytes", "ssd_file_bytes")})
+    _, keys, kv = _stored(store, 8, seed=5)
+    reopened = _reopened(make_store, store)
     out = np.zeros_like(kv)
     assert reopened.get(keys, out, tenant="alpha") == 0  # sealed, and no caller told the key
     assert not out.any()
@@ -66,13 +75,8 @@ def test_a_reader_without_the_key_misses_and_quarantines_nothing(make_store):
 
 def test_sealed_pages_come_back_after_a_restart_to_the_tenants_key(make_store):
     store = make_store()
-    secret = _tenant(store, "alpha")
-    kv = marked_kv(8, seed=6)
-    keys = [f"k{i}" for i in range(8)]
-    store.put(keys, kv, tenant="alpha", hints=SSD)
-    config = store.config
-    store.close()
-    reopened = make_store(**{f: getattr(config, f) for f in ("dram_bytes", "ssd_file_bytes")})
+    secret, keys, kv = _stored(store, 8, seed=6)
+    reopened = _reopened(make_store, store)
     reopened.tenancy.learn_seal("alpha", seal_key(secret))
     out = np.zeros_like(kv)
     assert reopened.get(keys, out, tenant="alpha") == 8 and np.array_equal(out, kv)
@@ -80,10 +84,7 @@ def test_sealed_pages_come_back_after_a_restart_to_the_tenants_key(make_store):
 
 def test_another_key_reads_no_wrong_byte(make_store):
     store = make_store()
-    _tenant(store, "alpha")
-    kv = marked_kv(8, seed=7)
-    keys = [f"k{i}" for i in range(8)]
-    store.put(keys, kv, tenant="alpha", hints=SSD)
+    _, keys, kv = _stored(store, 8, seed=7)
     store.tenancy.learn_seal("alpha", seal_key(new_secret()))  # a wrong key
     out = np.zeros_like(kv)
     got = store.get(keys, out, tenant="alpha")

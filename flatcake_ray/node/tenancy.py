@@ -87,7 +87,7 @@ class Tenancy:
         """Tenant ``name``'s seal key, derived from the secret a caller just presented (the
         service keeps only secrets' hashes, so the node learns it from its callers)."""
         catalog = self._catalogs.get(name)
-        if catalog is not None and catalog.seal_key != key:
+        if catalog is not None:
             catalog.seal_key = key
 
     def remove(self, name: str) -> int:

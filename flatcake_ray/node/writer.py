@@ -231,8 +231,9 @@ class SegmentWriter:
             self.arena.write(at, block[: layout.layer_bytes])
             self._count(dram_bytes_written=layout.layer_bytes)
         at, stride = self.layer_extent(state, layer), block[: layout.layer_stride]
-        key = state.catalog.seal_key if state.plan.segment.sealed else None
-        if key is not None:  # planned sealed only where its tenant's key is known
+        if state.plan.segment.sealed:
+            key = state.catalog.seal_key
+            assert key is not None  # planned sealed only where its tenant's key is known
             commands = seal_and_write(self.pool, at, stride, key, layout, state.checksums[layer])
         else:
             self.pool.write(at, stride)

@@ -45,7 +45,7 @@ class Job:
     dispatched: bool = False  # handed to a lane, which finishes it; under the pipeline's lock
     error: BaseException | None = None
     failed_chunks: set[int] = field(default_factory=set)  # id() of chunks whose fill failed
-    sealed: SealedBlocks | None = None  # the wanted blocks whose SSD bytes arrive sealed
+    sealed: SealedBlocks | None = field(init=False)  # wanted blocks whose SSD bytes are sealed
 
     def __post_init__(self) -> None:
         self.sealed = SealedBlocks.of(self.leased.parts)
