@@ -98,6 +98,28 @@ def test_ssd_slots_shrink_with_the_room_left_then_the_call_carries_the_bytes(own
     assert (counters["puts_landing"], counters["puts_inline"]) == (4, 1)
 
 
+def test_a_layer_in_the_call_lands_from_read_only_memory_that_happens_to_be_aligned(owner):
+    """A call's bytes can lie in Ray's object store (read-only) at a 4 KiB boundary: the
+    node writes them through its own staging, never into them (CI caught the write)."""
+    store, puts, _ = owner(0)  # no landing room: every layer comes in the call
+    keys = put_keys("ro")
+    ticket = puts.begin("default", keys, {"hints": SSD})
+    assert ticket.target.memory is PutMemory.INLINE
+    kv = random_kv(len(keys), seed=3)
+    for layer in range(LAYERS):
+        pages = kv[layer].reshape(-1)
+        backing = np.empty(pages.nbytes + 4096, dtype=np.uint8)
+        lead = -backing.ctypes.data % 4096
+        inline = backing[lead : lead + pages.nbytes]
+        inline[:] = pages
+        inline.flags.writeable = False
+        puts.land("default", ticket.put_id, layer, inline)
+        assert np.array_equal(inline, pages)
+    assert puts.commit("default", ticket.put_id, ()).pages_written == len(keys)
+    count, out = restore(store, keys)
+    assert count == len(keys) and np.array_equal(out, kv)
+
+
 def test_bad_calls_are_refused_and_ended_puts_free_their_slots(owner):
     _, puts, counters = owner(8 * 32 * PAGE_BYTES)
     keys = [f"b{i}" for i in range(32)]

@@ -140,7 +140,7 @@ class Writer(threading.Thread):
         except FlatCakeError as exc:
             self.tally.add(**{f"errors_{type(exc).__name__}": 1})
         except Exception as exc:  # untyped: a failure of the service's contract
-            self.tally.untyped.append(f"{self.tenant}: {type(exc).__name__}: {exc}"[:300])
+            self.tally.untyped.append(_described(self.tenant, exc))
         finally:
             self.tally.timed(time.monotonic() - self.busy_since)
             self.busy_since = None
@@ -282,6 +282,12 @@ class Driver:
                 if answer is True:
                     self.tally.wrong.append(f"forged release {lease_id} accepted")
                 self.tally.add(forged_releases=1, forged_releases_refused=int(answer is False))
+
+
+def _described(tenant: str, exc: Exception) -> str:
+    """The call's error, its first line and its last (a Ray task error's cause is at its end)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
+    return f"{tenant}: {type(exc).__name__}: {lines[0][:200]} ... {lines[-1][:400]}"
 
 
 def test_chaos_soak(soak_service):

@@ -147,8 +147,15 @@ class SegmentWriter:
             self._finish_dram_layer(state, layer, sums)
             return
         assert source is not None
-        aligned = source.nbytes >= layout.layer_stride and source.ctypes.data % ALIGN == 0
-        staging = None if aligned else self._staging.take(layout.layer_stride)
+        # The drive is written straight from ``source`` where it can be: its tail past the
+        # pages is zeroed and a sealed layer is sealed in it. A call's bytes may be read-only
+        # (Ray hands out its object store's memory so), and aligned by chance.
+        in_place = (
+            source.flags.writeable
+            and source.nbytes >= layout.layer_stride
+            and source.ctypes.data % ALIGN == 0
+        )
+        staging = None if in_place else self._staging.take(layout.layer_stride)
         block = source[: layout.layer_stride] if staging is None else staging.array
         try:
             if staging is not None:  # bytes of a call: O_DIRECT needs an aligned buffer
