@@ -40,7 +40,9 @@ DRAM = {"flatcake_turn": 2, "flatcake_prior_reply_tokens": 16}
 SSD = {"flatcake_turn": 1}
 
 
-def promote_once(tier: dict, params: dict, seed: str, args: argparse.Namespace) -> float:
+def promote_once(
+    tier: dict, params: dict, seed: str, args: argparse.Namespace
+) -> tuple[float, int]:
     sizes = {"block_bytes": args.chunk_bytes, "chunks": 2 * args.chunks}
     keys = chunk_keys(args.chunks, seed=seed)
     first = NativeEngine(tier, **sizes)
@@ -53,11 +55,11 @@ def promote_once(tier: dict, params: dict, seed: str, args: argparse.Namespace) 
     try:
         context = second.request("b", keys, **params)
         started = time.perf_counter()
-        found = second.lookup(context, keys)
+        found = second.lookup(context, keys, step_s=args.step_ms / 1e3)
         elapsed = time.perf_counter() - started
         if found != len(keys):
             raise SystemExit(f"{seed}: {found} of {len(keys)} chunks promoted")
-        return elapsed
+        return elapsed, second.steps
     finally:
         second.shutdown()
 
@@ -69,6 +71,12 @@ def main() -> int:
         "--chunk-bytes", type=int, default=256 << 10, help="bytes per chunk (4 KiB multiple)"
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=10.0,
+        help="time between the engine's steps while it waits (the figure's resolution)",
+    )
     args = parser.parse_args()
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="fc-native-tier-") as tmp:
@@ -85,6 +93,7 @@ def main() -> int:
             "vLLM fs tier": ({"type": "fs", "root_dir": f"{tmp}/fs"}, {}),
         }
         times: dict[str, list[float]] = {name: [] for name in systems}
+        steps: dict[str, list[int]] = {name: [] for name in systems}
         # Held open, as a long-lived engine process would: engine A's shutdown must not
         # close the in-process store (and its DRAM) before engine B reads it.
         held = open_store(store, Geometry(1, args.chunk_bytes))
@@ -92,15 +101,24 @@ def main() -> int:
             for repeat in range(args.repeats):  # interleaved: each system sees the same load
                 for index, (name, (tier, params)) in enumerate(systems.items()):
                     seed = f"r{repeat}s{index}"
-                    times[name].append(promote_once(tier, params, seed, args))
+                    elapsed, took = promote_once(tier, params, seed, args)
+                    times[name].append(elapsed)
+                    steps[name].append(took)
         finally:
             release_store(held)
     print(f"load average at start: {load}")
-    print(f"prefix: {args.chunks} chunks of {args.chunk_bytes} bytes; {args.repeats} repeats")
+    print(
+        f"prefix: {args.chunks} chunks of {args.chunk_bytes} bytes; {args.repeats} repeats; "
+        f"a step every {args.step_ms:g} ms while waiting"
+    )
     base = statistics.median(times["vLLM fs tier"])
     for name, runs in times.items():
         median = statistics.median(runs)
-        print(f"{name:22s} {1e3 * median:9.1f} ms   {median / base:5.2f}x the fs tier")
+        took = statistics.median(steps[name])
+        print(
+            f"{name:22s} {1e3 * median:9.1f} ms   {median / base:5.2f}x the fs tier"
+            f"   {took:g} steps"
+        )
     return 0
 
 

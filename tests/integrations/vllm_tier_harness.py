@@ -92,6 +92,7 @@ class NativeEngine:
         self.tier = found if isinstance(found, FlatCakeTier) else None
         view = self.manager.primary_tier.get_kv_memoryview()
         self.rows = np.frombuffer(view, dtype=np.uint8).reshape(-1, view.strides[0])
+        self.steps = 0  # the steps the last lookup took
 
     def request(self, req_id: str, keys: Sequence[OffloadKey], **params: Any) -> ReqContext:
         context = ReqContext(req_id=req_id, kv_transfer_params=params or None)
@@ -121,10 +122,12 @@ class NativeEngine:
             time.sleep(0.01)
             self.step()
 
-    def lookup(self, context: ReqContext, keys: Sequence[OffloadKey]) -> int:
-        """The scheduler's prefix lookup, retried each step until final: how many chunks from
-        the first are ready in the CPU tier (promoted from FlatCake when they were not)."""
+    def lookup(self, context: ReqContext, keys: Sequence[OffloadKey], step_s: float = 0.01) -> int:
+        """The scheduler's prefix lookup, retried each step (``step_s`` apart) until final:
+        how many chunks from the first are ready in the CPU tier (promoted from FlatCake when
+        they were not). ``steps``: the steps it took."""
         deadline = time.monotonic() + SETTLE_S
+        self.steps = 0
         while True:
             hits, final = 0, True
             for key in keys:
@@ -138,8 +141,9 @@ class NativeEngine:
             if final:
                 return hits
             assert time.monotonic() < deadline, "the lookups did not settle"
-            time.sleep(0.01)
+            time.sleep(step_s)
             self.step()
+            self.steps += 1
 
     def read(self, context: ReqContext, keys: Sequence[OffloadKey]) -> list[np.ndarray]:
         """The CPU->GPU load of ``keys``: their rows' bytes."""
