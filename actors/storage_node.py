@@ -80,6 +80,7 @@ _COUNTERS = (
     *("lookups", "exists_calls", "releases", "puts", "puts_arena", "puts_landing"),
     *("puts_inline", "puts_none", "puts_layerwise", "puts_aborted", "tenants_removed"),
     *("fallback_reads", "lease_misses", "leased_pages", "leases_broken", "ranges_refused"),
+    "chunk_handouts",  # hand_chunks answered: a client on this machine mapped memory anew
 )
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         """The caller's tenant's chunks of ``memory`` sent to its process listening on
         ``socket_name`` (``actors/memory_handout.py``): how many, and this process's id."""
         sent = self.handout.hand(self._tenant(secret).name, socket_name, memory, offsets)
+        self.counters["chunk_handouts"] += 1
         return sent, os.getpid()
 
     def open_calls(self, secret: object, socket_name: object) -> int:

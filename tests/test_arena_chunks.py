@@ -103,6 +103,49 @@ def handed(store, chunk) -> HandedChunk:
     return HandedChunk(chunk.offset, chunk.nbytes, os.dup(store.arena.chunk_fd(chunk.offset)))
 
 
+def test_a_chunk_learned_from_a_put_is_read_without_asking_again(store):
+    """A client that put into a chunk its reader did not map yet (the tenant grew) tells the
+    reader, which then reads there without asking the node; a chunk renewed since (another
+    tenant's now) is learned afresh, and the former mapping never read again."""
+    put(store, "alpha", 0, pages=4)
+    asked: list[int] = []
+
+    def hand() -> list[HandedChunk]:
+        asked.append(1)
+        return [handed(store, chunk) for chunk in store.arena_chunks("alpha")]
+
+    reader = LocalDramTransport.attach(hand, store.arena.nbytes)
+    try:
+        grow(store, "alpha", 2, 1)
+        newest = max(store.arena_chunks("alpha"), key=lambda chunk: chunk.offset)
+        reader.learn([handed(store, newest)])
+        keys = [f"alpha-{s}-0" for s in range(8) if store.exists([f"alpha-{s}-0"], tenant="alpha")]
+        gvas = [int(g) for g in store.gvas(keys, tenant="alpha")]
+        inside = [g for g in gvas if newest.offset <= g < newest.offset + newest.nbytes]
+        assert inside  # pages of the chunk it grew into
+        out = np.zeros(PAGE_BYTES, dtype=np.uint8)
+        reader.read(ReadBatch([inside[0]], [PAGE_BYTES], [0]), out)
+        assert np.array_equal(out, store.arena.view[inside[0] : inside[0] + PAGE_BYTES])
+        assert len(asked) == 1  # the attach only
+        store.remove_tenant("alpha")
+        store.hand_over_vacated()  # its chunks get fresh files: the old ones are retired
+        grow(store, "beta", 4, 30)
+        assert newest in store.arena_chunks("beta")
+        reader.learn([handed(store, newest)])  # as beta's client would: the fresh file
+        keys = [
+            f"beta-{s}-0" for s in range(30, 38) if store.exists([f"beta-{s}-0"], tenant="beta")
+        ]
+        at = next(
+            int(g)
+            for g in store.gvas(keys, tenant="beta")
+            if newest.offset <= int(g) < newest.offset + newest.nbytes
+        )
+        reader.read(ReadBatch([at], [PAGE_BYTES], [0]), out)
+        assert np.array_equal(out, store.arena.view[at : at + PAGE_BYTES])
+    finally:
+        reader.close()
+
+
 def test_a_chunk_cannot_be_mapped_or_written_past_its_end(store):
     put(store, "alpha", 1)
     mine = handed(store, store.arena_chunks("alpha")[0])

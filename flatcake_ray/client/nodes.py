@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -120,6 +121,15 @@ class NodeLink:
                 known = (self._make(path, medium, agent, fresh=broken), threading.Lock())
                 self._transports[key] = known
             return known
+
+    def learn_arena_chunk(self, chunk: HandedChunk) -> None:
+        """A chunk of the node's arena this process was handed for a put: restores from it
+        (through the local-DRAM transport, where this process has one yet) need no call."""
+        with self._lock:
+            known = self._transports.get((base.LOCAL_DRAM, Medium.DRAM))
+        if known is not None:
+            transport: LocalDramTransport = known[0]
+            transport.learn([HandedChunk(chunk.offset, chunk.nbytes, os.dup(chunk.fd))])
 
     def _make(self, path: str, medium: Medium, agent: Any, *, fresh: bool = False) -> Any:
         """``fresh``: the last one broke; the node's exports may have changed since it was

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from flatcake_ray.actors.protocol import PutTarget
+from flatcake_ray.actors.protocol import PutMemory, PutTarget
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
@@ -59,7 +59,10 @@ class PutTargets:
                 self._maps.pop(key).close()
                 known = None
             if known is None:
-                known = self._maps[key] = _map_handed(link.hand_chunks(memory, [offset]))
+                handed = link.hand_chunks(memory, [offset])
+                known = self._maps[key] = _map_handed(handed)
+                if target.memory is PutMemory.ARENA:  # read back soon, as an engine does
+                    link.learn_arena_chunk(handed[0])
             self._maps.move_to_end(key)
             while len(self._maps) > MAX_MAPPINGS:
                 self._maps.popitem(last=False)[1].close()
