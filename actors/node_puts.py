@@ -20,7 +20,7 @@ from flatcake_ray.actors.landing import LandingArea
 from flatcake_ray.actors.protocol import PutMemory, PutTarget, PutTicket
 from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import ShapeError
+from flatcake_ray.errors import ShapeError, StoreWriteError
 from flatcake_ray.media.arena import ArenaChunk
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.store import FlatCakeStore
@@ -157,7 +157,12 @@ class NodePuts:
         )
 
     def abort(self, tenant: str, put_id: object) -> None:
-        self.store.puts.get(put_id, tenant).abort()
+        try:
+            handle = self.store.puts.get(put_id, tenant)
+        except StoreWriteError:  # ended already (or never this tenant's): said, and counted
+            self.counters["aborts_refused"] += 1
+            raise
+        handle.abort()
         self.counters["puts_aborted"] += 1
 
     def close(self) -> None:

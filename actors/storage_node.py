@@ -78,7 +78,8 @@ from flatcake_ray.node.store import FlatCakeStore
 
 _COUNTERS = (
     *("lookups", "exists_calls", "releases", "puts", "puts_arena", "puts_landing"),
-    *("puts_inline", "puts_none", "puts_layerwise", "puts_aborted", "tenants_removed"),
+    *("puts_inline", "puts_none", "puts_layerwise", "puts_aborted", "aborts_refused"),
+    "tenants_removed",
     *("fallback_reads", "lease_misses", "leased_pages", "leases_broken", "ranges_refused"),
     "chunk_handouts",  # hand_chunks answered: a client on this machine mapped memory anew
 )

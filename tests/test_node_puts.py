@@ -30,7 +30,7 @@ def owner(make_store):
     def build(landing: int, **config) -> tuple:
         store = make_store(**config)
         area = LandingArea(landing, f"test-landing-{len(made)}-{id(store)}")
-        counters = {name: 0 for name in ("puts", "puts_layerwise", "puts_aborted")}
+        counters = dict.fromkeys(("puts", "puts_layerwise", "puts_aborted", "aborts_refused"), 0)
         counters.update({f"puts_{memory.value}": 0 for memory in PutMemory})
         puts = NodePuts(store, area, counters, (os.getpid(), 0.0))
         made.append(puts)
@@ -134,6 +134,7 @@ def test_bad_calls_are_refused_and_ended_puts_free_their_slots(owner):
         puts.commit("default", ticket.put_id, [0])
     with pytest.raises(StoreWriteError):  # another tenant cannot name it, nor can anyone now
         puts.abort("other", ticket.put_id)
+    assert counters["aborts_refused"] == 1
     assert counters["puts_aborted"] == 2  # every slot is free again: four two-slot puts fit
     tickets = [
         puts.begin("default", [f"c{n}-{i}" for i in range(32)], {"hints": SSD}) for n in range(4)

@@ -165,6 +165,7 @@ def settle(store, medium: Medium, expected: int) -> None:
 def test_a_failed_layer_write_publishes_nothing_and_gives_its_space_back(store, faults):
     keys, kv = keys_for(16), random_kv(16, seed=10)
     before = used(store, Medium.SSD)
+    refused = [s.get("aborts_refused", 0) for s in node_stats(store)]
     faults("store.write_layer=oserror*1@2")  # the third layer's write fails on the owner
     with (
         pytest.raises(StoreWriteError),
@@ -177,6 +178,8 @@ def test_a_failed_layer_write_publishes_nothing_and_gives_its_space_back(store, 
     settle(store, Medium.SSD, before)
     faults("")
     assert store.put(keys, kv, session_id=keys[0], hints=SSD).pages_written == 16  # retried
+    # The owner ended the put itself: the client sent it no abort to refuse.
+    assert refused == [s.get("aborts_refused", 0) for s in node_stats(store)]
 
 
 def test_a_failed_publish_leaves_no_key_and_no_record(store, faults):

@@ -84,6 +84,9 @@ class RemotePut:
         self._in_place_sums: list[np.ndarray] = []  # their checksums, as written
         self._written: set[int] = set()
         self._done = False
+        # The owner ended the put itself: one of its calls failed there (``land`` and
+        # ``commit_put`` abort on any failure) or the owner is gone; nothing left to abort.
+        self._ended_there = False
         self.inline_layers = 0  # layers sent in the call (the last resort)
 
     @property
@@ -209,7 +212,7 @@ class RemotePut:
         self._done = True
         while self._landing:  # the owner may still read a slot until its call returns
             self._wait_quietly(self._landing.popleft()[0])
-        if self._ticket is not None:
+        if self._ticket is not None and not self._ended_there:
             self._link.handle.abort_put.remote(self._ticket.put_id)  # fire and forget
 
     # ---- plumbing --------------------------------------------------------------------------
@@ -224,7 +227,7 @@ class RemotePut:
         direct = self._link.direct
         if direct is not None:
             try:
-                return direct.call(method, *args)
+                return self._answered(direct.call, method, *args)
             except CallLostError as exc:
                 if method == "commit_put":
                     self._route.nodes.mark_down(self._link, f"commit lost: {exc}")
@@ -250,8 +253,9 @@ class RemotePut:
         # A big layer takes longer: allow it at least 200 MB/s on top of the RPC timeout.
         timeout = self._route.timeout_s + nbytes / 200e6
         try:
-            return ray.get(ref, timeout=timeout)
+            return self._answered(ray.get, ref, timeout=timeout)
         except (RayActorError, GetTimeoutError) as exc:
+            self._ended_there |= isinstance(exc, RayActorError)
             self._route.nodes.mark_down(self._link, f"put failed: {exc}")
             node = self._link.node_id
             raise ServiceError(f"storage node {node} did not take the put: {exc}") from exc
@@ -261,9 +265,22 @@ class RemotePut:
         from ray.exceptions import RayError
 
         try:
-            ray.get(ref, timeout=self._route.timeout_s)
+            self._answered(ray.get, ref, timeout=self._route.timeout_s)
         except (RayError, StoreWriteError, ShapeError) as exc:  # aborting anyway
             log.info("a layer of an aborted put failed: %s", exc)
+
+    def _answered(self, wait: Any, *args: Any, **kwargs: Any) -> Any:
+        """``wait(*args)``: the owner's answer to a call of this put; an error the owner
+        raised (typed, or Ray's task error carrying it) means it ended the put there."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return wait(*args, **kwargs)
+        except (CallLostError, ChannelClosedError, GetTimeoutError, RayActorError):
+            raise  # no answer: the put may still be open there
+        except Exception:
+            self._ended_there = True
+            raise
 
     def _check_live(self) -> None:
         if self._done:
