@@ -153,11 +153,11 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         self._expire_leases()
         self.gate.refresh()
         self.tenants.sync()
-        try:
-            self.store.hand_over_vacated()
-            self.landing.hand_over_vacated()
-        except MediumFullError as exc:  # no memory for a fresh file now: the next taker pays
-            log.warning("a vacated chunk keeps its file for now: %s", exc)
+        for memory in (self.store, self.landing):
+            try:
+                memory.hand_over_vacated()
+            except MediumFullError as exc:  # no memory for a fresh file now: its taker pays
+                log.warning("a vacated chunk keeps its file for now: %s", exc)
 
     def report_now(self) -> bool:
         return bool(self.membership.report(self._usage()))

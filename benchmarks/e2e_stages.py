@@ -42,24 +42,20 @@ def main() -> int:
     clock = StageClock(RESTORE_STAGES + ENGINE_STAGES)
     rows: dict[str, list[dict[str, float]]] = {}
 
-    def timed(kind: str, prompt: list[int]) -> tuple[float, int, int]:
+    def timed(llm, kind: str, prompt: list[int]) -> tuple[float, int, int]:
         clock.install()
         try:
             with clock.op(rows.setdefault(kind, [])):
-                return e2e.ttft(llm_of[0], prompt)
+                return e2e.ttft(llm, prompt)
         finally:
             clock.uninstall()
 
-    llm_of: list = [None]
-
     def flatcake_hit(llm, prompts, repeat: int, kind: str):
         llm.reset_prefix_cache()
-        llm_of[0] = llm
-        return timed(kind, prompts.prompt(kind, repeat))
+        return timed(llm, kind, prompts.prompt(kind, repeat))
 
     def vllm_prefix_cache(llm, prompts, repeat: int):
-        llm_of[0] = llm
-        return timed("own", prompts.prompt("miss", repeat))
+        return timed(llm, "own", prompts.prompt("miss", repeat))
 
     e2e.flatcake_hit, e2e.vllm_prefix_cache = flatcake_hit, vllm_prefix_cache
     sys.argv = [sys.argv[0], "--skip-native", *sys.argv[1:]]

@@ -107,7 +107,7 @@ def cut_piece(
             )
         )
     member.delivered = max(first, stop)
-    return cut_here if cut is None and cut_here is not None else cut
+    return cut if cut is not None else cut_here
 
 
 def feed_checks(chunk: LayerChunk, member: WantedRange, end: int, base: int) -> None:
