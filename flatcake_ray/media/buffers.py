@@ -15,15 +15,40 @@ import numpy as np
 
 from flatcake_ray.config import ALIGN
 from flatcake_ray.errors import ShapeError
+from flatcake_ray.media.log import log_once
+
+# The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
+HUGE_PAGE = 2 << 20
 
 
 class AlignedBuffer:
-    """Page-aligned anonymous memory (O_DIRECT needs aligned user buffers)."""
+    """Page-aligned private anonymous memory (O_DIRECT needs aligned user buffers), backed by
+    transparent huge pages where the kernel has them to give.
+
+    Why huge pages: a block device takes a command as a list of physically contiguous
+    segments (``max_segments``, 254 on a virtio disk) and 4 KiB pages make every page a
+    segment, so a 4 MiB O_DIRECT read into them is split into requests of at most ~1 MiB.
+    Into 2 MiB pages the same read is one request. On this machine's virtio disk, 224 MB of
+    sequential O_DIRECT reads ran at 1.8 GB/s into 4 KiB pages and 3.0 into huge pages, at
+    every command size and depth tried. ``mmap(-1, n)`` alone is shared memory (``shmem``),
+    which gets huge pages only where ``shmem_enabled`` allows; private memory gets them under
+    the common ``enabled = madvise`` setting once asked (``MADV_HUGEPAGE``)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.nbytes)
-        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        huge = self.nbytes >= HUGE_PAGE
+        spare = HUGE_PAGE if huge else 0  # room to start the array on a huge page's boundary
+        self._map: mmap.mmap | None = mmap.mmap(
+            -1, self.nbytes + spare, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        whole = np.frombuffer(self._map, dtype=np.uint8)
+        start = (-whole.ctypes.data) % HUGE_PAGE if huge else 0
+        if huge:
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE, start, self.nbytes)
+            except OSError as exc:  # a kernel built without THP: 4 KiB pages, slower reads
+                log_once("thp", "no transparent huge pages for I/O buffers: %s", exc)
+        self.array = whole[start : start + self.nbytes]
 
     def close(self) -> None:
         # Views handed out may still be alive; dropping our references unmaps the memory once
