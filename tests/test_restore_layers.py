@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from flatcake_ray.core.gva import Medium
+from flatcake_ray.core.plan import FILL_GROUP_BYTES
 from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import RestoreTimeoutError, ShapeError
 from flatcake_ray.restore import LayerTensors, PagedPool
@@ -155,3 +157,33 @@ def test_per_layer_gpu_tensors_restore_byte_exact(make_store, pipelines, make_la
     pipeline = pipelines(store, device="cuda", slot_bytes=3 * PAGE_BYTES + 4096)
     assert pipeline.submit(list(range(24)), LayerTensors(tensors, blocks)).wait(WAIT) == 24
     assert np.array_equal(saved_pages([t.cpu() for t in tensors], blocks), kv)
+
+
+def test_an_ssd_restore_of_small_layers_delivers_its_first_layer_before_reading_the_rest(
+    make_store, pipelines, failpoints
+):
+    """An engine waits for its KV layer by layer: a restore from SSD whose layers are small
+    reads them in groups of ``FILL_GROUP_BYTES``, so layer 0 is in place while the drive
+    reads the next group (in groups of a whole slot, all four layers were one read)."""
+    pages = 160  # 1.25 MiB a layer: one layer a group of FILL_GROUP_BYTES, 4 in a 16 MiB slot
+    assert pages * PAGE_BYTES <= FILL_GROUP_BYTES < 2 * pages * PAGE_BYTES
+    store = make_store(ssd_file_bytes=32 << 20, dram_bytes=8 << 20)
+    kv = random_kv(pages, seed=63)
+    assert store.put(list(range(pages)), kv).medium is Medium.SSD
+    opened, fills = threading.Event(), []
+
+    def second_fill_waits(medium):
+        fills.append(medium)
+        if len(fills) == 2:
+            assert opened.wait(WAIT), "test gate never opened"
+
+    failpoints.arm("source.fill", call=second_fill_waits, times=None)
+    pipeline = pipelines(store)  # the default slot: 16 MiB, room for every layer
+    out = np.zeros_like(kv)
+    handle = pipeline.submit(list(range(pages)), PagedPool(out, np.arange(pages)))
+    assert handle.wait_for_layer(0, WAIT) == pages
+    assert np.array_equal(out[0], kv[0])
+    assert handle.layers_done < LAYERS and not out[LAYERS - 1].any()
+    opened.set()
+    assert handle.wait(WAIT) == pages
+    assert np.array_equal(out, kv) and fills == [Medium.SSD] * LAYERS
