@@ -19,7 +19,6 @@ Figures 2(c) and 10 suggest.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import tempfile
 import time
@@ -283,13 +282,14 @@ def _odirect_seconds(folder: str | None, sizes: tuple[int, ...], seconds: float)
 
 
 def _time_reads(fd: int, size: int, file_bytes: int, seconds: float) -> float:
-    buffer = mmap.mmap(-1, size)  # page aligned, as O_DIRECT needs
-    try:
-        count, offset, start = 0, 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            os.preadv(fd, [buffer], offset)
-            count += 1
-            offset = (offset + size) % file_bytes
-        return (time.perf_counter() - start) / count
-    finally:
-        buffer.close()
+    # Private memory, as the live service reads into (``media/buffers.py``): numpy has the
+    # kernel back a large array with huge pages, and a drive streams faster into those than
+    # into 4 KiB shared pages (1.8 against 3.0 GB/s on a virtio disk). Page aligned for O_DIRECT.
+    raw = np.empty(size + ALIGN, dtype=np.uint8)
+    buffer = raw[(-raw.ctypes.data) % ALIGN :][:size]
+    count, offset, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        os.preadv(fd, [memoryview(buffer)], offset)
+        count += 1
+        offset = (offset + size) % file_bytes
+    return (time.perf_counter() - start) / count
