@@ -230,16 +230,26 @@ def write_markdown(path, result, command):
     replace_section(path, "## SSD restore of one long session", "\n".join(lines))
 
 
+# Ends what a bench writes into its section: the notes written below it (what a run showed,
+# earlier runs, stage tables) are kept when the bench writes the section again.
+GENERATED_END = "<!-- written by the bench above this line; notes below it are kept -->"
+
+
 def replace_section(path: str, heading: str, text: str) -> None:
-    """Rewrite one ``## `` section of a markdown file, keeping the others."""
+    """Rewrite one ``## `` section of a markdown file, keeping the others and the notes that
+    follow the section's ``GENERATED_END`` line."""
     target = Path(path)
     old = target.read_text() if target.exists() else "# Benchmarks\n"
+    written = text.rstrip("\n") + "\n\n" + GENERATED_END + "\n"
     start = old.find(heading)
     if start < 0:
-        target.write_text(old.rstrip() + "\n\n" + text)
+        target.write_text(old.rstrip() + "\n\n" + written)
         return
     end = old.find("\n## ", start + 1)
-    target.write_text(old[:start] + text + (old[end:] if end >= 0 else ""))
+    end = len(old) if end < 0 else end
+    marker = old.find(GENERATED_END, start, end)
+    kept = old[marker + len(GENERATED_END) + 1 :] if marker >= 0 else old[end:]
+    target.write_text(old[:start] + written + kept)
 
 
 if __name__ == "__main__":

@@ -157,3 +157,18 @@ def test_a_bench_request_asked_for_dram_lands_in_dram(tmp_path) -> None:
         assert store.put(keys, kv, hints=short_chat).medium is Medium.DRAM
         out = np.zeros_like(kv)
         assert store.get(keys, out) == pages and np.array_equal(out, kv)
+
+
+def test_a_bench_rewrites_its_section_and_keeps_the_notes_below_its_tables(tmp_path) -> None:
+    from benchmarks.ssd_layout import GENERATED_END, replace_section
+
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text("# Benchmarks\n\n## A bench\n\nold table\n\n## Next\n\nother\n")
+    replace_section(str(doc), "## A bench", "## A bench\n\ntable 1\n")
+    doc.write_text(doc.read_text().replace(GENERATED_END + "\n", GENERATED_END + "\n\nnotes\n"))
+    replace_section(str(doc), "## A bench", "## A bench\n\ntable 2\n")
+    assert doc.read_text() == (
+        f"# Benchmarks\n\n## A bench\n\ntable 2\n\n{GENERATED_END}\n\nnotes\n\n## Next\n\nother\n"
+    )
+    replace_section(str(doc), "## Missing", "## Missing\n\nnew\n")
+    assert doc.read_text().endswith(f"other\n\n## Missing\n\nnew\n\n{GENERATED_END}\n")
