@@ -31,8 +31,14 @@ def _vm_flags(address: int) -> list[str]:
 
 @pytest.fixture
 def buffers():
+    """``buffers(nbytes)``: a fresh AlignedBuffer, closed at the test's end."""
     made: list[AlignedBuffer] = []
-    yield lambda nbytes: made.append(AlignedBuffer(nbytes)) or made[-1]
+
+    def make(nbytes: int) -> AlignedBuffer:
+        made.append(AlignedBuffer(nbytes))
+        return made[-1]
+
+    yield make
     for buffer in made:
         buffer.close()
 
