@@ -37,7 +37,7 @@ def _connector_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {
         "store": "ray",
         "ray_namespace": args.namespace,
-        "load_async": args.load_async,  # auto: SSD hits load between steps
+        "load_async": args.load_async,  # auto: big SSD reads load between steps
     }
     if ray.is_initialized():
         options["ray_address"] = ray.get_runtime_context().gcs_address

@@ -158,6 +158,14 @@ def option_flag(options: Mapping[str, Any], name: str, default: bool) -> bool:
         raise ConfigError(f"{name}: {exc}", name) from None
 
 
+def option_size(options: Mapping[str, Any], name: str, default: int) -> int:
+    """A byte size adapter option (an int, or text such as ``"4MiB"``)."""
+    try:
+        return parse_size(options.get(name, default))
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}", name) from None
+
+
 def make_namespace(engine: str, *parts: object) -> str:
     """``engine/part/part``; a part holding ``/`` keeps it (model names do), empty parts drop."""
     return "/".join([engine, *(str(part) for part in parts if part not in (None, ""))])

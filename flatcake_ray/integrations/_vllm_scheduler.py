@@ -28,6 +28,10 @@ from flatcake_ray.core.prefix_holds import PrefixHolds
 from flatcake_ray.errors import ConfigError
 
 LOAD_POLICIES = ("auto", "always", "never")
+# ``auto`` reads an SSD hit of at most this many bytes (one worker's share) inside the step:
+# about a millisecond of a drive's reads, less than the engine step an asynchronous load adds
+# to the request's TTFT (on this VM 1-1.5 ms; on a GPU, one step of the running batch).
+IN_STEP_SSD_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -85,24 +89,33 @@ class SchedulerSide:
         hash_block_size: int,
         shard_namespaces: tuple[str, ...],
         load_policy: str = "auto",
+        block_bytes: int = 0,
+        in_step_ssd_bytes: int = IN_STEP_SSD_BYTES,
         announcer: Callable[[Any, Sequence[bytes], bytes | None, int], Any] | None = None,
         on_missing: Callable[[Sequence[bytes]], None] | None = None,
         hold_shared_prefixes: bool = True,
     ) -> None:
         """``announcer(request, keys, parent, first_block)`` describes a planned save for the
-        KV events; ``on_missing(keys)`` hears of keys a lookup found gone (both optional)."""
+        KV events; ``on_missing(keys)`` hears of keys a lookup found gone (both optional).
+        ``block_bytes``: one worker's bytes of a vLLM block, all layers (what a hit of one
+        block reads); with ``load_policy`` auto an SSD hit of at most ``in_step_ssd_bytes``
+        loads inside the step."""
         if block_size % hash_block_size:
             raise ConfigError(
                 f"block size {block_size} is not a multiple of the hash block {hash_block_size}"
             )
         if load_policy not in LOAD_POLICIES:
             raise ConfigError(f"load_async must be one of {LOAD_POLICIES}, not {load_policy!r}")
+        if in_step_ssd_bytes < 0:
+            raise ConfigError(f"in_step_ssd_bytes must be >= 0, not {in_step_ssd_bytes}")
         self.store = store
         self.block_size = block_size
         self.hashes_per_block = block_size // hash_block_size
         # One namespace per KV shard (tensor-parallel rank); a hit must hold in all of them.
         self.shard_namespaces = shard_namespaces
         self.load_policy = load_policy
+        self.block_bytes = block_bytes
+        self.in_step_ssd_bytes = in_step_ssd_bytes
         self.announcer = announcer
         self.on_missing = on_missing
         self._tracked: dict[str, _Tracked] = {}
@@ -169,7 +182,7 @@ class SchedulerSide:
         if probe.hits <= local_blocks:
             tracked.offer = None
             return 0, False
-        is_async = self.load_policy == "always" or (self.load_policy == "auto" and probe.on_ssd)
+        is_async = self._loads_async(probe.on_ssd, probe.hits - local_blocks)
         tracked.offer = LoadSpec(
             request.request_id,
             tuple(keys[local_blocks : probe.hits]),
@@ -178,6 +191,13 @@ class SchedulerSide:
             is_async,
         )
         return (probe.hits - local_blocks) * self.block_size, is_async
+
+    def _loads_async(self, on_ssd: bool, blocks: int) -> bool:
+        """Whether a hit of ``blocks`` loads between steps (vLLM's asynchronous load): with
+        ``auto``, a read that touches SSD and is too big to read inside the step."""
+        if self.load_policy != "auto":
+            return self.load_policy == "always"
+        return on_ssd and blocks * self.block_bytes > self.in_step_ssd_bytes
 
     def _held(self, req_id: str, brings: list[bytes], loads: list[bytes], on_ssd: bool) -> bool:
         """Register that ``req_id`` brings ``brings`` into HBM; True if it must wait for an

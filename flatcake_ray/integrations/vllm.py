@@ -59,6 +59,7 @@ from flatcake_ray.integrations._common import (
     make_namespace,
     open_store,
     option_flag,
+    option_size,
     release_store,
 )
 from flatcake_ray.integrations._vllm_compat import check_hash_seed, check_store_layout
@@ -69,7 +70,7 @@ from flatcake_ray.integrations._vllm_events import (
     worker_events,
 )
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
-from flatcake_ray.integrations._vllm_scheduler import SchedulerSide, StepPlan
+from flatcake_ray.integrations._vllm_scheduler import IN_STEP_SSD_BYTES, SchedulerSide, StepPlan
 from flatcake_ray.integrations._vllm_stats import (
     FlatCakeConnectorStats,
     FlatCakePromMetrics,
@@ -170,6 +171,8 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 hash_block_size=kv_cache_config.hash_block_size or block_size,
                 shard_namespaces=tuple(shards),
                 load_policy=str(options.get("load_async", "auto")),
+                block_bytes=geometry.layers * geometry.page_bytes,
+                in_step_ssd_bytes=option_size(options, "in_step_ssd_bytes", IN_STEP_SSD_BYTES),
                 # A hold only pays when the held request then finds the blocks in vLLM's
                 # prefix cache; without one it would wait and read them anyway.
                 hold_shared_prefixes=option_flag(options, "hold_shared_prefixes", True)

@@ -6,7 +6,8 @@ That busy loop held the GIL the loader threads need, and stretched a DRAM hit's 
 milliseconds to 0.2-0.5 s. So the worker blocks on its loads in such an idle step
 (``idle_wait_s``), and a hit, DRAM or SSD, costs one idle step: the load runs inside the
 step that planned it, and the next step prefills. With ``load_async: auto`` a hit read from
-DRAM loads inside the step (no idle step); only a read that touches SSD goes asynchronous.
+DRAM, or a small one from SSD, loads inside the step (no idle step); only a read that
+touches SSD and is bigger than ``in_step_ssd_bytes`` goes asynchronous.
 
 Counts, not timings: ``idle_wait_s`` is raised far above any load here, so the one-step count
 holds however loaded the machine is.
@@ -123,9 +124,10 @@ def test_auto_loads_a_dram_read_inside_the_step(runs):
     assert (scheduler["async_loads"], scheduler["idle_steps"]) == (0, 0)
 
 
-def test_auto_goes_async_only_when_the_read_touches_ssd(runs):
-    """A first turn is homed on SSD; read from SSD it loads asynchronously, read from a DRAM
-    replica of it (``dram_policy: replica``, when DRAM had room) inside the step."""
+def test_auto_loads_a_small_ssd_read_inside_the_step(runs):
+    """A first turn is homed on SSD; this prefix (a few hundred KiB) is under ``auto``'s
+    ``in_step_ssd_bytes`` (4 MiB), so it loads inside the step, read from SSD or from a DRAM
+    replica of it: no idle step (tests/integrations hold the rule at its boundary)."""
     _, store_delta, scheduler, _ = runs["auto"]["ssd"]
-    assert scheduler["async_loads"] == int(store_delta["ssd_bytes_read"] > 0)
-    assert scheduler["idle_steps"] == scheduler["async_loads"]
+    assert store_delta["ssd_bytes_read"] + store_delta["dram_bytes_read"] > 0
+    assert (scheduler["async_loads"], scheduler["idle_steps"]) == (0, 0)

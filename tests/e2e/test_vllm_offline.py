@@ -82,7 +82,10 @@ def runs(tiny_model, one_process_engines, store):
     from vllm import LLM
 
     options, held = store
-    common = {"kv_transfer_config": kv_transfer_config(**options), **one_process_engines}
+    # Every SSD hit loads asynchronously (auto's medium rule alone; by default a prefix this
+    # small would load inside the step): the pair's schedule below is the one of that path.
+    config = kv_transfer_config(**options, in_step_ssd_bytes=0)
+    common = {"kv_transfer_config": config, **one_process_engines}
     llm_a = LLM(**engines.engine_args(tiny_model, enable_prefix_caching=True, **common))
     reference: dict[str, Completion] = {}
     shared_prefix, pair = shared_prompts()

@@ -26,6 +26,8 @@ from tests.integrations.vllm_harness import (  # noqa: E402
 )
 
 PROMPT = list(range(100, 200))  # 3 full blocks and a partial one
+HIT_BYTES = 4 * len(LAYER_NAMES) * PAGE_BYTES  # the second turn's hit: 4 blocks
+ALWAYS_ASYNC_FROM_SSD = {"in_step_ssd_bytes": 0}  # auto's medium rule alone
 REPLY = 40  # the reply completes block 4 (token 128) during decode
 USER = [5, 6, 7, 8, 9]
 
@@ -89,8 +91,9 @@ def assert_restored_exactly(engine, tokens: list[int]) -> None:
 
 
 def test_second_turn_restores_from_ssd_asynchronously(base_model, store_options):
-    reply = first_turn(base_model, store_options)
-    engine, tokens = second_turn(base_model, store_options, reply)
+    options = {**store_options, **ALWAYS_ASYNC_FROM_SSD}
+    reply = first_turn(base_model, options)
+    engine, tokens = second_turn(base_model, options, reply)
 
     scheduler_side = engine.connector.scheduler_side
     assert scheduler_side.counters["hit_blocks"] == 4
@@ -107,7 +110,7 @@ def test_an_async_load_ends_inside_the_idle_step_that_started_it(base_model, sto
     """With nothing else to run, the worker waits for the load in that idle step instead of
     returning to vLLM's busy loop (which starves the loader threads of the GIL): the request
     waits one step, then prefills. ``idle_wait_s`` is far above any load here: counts hold."""
-    options = {**store_options, "idle_wait_s": 600}
+    options = {**store_options, **ALWAYS_ASYNC_FROM_SSD, "idle_wait_s": 600}
     reply = first_turn(base_model, options)
     engine, tokens = second_turn(base_model, options, reply)
 
@@ -115,6 +118,30 @@ def test_an_async_load_ends_inside_the_idle_step_that_started_it(base_model, sto
     assert (counters["async_loads"], counters["idle_steps"]) == (1, 1)
     assert engine.events.count("waiting_for_remote_kvs:turn-2") == 1
     assert_restored_exactly(engine, tokens)
+
+
+@pytest.mark.parametrize(
+    ("in_step_bytes", "loads_async"), [(HIT_BYTES, False), (HIT_BYTES - 1, True)]
+)
+def test_auto_reads_an_ssd_hit_up_to_in_step_ssd_bytes_inside_the_step(
+    base_model, local_store_options, in_step_bytes, loads_async
+):
+    """A small SSD read costs less inside the step than the engine step an asynchronous load
+    adds to the request; the default (4 MiB) takes this hit (a few KiB) in the step."""
+    options = {**local_store_options, "in_step_ssd_bytes": in_step_bytes}
+    reply = first_turn(base_model, options)
+    engine, tokens = second_turn(base_model, options, reply)
+
+    assert engine.connector.scheduler_side.counters["async_loads"] == int(loads_async)
+    assert ("waiting_for_remote_kvs:turn-2" in engine.events) is loads_async
+    assert store_view(engine.worker.worker_side.store)["ssd_bytes_read"] > 0
+    assert_restored_exactly(engine, tokens)
+
+
+@pytest.mark.parametrize("value", [-1, "lots", 1.5])
+def test_in_step_ssd_bytes_must_be_a_size(base_model, local_store_options, value):
+    with pytest.raises(ConfigError, match="in_step_ssd_bytes"):
+        build_engine(base_model, {**local_store_options, "in_step_ssd_bytes": value})
 
 
 def test_synchronous_load_feeds_the_same_step(base_model, store_options):
@@ -204,7 +231,7 @@ def test_hit_sources_name_the_medium(base_model, store_options):
     engine = build_engine(base_model, store_options)
     request = engine.add_request("probe", PROMPT + reply + USER, max_tokens=1)
     connector = engine.connector
-    assert connector.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, True)
+    assert connector.get_num_new_matched_tokens(request, 0) == (4 * BLOCK, False)  # in step
     sources = connector.get_external_cache_hit_sources(request, 4 * BLOCK)
     assert {source.value: count for source, count in sources.items()} == {"disk": 4 * BLOCK}
 
@@ -216,7 +243,7 @@ def test_cache_salt_keeps_tenants_apart(base_model, local_store_options):
     other = engine.add_request("other-tenant", tokens, max_tokens=1, cache_salt="tenant-b")
     assert engine.connector.get_num_new_matched_tokens(other, 0) == (0, False)
     same = engine.add_request("same-tenant", tokens, max_tokens=1)
-    assert engine.connector.get_num_new_matched_tokens(same, 0) == (4 * BLOCK, True)
+    assert engine.connector.get_num_new_matched_tokens(same, 0) == (4 * BLOCK, False)
 
 
 class ShortHandle:
@@ -300,7 +327,8 @@ def test_in_process_store_under_a_multiprocess_executor_names_store_ray(backend)
 def test_a_turn_waiting_behind_its_predecessor_reads_the_prefix_once(
     base_model, local_store_options, hold
 ):
-    options = {**local_store_options, "hold_shared_prefixes": hold}
+    """Both wait: the first for its SSD load (asynchronous), the second behind it."""
+    options = {**local_store_options, **ALWAYS_ASYNC_FROM_SSD, "hold_shared_prefixes": hold}
     reply = first_turn(base_model, options)
     engine = build_engine(base_model, options)
     first = PROMPT + reply + USER
@@ -324,11 +352,36 @@ def test_a_turn_waiting_behind_its_predecessor_reads_the_prefix_once(
             assert torch.equal(got, want)
 
 
+def test_a_turn_behind_an_in_step_load_takes_its_blocks_from_vllms_prefix_cache(
+    base_model, local_store_options
+):
+    """A load inside the step fills blocks vLLM caches at once: the next request of the same
+    step finds them in its own prefix cache, with no hold and no second read."""
+    reply = first_turn(base_model, local_store_options)
+    engine = build_engine(base_model, local_store_options)
+    first = PROMPT + reply + USER
+    second = PROMPT + reply + [11, 12, 13]
+    requests = [engine.add_request("a", first, max_tokens=2), engine.add_request("b", second, 2)]
+    for request in requests:
+        engine.run(request)
+
+    counters = engine.connector.scheduler_side.counters
+    assert (counters["hit_blocks"], counters["held_lookups"], counters["async_loads"]) == (4, 0, 0)
+    assert engine.worker.worker_side.counters["loaded_pages"] == 4
+    assert f"forward:b:128+{len(second) - 128}" in engine.events
+    for req_id, tokens in (("a", first), ("b", second)):
+        for got, want in zip(
+            engine.block_bytes(req_id, 4), expected_block_bytes(tokens, 4), strict=True
+        ):
+            assert torch.equal(got, want)
+
+
 def test_a_held_turn_reads_for_itself_once_its_holder_is_aborted(base_model, local_store_options):
     from vllm.v1.request import RequestStatus
 
-    reply = first_turn(base_model, local_store_options)
-    engine = build_engine(base_model, local_store_options)
+    options = {**local_store_options, **ALWAYS_ASYNC_FROM_SSD}  # the holder waits for its KV
+    reply = first_turn(base_model, options)
+    engine = build_engine(base_model, options)
     tokens = PROMPT + reply + USER
     holder = engine.add_request("a", tokens, max_tokens=2)
     held = engine.add_request("b", tokens, max_tokens=2)
