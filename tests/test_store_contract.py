@@ -21,11 +21,11 @@ import torch
 from flatcake_ray import failpoints
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.errors import RestoreTimeoutError, StoreWriteError
+from flatcake_ray.errors import LeaseError, RestoreTimeoutError, StoreWriteError
 from flatcake_ray.node.store import FlatCakeStore
 from flatcake_ray.restore import PagedPool, RestorePipeline
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv, small_config
-from tests.test_restore import WAIT, GatedScatter
+from tests.test_restore import WAIT, GatedScatter, wait_until
 
 pytestmark = pytest.mark.ray
 
@@ -277,3 +277,54 @@ def test_staging_memory_does_not_grow_with_the_context(store):
         assert pipeline.submit(long_keys, PagedPool(pool, np.arange(120))).wait(WAIT) == 120
         assert np.array_equal(pool, long_kv)
         assert pipeline.window_bytes == window and 0 < pipeline.high_water_bytes <= window
+
+
+# ---- a lookup's lease handed to the restore (the engine's scheduler, then its worker) --------
+
+
+def node_total(store, counter: str) -> int:
+    return sum(stats.get(counter, 0) for stats in node_stats(store))
+
+
+@pytest.mark.parametrize("medium", [Medium.DRAM, Medium.SSD])
+def test_a_probe_that_leases_hands_its_lease_to_the_restore(store, medium):
+    keys, kv = keys_for(12), random_kv(12, seed=7)
+    store.put(keys, kv, session_id=keys[0], hints=HINTS[medium])
+    lookups = node_total(store, "lookups")
+    probe = store.probe(keys, lease=True)
+    assert (probe.hits, probe.on_ssd) == (12, medium is Medium.SSD)
+    out = np.zeros_like(kv)
+    handle = store.restore(keys, out, np.arange(12), grant=probe.grant)
+    assert handle.wait(WAIT) == 12 and np.array_equal(out, kv)
+    if isinstance(store, FlatCakeStore):
+        assert probe.grant is None  # its lookups are local: nothing to carry
+        return
+    # One node call for both: the probe's lookup leased, the restore read under that lease
+    # and released it.
+    assert node_total(store, "lookups") - lookups == 1
+    assert node_total(store, "leases_held") == 0
+
+
+def test_a_grant_restores_only_the_keys_it_was_taken_for(ray_client):
+    keys, kv = keys_for(6), random_kv(6, seed=8)
+    ray_client.put(keys, kv, session_id=keys[0], hints=DRAM)
+    grant = ray_client.probe(keys, lease=True).grant
+    with pytest.raises(LeaseError, match="keys it was taken for"):
+        ray_client.restore(keys[:5], np.zeros_like(kv), np.arange(5), grant=grant)
+    with pytest.raises(LeaseError, match="not a lease grant"):
+        ray_client.restore(keys, np.zeros_like(kv), np.arange(6), grant="lease 1")
+    assert node_total(ray_client, "leases_held") == 1  # refused restores took nothing over
+    ray_client.let_go(grant)  # sent alone when no lookup carries it soon
+    wait_until(lambda: node_total(ray_client, "leases_held") == 0)
+
+
+def test_an_in_process_store_hands_out_no_grants(tmp_path):
+    with FlatCakeStore(small_config(tmp_path, dram_bytes=16 << 20)) as local:
+        keys, kv = keys_for(3), random_kv(3, seed=9)
+        local.put(keys, kv, hints=DRAM)
+        assert local.probe(keys, lease=True).grant is None
+        with pytest.raises(LeaseError):
+            local.restore(keys, np.zeros_like(kv), np.arange(3), grant=object())
+        with pytest.raises(LeaseError):
+            local.let_go(object())
+        assert local.get(keys, np.zeros_like(kv)) == 3  # nothing was taken or broken

@@ -37,7 +37,7 @@ from flatcake_ray.client.owners import OwnerChooser
 from flatcake_ray.client.put import PutRoute, RemotePut
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.client.report import RestoreReport
-from flatcake_ray.client.source import HeldLease, TransportSource, digests_of
+from flatcake_ray.client.source import HeldLease, TransportSource, digests_of, probe_of
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
@@ -186,14 +186,16 @@ class FlatCakeClient:
         """How many consecutive pages from the first are stored (on one node)."""
         return self.probe(keys, namespace=namespace).hits
 
-    def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe:
-        """Consecutive hits from the first key and whether any lies on SSD (one call)."""
+    def probe(self, keys: Keys, *, namespace: str | None = None, lease: bool = False) -> Probe:
+        """Consecutive hits from the first key and whether reading them touches SSD (one
+        call); with ``lease`` the hits are leased in that call, the lease handed back as
+        ``Probe.grant`` for ``restore(grant=)`` (here or in another process) or ``let_go``."""
         self._check_open()
         digests = digests_of(keys, namespace)  # typed errors first: keys may be anything
         report = RestoreReport(len(keys))
-        link, answer = self._locator.ask("probe", digests, report)
+        link, answer = self._locator.ask("lookup" if lease else "probe", digests, report)
         self._count(exists=1, actor_calls=report.actor_calls)
-        probe = answer if isinstance(answer, Probe) else Probe(0, False)
+        probe = probe_of(answer, digests)
         node_id = None if link is None else link.node_id
         self.metrics.probed(self.tenant, len(keys), probe.hits, node_id)
         return probe
@@ -259,11 +261,18 @@ class FlatCakeClient:
         layout: Layout = LAYER_FIRST,
         *,
         namespace: str | None = None,
+        grant: Any = None,
     ) -> RestoreHandle:
         """Start a layer-pipelined restore of ``keys`` into ``dest`` (see ``RestorePipeline``);
-        ``handle.lease.token.report`` is its :class:`RestoreReport` once it is done."""
+        ``handle.lease.token.report`` is its :class:`RestoreReport` once it is done. Under
+        ``grant`` (``probe(lease=True)`` of these keys) the restore asks no node first."""
         destination = as_destination(dest, slot_ids, layout)
-        return self.pipeline(destination.device).submit(keys, destination, namespace=namespace)
+        pipeline = self.pipeline(destination.device)
+        return pipeline.submit(keys, destination, namespace=namespace, grant=grant)
+
+    def let_go(self, grant: Any) -> None:
+        """Give back a ``probe(lease=True)`` grant that no restore will read under."""
+        self.source.let_go(grant)
 
     def restore_report(
         self, keys: Keys, out: Any, *, namespace: str | None = None

@@ -10,10 +10,17 @@ or RDMA READ), remote SSD (NVMe-oF, or shipped by the owner), the labelled objec
 fallback last. A transport failure loses that chunk's pages (a miss, never wrong bytes);
 a node that is gone is marked down. ``release`` hands checksum failures back to the owner
 (which re-reads and quarantines) and withdraws the pages if the lease may have lapsed.
+
+A lease may also be taken by one process and read under by another (``granted``): vLLM's
+scheduler asks how much of a prompt is stored and leases it in the same call
+(``FlatCakeClient.probe(lease=True)``: a :class:`LeaseGrant`), and the worker that loads the
+blocks restores under that lease instead of asking the node again: one node call a hit, not
+two. The grant names the digests it was taken for; a restore of other keys is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +34,7 @@ from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
 from flatcake_ray.config import ALIGN
+from flatcake_ray.core.api import Probe
 from flatcake_ray.core.chunks import SlotRead
 from flatcake_ray.core.gva import MAX_OFFSET, Medium
 from flatcake_ray.core.gva import encode as encode_gva
@@ -41,6 +49,7 @@ from flatcake_ray.core.keys import (
 )
 from flatcake_ray.core.plan import MediumAccess
 from flatcake_ray.errors import (
+    LeaseError,
     PeerDisconnectedError,
     ReadRangeError,
     ShapeError,
@@ -79,6 +88,32 @@ class HeldLease:
     report: RestoreReport
     started: float
     streams: dict[Medium, ReadStream] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A lease taken for another process to read under (``TransportSource.granted``); it
+    pickles, so it rides in an engine's step metadata from its scheduler to its workers."""
+
+    reply: LeaseReply
+    fingerprint: bytes  # of the packed digests leased (``grant_fingerprint``)
+    taken_at: float  # time.time() when the node answered (the lease's TTL runs from there)
+
+
+def grant_fingerprint(digests: np.ndarray) -> bytes:
+    return hashlib.blake2b(digests.tobytes(), digest_size=16).digest()
+
+
+def probe_of(answer: Any, digests: np.ndarray) -> Probe:
+    """A node's ``probe`` answer, or its ``lookup`` answer as a probe holding the lease (a
+    segment read from its DRAM replica is leased as the replica: not an SSD read)."""
+    if isinstance(answer, Probe):
+        return answer
+    if isinstance(answer, LeaseReply) and answer.hits:
+        on_ssd = any(part.medium is Medium.SSD for part in answer.parts)
+        grant = LeaseGrant(answer, grant_fingerprint(digests), time.time())
+        return Probe(answer.hits, on_ssd, grant)
+    return Probe(0, False)
 
 
 def first_digest(keys: Sequence[KeyLike | PageKey], namespace: str | None) -> bytes:
@@ -158,6 +193,42 @@ class TransportSource(Source):
             return Leased(0, (), HeldLease(None, None, report, started))
         report.node_id = link.node_id
         return Leased(reply.hits, reply.parts, HeldLease(link, reply, report, started))
+
+    def granted(
+        self, grant: Any, keys: Sequence[KeyLike | PageKey], namespace: str | None
+    ) -> Leased:
+        """The lease ``grant`` holds on ``keys``, where it can still be read under: the node
+        is up, not restarted since, and the lease has time left; else a lease taken anew
+        (the grant's given back where its node still answers)."""
+        if not isinstance(grant, LeaseGrant):
+            raise LeaseError(f"not a lease grant of this service: {grant!r}")
+        digests = digests_of(keys, namespace)
+        if grant_fingerprint(digests) != grant.fingerprint:
+            raise LeaseError("a lease grant restores the keys it was taken for, no others")
+        reply, report = grant.reply, RestoreReport(len(keys))
+        link = self.nodes.get(reply.node_id) or self._refreshed(reply.node_id)
+        if link is None or reply.epoch != link.description.started_at:
+            return self.lease(keys, namespace)  # a node restarted since: its lease went too
+        age = max(0.0, time.time() - grant.taken_at)
+        if age > self._lease_ttl_s - 2 * LEASE_MARGIN_S or not link.is_up(time.monotonic()):
+            self.locator.let_go(link, reply)
+            return self.lease(keys, namespace)
+        report.node_id = link.node_id
+        held = HeldLease(link, reply, report, time.monotonic() - age)
+        return Leased(reply.hits, reply.parts, held)
+
+    def let_go(self, grant: Any) -> None:
+        """Give back a grant's lease unread (it rides on the next lookup to its node)."""
+        if not isinstance(grant, LeaseGrant):
+            raise LeaseError(f"not a lease grant of this service: {grant!r}")
+        link = self.nodes.get(grant.reply.node_id)
+        if link is not None and grant.reply.epoch == link.description.started_at:
+            self.locator.let_go(link, grant.reply)
+
+    def _refreshed(self, node_id: int) -> NodeLink | None:
+        """A node this process has not met yet (the grant was taken by another)."""
+        self.nodes.refresh()
+        return self.nodes.get(node_id)
 
     def path(self, leased: Leased, medium: Medium) -> str:
         link = leased.token.link

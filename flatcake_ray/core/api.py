@@ -8,6 +8,10 @@ Who calls what:
 
 - The engine's scheduler side: ``probe(keys)`` (how many consecutive pages from the first are
   stored, and whether any lies on SSD: an SSD hit is loaded asynchronously) or ``exists``.
+  ``probe(keys, lease=True)`` also leases the hits where a store's lookups are calls (the Ray
+  service): ``Probe.grant``, which the process that loads hands to ``restore(grant=)`` (the
+  same keys, in the same namespace) or gives back with ``let_go(grant)``; each grant is used
+  or let go exactly once. A store whose lookups are local hands out none (``grant`` None).
 - The engine's worker side, to load: ``restore(keys, dest)`` returns a :class:`RestoreWaiter`
   at once; ``wait_for_layer(l)`` before layer ``l``'s attention, ``wait()`` for all of it.
   ``get(keys, out)`` is ``restore(...).wait()`` into a ``[layers, pages, page_elems]`` buffer.
@@ -51,6 +55,7 @@ class Probe:
 
     hits: int
     on_ssd: bool
+    grant: Any = None  # the hits' lease, when asked for and the store hands one out
 
 
 class RestoreWaiter(Protocol):
@@ -84,7 +89,7 @@ class KVStore(Protocol):
     @property
     def page_bytes(self) -> int: ...
     def exists(self, keys: Keys, *, namespace: str | None = None) -> int: ...
-    def probe(self, keys: Keys, *, namespace: str | None = None) -> Probe: ...
+    def probe(self, keys: Keys, *, namespace: str | None = None, lease: bool = False) -> Probe: ...
     def restore(
         self,
         keys: Keys,
@@ -93,7 +98,9 @@ class KVStore(Protocol):
         layout: Any = "layer_first",
         *,
         namespace: str | None = None,
+        grant: Any = None,
     ) -> RestoreWaiter: ...
+    def let_go(self, grant: Any) -> None: ...
     def get(self, keys: Keys, out: Any, *, namespace: str | None = None) -> int: ...
     def begin_put(
         self,

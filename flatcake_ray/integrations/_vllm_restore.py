@@ -26,7 +26,8 @@ __all__ = ["LoadTarget", "PipelinedRestore", "RestoreSettings"]
 @dataclass(frozen=True)
 class LoadTarget:
     """One load: ``keys`` from ``store`` into blocks ``block_ids`` (same order) of every
-    layer of ``kv_caches`` (vLLM's registered tensors, ``[blocks, *page]``, one per layer)."""
+    layer of ``kv_caches`` (vLLM's registered tensors, ``[blocks, *page]``, one per layer),
+    under ``grant`` where the scheduler's lookup leased them (``KVStore.probe``)."""
 
     store: KVStore
     keys: Sequence[bytes]
@@ -34,6 +35,7 @@ class LoadTarget:
     geometry: Geometry
     kv_caches: Sequence[torch.Tensor]
     block_ids: Sequence[int]
+    grant: Any = None
 
 
 class PipelinedRestore:
@@ -47,7 +49,8 @@ class PipelinedRestore:
 
     def __init__(self, target: LoadTarget, *, timeout: float) -> None:
         dest = LayerTensors(target.kv_caches, target.block_ids[: len(target.keys)])
-        self.handle = target.store.restore(list(target.keys), dest, namespace=target.namespace)
+        keys, namespace = list(target.keys), target.namespace
+        self.handle = target.store.restore(keys, dest, namespace=namespace, grant=target.grant)
         self.restored = self.handle.hits
         self.waited: list[int] = []  # layers waited for, in order (tests, diagnostics)
         self._timeout = timeout

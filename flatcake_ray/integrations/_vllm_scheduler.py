@@ -43,6 +43,9 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     tenant: str  # namespace suffix; each worker prepends its own shard's namespace
     is_async: bool
+    # (namespace, lease grant) per shard whose lookup leased exactly ``keys`` (a store whose
+    # lookups are calls, ``KVStore.probe``): that shard's worker restores under it, no call.
+    grants: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,7 @@ class SchedulerSide:
             "saved_blocks": 0,
             "held_lookups": 0,  # lookups answered "later": an older request brings the blocks
             "idle_steps": 0,  # steps that scheduled no tokens (waiting for async loads, ...)
+            "grants_let_go": 0,  # leases a lookup took that no load read under
         }
 
     # ---- keys ------------------------------------------------------------------------------
@@ -145,15 +149,30 @@ class SchedulerSide:
             self._tracked[request.request_id] = tracked
         return tracked
 
-    def _probe(self, tracked: _Tracked, keys: list[bytes]) -> Probe:
+    def _probe(
+        self, tracked: _Tracked, keys: list[bytes], lease: bool
+    ) -> tuple[Probe, tuple[tuple[str, Any], ...]]:
+        """The hits every shard holds, and with ``lease`` the grants of the shards whose
+        lease covers exactly those (any other is let go)."""
         if not keys:
-            return Probe(0, False)
-        probes = [
-            self.store.probe(keys, namespace=shard + tracked.tenant)
+            return Probe(0, False), ()
+        probes = {
+            shard + tracked.tenant: self.store.probe(
+                keys, namespace=shard + tracked.tenant, lease=lease
+            )
             for shard in self.shard_namespaces
-        ]
-        hits = min(probe.hits for probe in probes)
-        return Probe(hits, any(probe.on_ssd for probe in probes))
+        }
+        hits = min(probe.hits for probe in probes.values())
+        grants = tuple((ns, p.grant) for ns, p in probes.items() if p.grant is not None)
+        self._let_go(tuple(g for g in grants if probes[g[0]].hits != hits))
+        exact = tuple(g for g in grants if probes[g[0]].hits == hits)
+        return Probe(hits, any(probe.on_ssd for probe in probes.values())), exact
+
+    def _let_go(self, grants: tuple[tuple[str, Any], ...]) -> None:
+        """Give back leases no load will read under (the next lookup there carries them)."""
+        for _, grant in grants:
+            self.store.let_go(grant)
+        self.counters["grants_let_go"] += len(grants)
 
     # ---- vLLM scheduler hooks --------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -163,24 +182,27 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         tracked = self._track(request)
+        self._withdraw_offer(tracked)  # vLLM asks again: it took no blocks for the last one
         if self._holds is not None and self._holds.is_held(request.request_id):
             self.counters["held_lookups"] += 1
             return None, False
         # The last prompt token is always recomputed: vLLM needs its logits.
         loadable = (request.num_tokens - 1) // self.block_size
         keys = self.block_keys(request, loadable)
-        probe = self._probe(tracked, keys)
+        local_blocks = num_computed_tokens // self.block_size
+        # Lease in the lookup when the load would read every key asked about (vLLM has
+        # none of the blocks): the worker then restores under it without a call of its own.
+        probe, grants = self._probe(tracked, keys, lease=local_blocks == 0)
         self.counters["lookups"] += 1
         if self.on_missing is not None and probe.hits < len(keys):
             self.on_missing(keys[probe.hits :])
         tracked.saved_blocks = max(tracked.saved_blocks, probe.hits)
         tracked.hit_on_ssd = probe.on_ssd
-        local_blocks = num_computed_tokens // self.block_size
         if self._held(request.request_id, keys, keys[local_blocks : probe.hits], probe.on_ssd):
-            tracked.offer = None
+            self._let_go(grants)
             return None, False
         if probe.hits <= local_blocks:
-            tracked.offer = None
+            self._let_go(grants)
             return 0, False
         is_async = self._loads_async(probe.on_ssd, probe.hits - local_blocks)
         tracked.offer = LoadSpec(
@@ -189,8 +211,14 @@ class SchedulerSide:
             (local_blocks,),  # first block index; real block ids arrive after allocation
             tracked.tenant,
             is_async,
+            grants,
         )
         return (probe.hits - local_blocks) * self.block_size, is_async
+
+    def _withdraw_offer(self, tracked: _Tracked) -> None:
+        offer, tracked.offer = tracked.offer, None
+        if offer is not None:
+            self._let_go(offer.grants)
 
     def _loads_async(self, on_ssd: bool, blocks: int) -> bool:
         """Whether a hit of ``blocks`` loads between steps (vLLM's asynchronous load): with
@@ -215,8 +243,14 @@ class SchedulerSide:
             tracked.block_ids = block_ids
         offer, tracked.offer = tracked.offer, None
         if num_external_tokens <= 0 or offer is None:
+            if offer is not None:
+                self._let_go(offer.grants)
             return
         count = num_external_tokens // self.block_size
+        grants = offer.grants
+        if count != len(offer.keys):  # a lease covers the keys it was taken for, no fewer
+            self._let_go(grants)
+            grants = ()
         first = offer.block_ids[0]
         load = LoadSpec(
             offer.req_id,
@@ -224,6 +258,7 @@ class SchedulerSide:
             tuple(block_ids[first : first + count]),
             offer.tenant,
             offer.is_async,
+            grants,
         )
         self._ready_loads[request.request_id] = load
         self.counters["hit_blocks"] += count
@@ -309,7 +344,9 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         # A load already planned still runs: vLLM keeps the blocks of a request aborted while
         # waiting for its KV until the worker reports that load finished.
-        self._tracked.pop(request.request_id, None)
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is not None:
+            self._withdraw_offer(tracked)
         if self._holds is not None:
             self._holds.drop(request.request_id)
 

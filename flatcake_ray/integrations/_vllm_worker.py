@@ -135,13 +135,10 @@ class WorkerSide:
 
     def _begin_load(self, spec: LoadSpec) -> _PendingLoad:
         assert self.geometry is not None
+        namespace = self.namespace + spec.tenant
+        grant = dict(spec.grants).get(namespace)  # this shard's lease, if the lookup took it
         target = LoadTarget(
-            self.store,
-            spec.keys,
-            self.namespace + spec.tenant,
-            self.geometry,
-            self._views,
-            spec.block_ids,
+            self.store, spec.keys, namespace, self.geometry, self._views, spec.block_ids, grant
         )
         restore = PipelinedRestore(target, timeout=self.restore_settings.load_timeout_s)
         with self._failed_lock:  # async loads count from the loader threads

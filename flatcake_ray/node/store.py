@@ -54,7 +54,7 @@ from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.put_checks import check_hints
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
-from flatcake_ray.errors import ShapeError, StoreClosedError
+from flatcake_ray.errors import LeaseError, ShapeError, StoreClosedError
 from flatcake_ray.media.arena import ArenaChunk, DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
@@ -251,11 +251,17 @@ class FlatCakeStore:
         return hits
 
     def probe(
-        self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
+        self,
+        keys: Keys,
+        *,
+        namespace: str | None = None,
+        lease: bool = False,
+        tenant: str = DEFAULT_TENANT,
     ) -> Probe:
         """The hits, and whether reading them touches SSD: where a lease would read them
         (a DRAM read replica of an SSD segment is a DRAM hit), so an engine's choice between
-        loading inside the step and in the background follows the read, not the home."""
+        loading inside the step and in the background follows the read, not the home.
+        No grant, even with ``lease``: a restore's own lookup here costs no call."""
         digests = key_digests(keys, namespace)
         with self._lock:
             catalog = self.tenancy.catalog(tenant)
@@ -328,12 +334,18 @@ class FlatCakeStore:
         layout: Layout = LAYER_FIRST,
         *,
         namespace: str | None = None,
+        grant: Any = None,
         tenant: str = DEFAULT_TENANT,
     ):
-        """Start a layer-pipelined restore of ``keys`` into ``dest``; see ``RestorePipeline``."""
+        """Start a layer-pipelined restore of ``keys`` into ``dest``; see ``RestorePipeline``.
+        This store hands out no grants: a ``grant`` is another store's (LeaseError)."""
         destination = as_destination(dest, slot_ids, layout)
         pipeline = self.pipeline(destination.device, tenant)
-        return pipeline.submit(keys, destination, namespace=namespace)
+        return pipeline.submit(keys, destination, namespace=namespace, grant=grant)
+
+    def let_go(self, grant: Any) -> None:
+        """No grant is this store's (``probe`` hands out none)."""
+        raise LeaseError(f"an in-process store hands out no lease grants, got {grant!r}")
 
     def get(
         self, keys: Keys, out: Any, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT

@@ -49,6 +49,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,13 +191,20 @@ class RestorePipeline:
         layout: Layout = LAYER_FIRST,
         *,
         namespace: str | None = None,
+        grant: Any = None,
     ) -> RestoreHandle:
         """Lease the hits of ``keys`` and queue their restore into ``dest``; blocks only on the
-        lease (a local index probe, or one call to the node holding the prefix)."""
+        lease (a local index probe, or one call to the node holding the prefix; none when
+        ``grant``, the lease another process took for these keys, can be read under)."""
         self._check_open()
         dest = self._check_dest(as_destination(dest, slot_ids, layout), len(keys))
         asked_at = self._clock()
-        leased = self.source.lease(keys, namespace)
+        source = self.source
+        leased = (
+            source.lease(keys, namespace)
+            if grant is None
+            else source.granted(grant, keys, namespace)
+        )
         return self.submit_leased(leased, dest, asked_at=asked_at)
 
     def submit_leased(

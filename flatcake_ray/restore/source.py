@@ -8,7 +8,11 @@ Who calls what, in which order (the pipeline is the only caller):
 
 1. ``lease(keys, namespace)`` once per restore, in the submitting thread: locate the
    consecutive hits of ``keys`` and pin them (their scopes cannot be reclaimed) until
-   ``release``. Returns a :class:`Leased` (hits, parts, the source's own token).
+   ``release``. Returns a :class:`Leased` (hits, parts, the source's own token). Or, for a
+   restore handed a grant (a lease another process took for these keys, ``KVStore.probe``),
+   ``granted(grant, keys, namespace)`` instead: the grant's lease, or one taken anew where
+   the grant cannot be read under any more; a source that hands out no grants refuses one
+   (:class:`~flatcake_ray.errors.LeaseError`).
 2. ``access(leased, medium)`` once per medium the parts touch: how that medium is reached
    (mapped in place, or filled into staging slots; verify; alignment; coalescing gap).
 3. ``view(leased, medium)`` for a mapped medium: the host bytes its offsets index, and the
@@ -49,6 +53,7 @@ from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import LeasePart
 from flatcake_ray.core.plan import MediumAccess
+from flatcake_ray.errors import LeaseError
 
 
 @dataclass
@@ -147,6 +152,12 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def lease(self, keys: Sequence[KeyLike | PageKey], namespace: str | None) -> Leased: ...
+
+    def granted(
+        self, grant: Any, keys: Sequence[KeyLike | PageKey], namespace: str | None
+    ) -> Leased:
+        """Step 1 for a restore handed a grant: none is this source's."""
+        raise LeaseError(f"this store hands out no lease grants, got {grant!r}")
 
     @abc.abstractmethod
     def access(self, leased: Leased, medium: Medium) -> MediumAccess: ...

@@ -226,6 +226,42 @@ def test_a_failed_pipelined_restore_is_recomputed(base_model, local_store_option
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("load_async", ["never", "always"])
+def test_a_hit_over_ray_is_one_node_lookup(base_model, ray_services, load_async):
+    """The scheduler's lookup leases the hit; the worker restores under that lease (no call
+    of its own) and releases it, in the step or on its loader thread."""
+    options = {
+        **ray_services(len(LAYER_NAMES), PAGE_BYTES),
+        "namespace": f"test-{uuid.uuid4().hex[:8]}",
+        "load_async": load_async,
+    }
+    reply = first_turn(base_model, options)
+    engine = build_engine(base_model, options)
+    store = engine.worker.worker_side.store
+    before = node_totals(store)
+    tokens = PROMPT + reply + USER
+    engine.run(engine.add_request("turn-2", tokens, max_tokens=3))
+
+    after = node_totals(store)
+    assert (
+        after["lookups"] - before["lookups"],
+        after["exists_calls"] - before["exists_calls"],
+    ) == (1, 0)
+    deadline = time.monotonic() + 30  # a restore releases its lease just after its last layer
+    while node_totals(store)["leases_held"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node_totals(store)["leases_held"] == 0
+    assert engine.connector.scheduler_side.counters["grants_let_go"] == 0
+    assert_restored_exactly(engine, tokens)
+
+
+def node_totals(store) -> dict[str, int]:
+    nodes = store.stats()["nodes"].values()
+    return {
+        name: sum(n[name] for n in nodes) for name in ("lookups", "exists_calls", "leases_held")
+    }
+
+
 def test_hit_sources_name_the_medium(base_model, store_options):
     reply = first_turn(base_model, store_options)
     engine = build_engine(base_model, store_options)
