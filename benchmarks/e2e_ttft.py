@@ -1,6 +1,6 @@
 """TTFT of a request whose long prefix is restored from FlatCake-Ray, vLLM on CPU.
 
-``.venv-e2e/bin/python benchmarks/e2e_ttft.py [--repeats 5] [--write-md BENCHMARKS.md]``
+``.venv-e2e/bin/python benchmarks/e2e_ttft.py [--repeats 11] [--write-md BENCHMARKS.md]``
 
 A correctness-and-overhead figure for the real vLLM connector path, not a GPU result: random-
 weight Llamas on 1-2 CPU threads, so prefill is cheap and the figure shows what a restore
@@ -291,7 +291,7 @@ class TtftActor:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--prefix-tokens", type=int, default=1920)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
