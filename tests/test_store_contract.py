@@ -11,6 +11,7 @@ with the context.
 
 from __future__ import annotations
 
+import pickle
 import time
 import uuid
 
@@ -294,7 +295,8 @@ def test_a_probe_that_leases_hands_its_lease_to_the_restore(store, medium):
     probe = store.probe(keys, lease=True)
     assert (probe.hits, probe.on_ssd) == (12, medium is Medium.SSD)
     out = np.zeros_like(kv)
-    handle = store.restore(keys, out, np.arange(12), grant=probe.grant)
+    grant = pickle.loads(pickle.dumps(probe.grant))  # as it reaches an engine's worker process
+    handle = store.restore(keys, out, np.arange(12), grant=grant)
     assert handle.wait(WAIT) == 12 and np.array_equal(out, kv)
     if isinstance(store, FlatCakeStore):
         assert probe.grant is None  # its lookups are local: nothing to carry
