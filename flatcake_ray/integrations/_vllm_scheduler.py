@@ -92,6 +92,7 @@ class SchedulerSide:
         hash_block_size: int,
         shard_namespaces: tuple[str, ...],
         load_policy: str = "auto",
+        lease_in_lookup: bool = True,
         block_bytes: int = 0,
         in_step_ssd_bytes: int = IN_STEP_SSD_BYTES,
         announcer: Callable[[Any, Sequence[bytes], bytes | None, int], Any] | None = None,
@@ -100,9 +101,10 @@ class SchedulerSide:
     ) -> None:
         """``announcer(request, keys, parent, first_block)`` describes a planned save for the
         KV events; ``on_missing(keys)`` hears of keys a lookup found gone (both optional).
-        ``block_bytes``: one worker's bytes of a vLLM block, all layers (what a hit of one
-        block reads); with ``load_policy`` auto an SSD hit of at most ``in_step_ssd_bytes``
-        loads inside the step."""
+        ``lease_in_lookup``: a hit's lookup leases it for the one worker that loads each
+        shard (where a store hands out grants). ``block_bytes``: one worker's bytes of a vLLM
+        block, all layers (what a hit of one block reads); with ``load_policy`` auto an SSD
+        hit of at most ``in_step_ssd_bytes`` loads inside the step."""
         if block_size % hash_block_size:
             raise ConfigError(
                 f"block size {block_size} is not a multiple of the hash block {hash_block_size}"
@@ -117,6 +119,7 @@ class SchedulerSide:
         # One namespace per KV shard (tensor-parallel rank); a hit must hold in all of them.
         self.shard_namespaces = shard_namespaces
         self.load_policy = load_policy
+        self.lease_in_lookup = lease_in_lookup
         self.block_bytes = block_bytes
         self.in_step_ssd_bytes = in_step_ssd_bytes
         self.announcer = announcer
@@ -192,7 +195,7 @@ class SchedulerSide:
         local_blocks = num_computed_tokens // self.block_size
         # Lease in the lookup when the load would read every key asked about (vLLM has
         # none of the blocks): the worker then restores under it without a call of its own.
-        probe, grants = self._probe(tracked, keys, lease=local_blocks == 0)
+        probe, grants = self._probe(tracked, keys, lease=self.lease_in_lookup and not local_blocks)
         self.counters["lookups"] += 1
         if self.on_missing is not None and probe.hits < len(keys):
             self.on_missing(keys[probe.hits :])

@@ -147,6 +147,7 @@ class FlatCakeConnector(KVConnectorBase_V1):
         store = open_store(options, geometry)
         self._store: KVStore | None = store
         tp_size = vllm_config.parallel_config.tensor_parallel_size
+        pp_size = vllm_config.parallel_config.pipeline_parallel_size
         base = make_namespace(
             "vllm",
             options.get("namespace") or vllm_config.model_config.served_model_name,
@@ -171,6 +172,9 @@ class FlatCakeConnector(KVConnectorBase_V1):
                 hash_block_size=kv_cache_config.hash_block_size or block_size,
                 shard_namespaces=tuple(shards),
                 load_policy=str(options.get("load_async", "auto")),
+                # A lease has one reader: where several workers read one shard (MLA's ranks,
+                # pipeline stages), each leases for itself.
+                lease_in_lookup=tp_size // len(shards) * pp_size == 1,
                 block_bytes=geometry.layers * geometry.page_bytes,
                 in_step_ssd_bytes=option_size(options, "in_step_ssd_bytes", IN_STEP_SSD_BYTES),
                 # A hold only pays when the held request then finds the blocks in vLLM's
