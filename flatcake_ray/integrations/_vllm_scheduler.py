@@ -166,10 +166,13 @@ class SchedulerSide:
             for shard in self.shard_namespaces
         }
         hits = min(probe.hits for probe in probes.values())
-        grants = tuple((ns, p.grant) for ns, p in probes.items() if p.grant is not None)
-        self._let_go(tuple(g for g in grants if probes[g[0]].hits != hits))
-        exact = tuple(g for g in grants if probes[g[0]].hits == hits)
-        return Probe(hits, any(probe.on_ssd for probe in probes.values())), exact
+        exact: list[tuple[str, Any]] = []
+        longer: list[tuple[str, Any]] = []
+        for namespace, probe in probes.items():
+            if probe.grant is not None:
+                (exact if probe.hits == hits else longer).append((namespace, probe.grant))
+        self._let_go(tuple(longer))
+        return Probe(hits, any(probe.on_ssd for probe in probes.values())), tuple(exact)
 
     def _let_go(self, grants: tuple[tuple[str, Any], ...]) -> None:
         """Give back leases no load will read under (the next lookup there carries them)."""
@@ -244,11 +247,10 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0]) if blocks is not None else []
         if block_ids:
             tracked.block_ids = block_ids
-        offer, tracked.offer = tracked.offer, None
-        if num_external_tokens <= 0 or offer is None:
-            if offer is not None:
-                self._let_go(offer.grants)
+        if num_external_tokens <= 0 or tracked.offer is None:
+            self._withdraw_offer(tracked)
             return
+        offer, tracked.offer = tracked.offer, None
         count = num_external_tokens // self.block_size
         grants = offer.grants
         if count != len(offer.keys):  # a lease covers the keys it was taken for, no fewer
