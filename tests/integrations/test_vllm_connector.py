@@ -82,6 +82,16 @@ def second_turn(base_model, options, reply: list[int]):
     return engine, tokens
 
 
+def settled(read, timeout_s: float = 30.0):
+    """``read()`` once it is truthy, else its value at the deadline: a restore inside the step
+    counts its reads and releases its lease just after its last layer is in place, so a
+    step can end a moment before either."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := read()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return value
+
+
 def assert_restored_exactly(engine, tokens: list[int]) -> None:
     assert engine.events[0] != "forward:turn-2:0+145"  # the prefix was not recomputed
     assert "forward:turn-2:128+17" in engine.events
@@ -134,7 +144,7 @@ def test_auto_reads_an_ssd_hit_up_to_in_step_ssd_bytes_inside_the_step(
 
     assert engine.connector.scheduler_side.counters["async_loads"] == int(loads_async)
     assert ("waiting_for_remote_kvs:turn-2" in engine.events) is loads_async
-    assert store_view(engine.worker.worker_side.store)["ssd_bytes_read"] > 0
+    assert settled(lambda: store_view(engine.worker.worker_side.store)["ssd_bytes_read"]) > 0
     assert_restored_exactly(engine, tokens)
 
 
@@ -250,10 +260,7 @@ def test_a_hit_over_ray_is_one_node_lookup(base_model, ray_services, load_async,
     after = node_totals(store)
     calls = (after["lookups"] - before["lookups"], after["exists_calls"] - before["exists_calls"])
     assert calls == ((1, 0) if lease_in_lookup else (1, 1))
-    deadline = time.monotonic() + 30  # a restore releases its lease just after its last layer
-    while node_totals(store)["leases_held"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert node_totals(store)["leases_held"] == 0
+    assert settled(lambda: node_totals(store)["leases_held"] == 0)
     assert engine.connector.scheduler_side.counters["grants_let_go"] == 0
     assert_restored_exactly(engine, tokens)
 
