@@ -15,6 +15,8 @@ holds however loaded the machine is.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.e2e.conftest import require_vllm, store_options
@@ -64,6 +66,12 @@ def _hit(llm, held, placement: str) -> tuple[Completion, dict, dict, dict]:
     llm.reset_prefix_cache()
     before = _counters(llm, held)
     got = engines.generate(llm, prompt(placement)[1])
+    # A load inside the step counts its reads as its restore ends, a moment after its last
+    # layer is in place: wait for that count before reading the others.
+    deadline = time.monotonic() + 30
+    while held.stats()["hit_pages"] < before[0]["hit_pages"] + PREFIX_BLOCKS:
+        assert time.monotonic() < deadline, "the load's restore never ended"
+        time.sleep(0.01)
     after = _counters(llm, held)
     deltas = [
         {name: value - old.get(name, 0) for name, value in new.items() if isinstance(value, int)}
