@@ -13,10 +13,13 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,13 @@ from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport
+
+log = logging.getLogger(__name__)
+# Windows a stream reads at once. One at a time left the drive idle between a read's end and
+# the next one's start, and a 16 MiB read took 6-12 ms in a node beside a reader's NIXL
+# READs and checked copies (3.11 GB/s, 5.4 ms, alone): BENCHMARKS.md, "ship streams".
+STREAM_AHEAD = 2
+_FULL = object()  # no free region now, and windows read ahead are pending
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,7 @@ class ShipBuffer:
         self.exporter: Any = None  # a NixlArenaExporter of ``buffer`` once exported
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)  # a region went back: a stream may go on
+        self._readers = ThreadPoolExecutor(STREAM_AHEAD, thread_name_prefix="flatcake-ship")
         self._running: set[tuple[str, int]] = set()  # (owner, stream id) of live streams
         self._stopped: set[tuple[str, int]] = set()  # live streams their readers gave up
         self.counters = {
@@ -124,7 +135,7 @@ class ShipBuffer:
         total = self._fits(lengths)
         with self._lock:
             region_id, start = self.regions.allocate(total, owner)
-            return self._fill(region_id, start, src_offsets, lengths, owner)
+        return self._fill(region_id, start, src_offsets, lengths, owner)
 
     def _fits(self, lengths: np.ndarray) -> int:
         total = int(np.asarray(lengths, dtype=np.int64).sum())
@@ -135,18 +146,20 @@ class ShipBuffer:
     def _fill(
         self, region_id: int, start: int, src_offsets: np.ndarray, lengths: np.ndarray, owner: str
     ) -> ShipReply:
-        """Read the ranges into the region (caller holds the lock); frees it on failure."""
+        """Read the ranges into the region, which only this caller holds (no lock needed for
+        the read); frees it on failure."""
         try:
             stats = self.reader.read(
                 ReadBatch.packed(src_offsets, lengths, start), self.buffer.array
             )
         except BaseException:
-            self.regions.free(region_id, owner)
+            self.unship(region_id, owner)
             raise
         total = int(np.asarray(lengths).sum())
-        self.counters["ships"] += 1
-        self.counters["shipped_bytes"] += total
-        self.counters["ship_io_commands"] += stats.commands
+        with self._lock:
+            self.counters["ships"] += 1
+            self.counters["shipped_bytes"] += total
+            self.counters["ship_io_commands"] += stats.commands
         return ShipReply(region_id, start, total, stats.commands)
 
     def stream(
@@ -157,33 +170,88 @@ class ShipBuffer:
         deadline_s: float,
         check: Callable[[np.ndarray, np.ndarray], None],
     ) -> Iterator[ShipReply]:
-        """Each window's ranges read into a region, yielded as it is filled; ``check`` (the
-        lease check) runs right before each read. A window waits for a free region at most
-        ``deadline_s`` (TransferTimeoutError); :meth:`stop` ends the stream early."""
+        """Each window's ranges read into a region, yielded in order as it is filled, with up
+        to ``STREAM_AHEAD`` windows read at once; ``check`` (the lease check) runs right
+        before each read. A window waits for a free region at most ``deadline_s``
+        (TransferTimeoutError); :meth:`stop` ends the stream early."""
         key = (owner, stream_id)
         with self._lock:
             if key in self._running:
                 raise ReadRangeError(f"stream {stream_id} is already running")
             self._running.add(key)
             self.counters["ship_streams"] += 1
+        reading: deque[Future[ShipReply]] = deque()  # windows read ahead, in order
         try:
             for src_offsets, lengths in windows:
                 total = self._fits(lengths)
-                with self._lock:
-                    found = self._wait_for_region(total, owner, key, time.monotonic() + deadline_s)
-                    if found is None:
-                        return  # the reader stopped the stream
-                    try:
-                        check(src_offsets, lengths)
-                    except BaseException:
-                        self.regions.free(found[0], owner)
-                        raise
-                    reply = self._fill(*found, src_offsets, lengths, owner)
-                yield reply
+                found = self._region_for(total, owner, key, deadline_s, reading)
+                while found is _FULL:  # a window read ahead holds the room: hand it over first
+                    yield reading.popleft().result()
+                    found = self._region_for(total, owner, key, deadline_s, reading)
+                if found is None:
+                    return  # the reader stopped the stream
+                assert isinstance(found, tuple)
+                reading.append(self._read_ahead(found, src_offsets, lengths, owner, check))
+                if len(reading) >= STREAM_AHEAD:
+                    yield reading.popleft().result()
+            while reading:
+                yield reading.popleft().result()
         finally:
+            self._drop_unyielded(reading, owner)
             with self._lock:
                 self._running.discard(key)
                 self._stopped.discard(key)
+
+    def _region_for(
+        self,
+        nbytes: int,
+        owner: str,
+        key: tuple[str, int],
+        deadline_s: float,
+        reading: deque[Future[ShipReply]],
+    ) -> tuple[int, int] | object | None:
+        """A free region for a stream's next window; ``_FULL`` when none is free and windows
+        read ahead are pending (they go to the reader first: waiting here for the reader to
+        free a region would wait on ourselves); None once the stream is stopped."""
+        with self._lock:
+            if not reading:
+                return self._wait_for_region(nbytes, owner, key, time.monotonic() + deadline_s)
+            if key in self._stopped:
+                return None
+            try:
+                return self.regions.allocate(nbytes, owner)
+            except ShipBufferFullError:
+                return _FULL
+
+    def _read_ahead(
+        self,
+        found: tuple[int, int],
+        src_offsets: np.ndarray,
+        lengths: np.ndarray,
+        owner: str,
+        check: Callable[[np.ndarray, np.ndarray], None],
+    ) -> Future[ShipReply]:
+        """The window's lease checked now, its read started on the stream's readers; a
+        failed check is the future's error, raised when the reader reaches this window."""
+        try:
+            check(src_offsets, lengths)
+        except BaseException as exc:
+            self.unship(found[0], owner)
+            failed: Future[ShipReply] = Future()
+            failed.set_exception(exc)
+            return failed
+        return self._readers.submit(self._fill, *found, src_offsets, lengths, owner)
+
+    def _drop_unyielded(self, reading: deque[Future[ShipReply]], owner: str) -> None:
+        """Windows read ahead that the reader will never get: their regions go back."""
+        for future in reading:
+            try:
+                reply = future.result()
+            except Exception as exc:  # a failed read freed its own region
+                log.info("a window read ahead for a stream that ended failed: %s", exc)
+                continue
+            self.unship(reply.region_id, owner)
+        reading.clear()
 
     def _wait_for_region(
         self, nbytes: int, owner: str, key: tuple[str, int], deadline: float
@@ -226,4 +294,5 @@ class ShipBuffer:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        self._readers.shutdown(wait=True)
         self.reader.close()

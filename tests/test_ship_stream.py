@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from flatcake_ray.actors.shipping import ShipBuffer
+from flatcake_ray.actors.shipping import STREAM_AHEAD, ShipBuffer
 from flatcake_ray.errors import ReadRangeError, TransferTimeoutError
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.media.pool import SsdPool
@@ -74,12 +74,46 @@ def test_a_lapsed_lease_stops_the_stream_before_its_window_is_read(ship):
         if lapsed.is_set():
             raise ReadRangeError("no lease")
 
-    stream = buffer.stream(windows(3), "t", 3, 5.0, leased)
-    first = next(stream)
+    stream = buffer.stream(windows(STREAM_AHEAD + 2), "t", 3, 5.0, leased)
+    given = [next(stream)]
     lapsed.set()
+    # The windows read ahead were checked before the lease lapsed: they still come.
+    given += [next(stream) for _ in range(STREAM_AHEAD - 1)]
     with pytest.raises(ReadRangeError):
         next(stream)
-    assert buffer.regions.held == 1  # only the region the reader was given
+    assert buffer.counters["ships"] == STREAM_AHEAD  # nothing read after the lapse
+    assert buffer.regions.held == len(given)  # only the regions the reader was given
+    for reply in given:
+        assert buffer.unship(reply.region_id, "t")
+    assert buffer.regions.held == 0
+
+
+def test_the_next_windows_are_read_while_the_reader_holds_the_first(ship):
+    buffer, image = ship
+    checked: list[int] = []
+
+    def leased(src: np.ndarray, sizes: np.ndarray) -> None:
+        checked.append(int(src[0]))
+
+    stream = buffer.stream(windows(6), "t", 5, 5.0, leased)
+    first = next(stream)
+    assert checked == [i * WINDOW for i in range(STREAM_AHEAD)]  # started before the first came
+    reply, got = first, 0
+    while reply is not None:  # in order, each window's bytes; the reader frees each
+        region = buffer.buffer.array[reply.offset : reply.offset + reply.nbytes]
+        assert np.array_equal(region, image[got * WINDOW : (got + 1) * WINDOW])
+        assert buffer.unship(reply.region_id, "t")
+        got += 1
+        reply = next(stream, None)
+    assert got == 6 and buffer.regions.held == 0
+
+
+def test_a_stream_that_ends_early_gives_back_the_windows_it_read_ahead(ship):
+    buffer, _ = ship
+    stream = buffer.stream(windows(6), "t", 6, 5.0, allow_all)
+    first = next(stream)
+    stream.close()  # the reader is gone: what was read ahead is nobody's
+    assert buffer.regions.held == 1  # only the window it was given
     assert buffer.unship(first.region_id, "t") and buffer.regions.held == 0
 
 
