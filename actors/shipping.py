@@ -34,8 +34,9 @@ from flatcake_ray.transports.local_ssd import LocalSsdTransport
 
 log = logging.getLogger(__name__)
 # Windows a stream reads at once. One at a time left the drive idle between a read's end and
-# the next one's start, and a 16 MiB read took 6-12 ms in a node beside a reader's NIXL
-# READs and checked copies (3.11 GB/s, 5.4 ms, alone): BENCHMARKS.md, "ship streams".
+# the next one's start (a 16 MiB window took 6-12 ms in a node beside a reader's NIXL READs
+# and checked copies; 5.4 ms alone); three were slower than two (BENCHMARKS.md, "Issue 22,
+# 6 Dec night").
 STREAM_AHEAD = 2
 _FULL = object()  # no free region now, and windows read ahead are pending
 
