@@ -27,11 +27,14 @@ from flatcake_ray.media.arena import ArenaChunk, DramArena
 
 
 class LandingArea:
-    def __init__(self, nbytes: int, name: str, chunks: int = 1) -> None:
-        # Shared memory a client of this node maps from the descriptor it is sent: no huge
-        # pages needed (one put's slots are rewritten per layer, never held).
+    def __init__(self, nbytes: int, name: str, chunks: int = 1, *, hugepages: bool = False) -> None:
+        # Shared memory a client of this node maps from the descriptor it is sent. The node
+        # writes each landed layer to its drive straight from it, and an O_DIRECT write from
+        # 4 KiB pages runs at a third of one from 2 MiB pages (2.61 against 7.06 GB/s here):
+        # ``hugepages`` takes reserved ones where there are enough left after the arena.
         chunk = -(-nbytes // chunks // 4096) * 4096 if chunks > 1 else nbytes
-        self.memory = DramArena(nbytes, name, hugepages="off", chunk_bytes=chunk)
+        pages = "auto" if hugepages else "off"
+        self.memory = DramArena(nbytes, name, hugepages=pages, chunk_bytes=chunk)
         count = self.memory.chunks
         # Slots are freed by their put's end, which the put table expires: no TTL here.
         self._space = MediumSpace(chunk, count, 4096, total=nbytes, owned=count > 1)

@@ -120,7 +120,12 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         self.tenants.on_removed += [self.leases.drop_tenant, self.homes.drop_tenant]
         self.ship_buffer = ShipBuffer(config.ship_bytes, self.store.pool, ttl_s=config.lease_ttl_s)
         landing_name = f"{config.namespace}-landing-{self.node_id}"
-        landing = self.landing = LandingArea(config.landing_bytes, landing_name, config.dram_chunks)
+        landing = self.landing = LandingArea(
+            config.landing_bytes,
+            landing_name,
+            config.dram_chunks,
+            hugepages=config.hugepages != "off",
+        )
         self.tenants.on_removed.append(landing.forget)
         self.puts = NodePuts(self.store, landing, self.counters, (os.getpid(), self.started_at))
         self.handout = MemoryHandout(self.store, landing, config.rpc_timeout_s)

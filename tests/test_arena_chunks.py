@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from flatcake_ray.client.put_targets import map_shared
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.tenants import Tenant, new_secret, secret_hash
 from flatcake_ray.errors import ForeignMemoryError
+from flatcake_ray.media.chunk_map import ChunkMap
 from flatcake_ray.media.fd_handout import HandedChunk
 from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_dram import LocalDramTransport
@@ -178,4 +180,55 @@ def test_landing_slots_come_from_a_chunk_their_tenant_holds():
         area.give(beta_id, "beta")  # beta's first chunk empties: free for anyone again
         assert area.chunk_at(area.take(CHUNK, "delta")[1]) == beta
     finally:
+        area.close()
+
+
+def _free_huge_pages() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("HugePages_Free:"):
+            return int(line.split()[1])
+    return 0
+
+
+HUGE = 2 << 20
+
+
+def test_chunk_maps_reserve_room_a_hugetlb_file_can_map_into():
+    # A hugetlb file maps only at a 2 MiB boundary, its length rounded up to whole pages: a
+    # reader's map (which does not know the kind of the chunks it will be handed) is laid out
+    # so, whatever its size.
+    for nbytes in (HUGE - 4096, 3 * HUGE + 4096, 5 * CHUNK):
+        chunk_map = ChunkMap(nbytes)
+        assert chunk_map.base % HUGE == 0 and chunk_map.view.nbytes == nbytes
+
+
+@pytest.mark.skipif(
+    _free_huge_pages() < 8,
+    reason="no 2 MiB huge pages reserved here (sysctl vm.nr_hugepages; `ray up` reserves them)",
+)
+def test_hugetlb_chunks_are_read_and_landed_into_by_other_processes(make_store):
+    from flatcake_ray.actors.landing import LandingArea
+
+    store = make_store(dram_bytes=2 * HUGE, dram_chunks=2, hugepages="require")
+    store.set_tenant(tenant("alpha"))
+    keys = put(store, "alpha", 1)
+    mine = store.arena_chunks("alpha")[0]
+    assert store.arena.huge and mine.nbytes == HUGE
+    reader = LocalDramTransport.attach(lambda: [handed(store, mine)], store.arena.nbytes)
+    area = LandingArea(2 * HUGE, f"landing-huge-{os.getpid()}", chunks=2, hugepages=True)
+    try:
+        gva = int(store.gvas(keys[:1], tenant="alpha")[0])
+        out = np.zeros(PAGE_BYTES, dtype=np.uint8)
+        reader.read(ReadBatch([gva], [PAGE_BYTES], [0]), out)
+        assert np.array_equal(out, store.arena.view[gva : gva + PAGE_BYTES])
+        assert area.memory.huge
+        _, at = area.take(HUGE // 2, "alpha")
+        chunk = area.chunk_at(at)
+        mapping, view = map_shared(area.memory.chunk_fd(chunk.offset), chunk.nbytes)
+        view[at - chunk.offset : at - chunk.offset + 8] = 7  # a client writes its slot
+        assert (area.view(at, 8) == 7).all()
+        del view
+        mapping.close()
+    finally:
+        reader.close()
         area.close()

@@ -27,10 +27,8 @@ import numpy as np
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.errors import ConfigError, MediumFullError
 from flatcake_ray.media.chunk_files import new_chunk_file, retire
-from flatcake_ray.media.chunk_map import ChunkMap
+from flatcake_ray.media.chunk_map import HUGE_PAGE, ChunkMap
 from flatcake_ray.media.log import log_once
-
-HUGE_PAGE = 2 << 20
 
 
 def _free_huge_bytes() -> int:

@@ -48,12 +48,18 @@ def _mmap(address: int | None, nbytes: int, prot: int, flags: int, fd: int) -> i
     return int(got)
 
 
+# A hugetlb file maps only at an address that is a whole number of its pages, and its length
+# is rounded up to them: every range is reserved so (address space only, no memory), since a
+# process mapping a node's chunks does not know which kind they are.
+HUGE_PAGE = 2 << 20
+
+
 class ChunkMap:
     """``nbytes`` of reserved address space (aligned to ``align``) that files are mapped into."""
 
-    def __init__(self, nbytes: int, align: int = mmap.PAGESIZE) -> None:
+    def __init__(self, nbytes: int, align: int = HUGE_PAGE) -> None:
         self.nbytes = nbytes
-        span = nbytes + align
+        span = -(-nbytes // align) * align + align
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         raw = _mmap(None, span, _PROT_NONE, flags, -1)
         self.base = -(-raw // align) * align
