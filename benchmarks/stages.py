@@ -1,6 +1,7 @@
 """Where a restore's and a put's time goes, stage by stage, on every local and remote path.
 
 Run: ``.venv/bin/python -m benchmarks.stages [--ray] [--before DIR] [--rounds 5]
+[--ray-paths dram-local dram-remote ssd-local ssd-remote] [--no-local]
 [--json bench_out/stages.json] [--md bench_out/stages.md]``
 
 The stages are the code's own functions, timed from outside (``StageClock`` wraps them for
@@ -37,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.stage_clock import StageClock, medians, summarise
+
+RAY_PATHS = ("dram-local", "dram-remote", "ssd-local", "ssd-remote")  # --ray-paths
 
 
 # ---- in process: the node's own store --------------------------------------------------------
@@ -125,6 +128,7 @@ def child_run(args: argparse.Namespace, pythonpath: str | None, part: str) -> di
     command = [sys.executable, "-m", "benchmarks.stages", "--child", part]
     command += ["--pages", str(args.pages), "--layers", str(args.layers)]
     command += ["--page-bytes", str(args.page_bytes), "--rounds", str(args.rounds)]
+    command += ["--ray-paths", *args.ray_paths]
     cwd = pythonpath or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, check=False)
     if done.returncode:
@@ -139,7 +143,8 @@ def measure(args: argparse.Namespace) -> dict:
         if args.child == "ray":
             from benchmarks.stages_ray import run_ray
 
-            return run_ray(args.pages, args.layers, args.page_bytes, args.rounds, root)
+            paths = tuple(args.ray_paths)
+            return run_ray(args.pages, args.layers, args.page_bytes, args.rounds, root, paths)
         return run_local(args.pages, args.layers, args.page_bytes, args.rounds, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -191,6 +196,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--passes", type=int, default=2, help="alternations with --before")
     parser.add_argument("--json", default="bench_out/stages.json")
     parser.add_argument("--md", default="bench_out/stages.md")
+    parser.add_argument(
+        "--ray-paths",
+        nargs="+",
+        choices=RAY_PATHS,
+        default=list(RAY_PATHS),
+        help="with --ray: only these of the Ray client's paths (restore and put each)",
+    )
+    parser.add_argument("--no-local", action="store_true", help="leave out the in-process rows")
     parser.add_argument("--child", choices=("local", "ray"), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -204,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="flatcake-before-") as scratch:
         before = import_tree(args.before, scratch) if args.before else None
-        parts = ["local", "ray"] if args.ray else ["local"]
+        parts = [*([] if args.no_local else ["local"]), *(["ray"] if args.ray else [])]
         for _ in range(args.passes if before else 1):
             for part in parts:  # before and after back to back, part by part
                 if before:

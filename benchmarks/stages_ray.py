@@ -52,7 +52,11 @@ class StageBench(FlatCakeBench):
     worker_class = StageWorker
 
 
-def run_ray(pages: int, layers: int, page_bytes: int, rounds: int, root: str) -> dict[str, Any]:
+def run_ray(
+    pages: int, layers: int, page_bytes: int, rounds: int, root: str, paths: tuple[str, ...]
+) -> dict[str, Any]:
+    """``paths``: which of ``benchmarks.stages.RAY_PATHS`` (``ssd-remote``: the remote SSD
+    put and restore)."""
     import ray
 
     os.environ.setdefault("FLATCAKE_DRAM_POLICY", "table2")  # SSD rows read SSD homes
@@ -67,6 +71,8 @@ def run_ray(pages: int, layers: int, page_bytes: int, rounds: int, root: str) ->
             put_limit = "memcpy" if medium == "DRAM" else "odirect_write"
             for side in ("local", "remote"):
                 tag = f"{medium.lower()}-{side}"
+                if tag not in paths:
+                    continue
                 sessions = [f"{tag}-{r}" for r in range(rounds + 1)]
                 limits = [local_limits(workload, scratch, (put_limit,))[put_limit]]
                 rows = []
