@@ -121,6 +121,45 @@ def test_keys_are_invisible_until_the_segment_is_written(make_store):
     assert store.exists(["p", "q", "r"]) == 3
 
 
+def test_an_ssd_layer_is_written_to_the_drive_behind_the_caller(make_store, failpoints):
+    store = make_store()
+    kv = random_kv(3)
+    first_write = threading.Event()
+    release = threading.Event()
+
+    def held_drive(**_context) -> None:
+        first_write.set()
+        assert release.wait(30)
+
+    failpoints.arm("pool.write", call=held_drive)  # the first layer's write waits
+    handle = store.begin_put(["p", "q", "r"])  # no hints: a first turn, SSD
+    handle.write_layer(0, kv[0])
+    assert first_write.wait(30)
+    handle.write_layer(1, kv[1])  # copied while layer 0 is still on its way to the drive
+    assert store.exists(["p"]) == 0
+    release.set()
+    for layer in range(2, LAYERS):
+        handle.write_layer(layer, kv[layer])
+    assert handle.commit().medium.name == "SSD"
+    found, out = restore(store, ["p", "q", "r"])
+    assert found == 3 and np.array_equal(out, kv)
+
+
+def test_a_drive_error_behind_the_caller_fails_the_put_and_frees_its_space(make_store, failpoints):
+    store = make_store()
+    kv = random_kv(2)
+    failpoints.arm("pool.write", raises=OSError(5, "injected I/O error"))  # layer 0's write
+    handle = store.begin_put(["x", "y"])
+    with pytest.raises(StoreWriteError):  # raised by a later call, however late
+        for layer in range(LAYERS):
+            handle.write_layer(layer, kv[layer])
+        handle.commit()
+    assert store.exists(["x"]) == 0 and store.stats()["write_failures"] == 1
+    assert store.put(["x", "y"], kv).pages_written == 2  # the space went back
+    found, out = restore(store, ["x", "y"])
+    assert found == 2 and np.array_equal(out, kv)
+
+
 def test_commit_before_all_layers_is_refused(make_store):
     store = make_store()
     handle = store.begin_put(["p"])

@@ -176,6 +176,7 @@ class FlatCakeStore:
         for pipeline in pipelines:
             pipeline.close()
         self.puts.abort_all()
+        self.writer.close()
         for source in self._sources.values():
             source.close()
         self.manifest.close()

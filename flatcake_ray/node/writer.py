@@ -6,14 +6,17 @@ the plan to a :class:`PutHandle` (``put.py``), which calls this writer:
 - ``write_pages(state, layer, first, pages)``: pages of keys ``[first, first + n)`` of one
   layer, in key order; the writer keeps those the plan writes (keys not stored yet). A DRAM
   page goes straight into the arena; an SSD layer is assembled in an aligned staging buffer
-  and written with one O_DIRECT command once all its pages are in. A finished layer gets its
-  per-block checksums.
+  and written with one O_DIRECT command once all its pages are in, behind the caller (at
+  most ``WRITES_BEHIND`` layers of a put at once: its next layer is copied while the drive
+  writes; a failed write is raised by the next call). A finished layer gets its per-block
+  checksums.
 - ``land_layer(state, layer, source)``: a whole layer of the segment's new pages written by
   someone else: in place in the arena (``source`` None: a client wrote its DRAM extent) or in
   ``source`` (a landing slot of this node's, or the bytes of a call), copied to the arena or
   written to the drive with one O_DIRECT command straight from ``source``.
-- ``commit(state)``: data on the drive (fdatasync when ``fsync``), the manifest record written,
-  then the keys published: a reader never sees a key whose bytes or record are not there.
+- ``commit(state)``: every layer written, data on the drive (fdatasync when ``fsync``), the
+  manifest record written, then the keys published: a reader never sees a key whose bytes
+  or record are not there.
 - ``abort(state)``: the space goes back; nothing was published.
 """
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +47,9 @@ from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.sealed_write import seal_and_write
 
 log = logging.getLogger(__name__)
+# Layers of one put a store writes to its drive behind its caller (``write_pages``): the next
+# layer is copied into staging while the drive takes the last; more wait (bounded memory).
+WRITES_BEHIND = 2
 
 
 @dataclass
@@ -57,6 +65,7 @@ class WriteState:
     # Per layer written whole in one call: its block checksums, taken during the copy.
     sums_taken: dict[int, np.ndarray] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    writes: deque[Future[None]] = field(default_factory=deque)  # staged layers on their way
 
     @property
     def pages_new(self) -> int:
@@ -91,6 +100,7 @@ class SegmentWriter:
         self.fsync = fsync
         self._check_open = check_open
         self._staging = StagingBuffers()
+        self._drive = ThreadPoolExecutor(WRITES_BEHIND, thread_name_prefix="flatcake-ssd-write")
 
     def start(self, plan: PutPlan, catalog: Catalog, keys: int) -> WriteState:
         layers = plan.segment.layout.layers
@@ -189,11 +199,22 @@ class SegmentWriter:
             self._finish_dram_layer(state, layer)
             return
         staging = state.staging.pop(layer)
+        state.writes.append(self._drive.submit(self._write_staged, state, layer, staging))
+        self._settle(state, WRITES_BEHIND)
+
+    def _write_staged(self, state: WriteState, layer: int, staging: AlignedBuffer) -> None:
         try:
             stride = state.plan.segment.layout.layer_stride
             self._write_ssd_layer(state, layer, staging.array[:stride])
         finally:
             self._staging.give(staging)
+
+    @staticmethod
+    def _settle(state: WriteState, keep: int) -> None:
+        """Wait until at most ``keep`` staged layers are still being written; a failed write
+        raises its error here (the caller aborts the put)."""
+        while len(state.writes) > keep:
+            state.writes.popleft().result()
 
     def _finish_dram_layer(
         self, state: WriteState, layer: int, sums: np.ndarray | None = None
@@ -251,6 +272,7 @@ class SegmentWriter:
         """Make the segment durable and its keys visible; returns the mask published."""
         plan = state.plan
         segment = plan.segment
+        self._settle(state, 0)  # every layer on the drive, its checksums taken
         if segment.medium is Medium.SSD and self.fsync:
             self.pool.sync(segment.offset)
         with self._lock:
@@ -298,6 +320,10 @@ class SegmentWriter:
         }
 
     def abort(self, state: WriteState) -> None:
+        for write in state.writes:  # its space goes back only once nothing writes there
+            if write.exception() is not None:
+                log.info("a layer write of an aborted put failed: %s", write.exception())
+        state.writes.clear()
         with state.lock:
             for staging in state.staging.values():
                 self._staging.give(staging)
@@ -305,6 +331,10 @@ class SegmentWriter:
         with self._lock:
             state.catalog.abort(state.plan)
             self.counters["write_failures"] += 1
+
+    def close(self) -> None:
+        """After every put ended (the store aborts the open ones first)."""
+        self._drive.shutdown(wait=True)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
