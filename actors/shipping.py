@@ -192,7 +192,13 @@ class ShipBuffer:
                 if found is None:
                     return  # the reader stopped the stream
                 assert isinstance(found, tuple)
-                reading.append(self._read_ahead(found, src_offsets, lengths, owner, check))
+                try:
+                    started = self._read_ahead(found, src_offsets, lengths, owner, check)
+                except BaseException:
+                    while reading:  # the windows checked before this one still go to the reader
+                        yield reading.popleft().result()
+                    raise
+                reading.append(started)
                 if len(reading) >= STREAM_AHEAD:
                     yield reading.popleft().result()
             while reading:
@@ -232,15 +238,13 @@ class ShipBuffer:
         owner: str,
         check: Callable[[np.ndarray, np.ndarray], None],
     ) -> Future[ShipReply]:
-        """The window's lease checked now, its read started on the stream's readers; a
-        failed check is the future's error, raised when the reader reaches this window."""
+        """The window's lease checked now (a failed check frees its region and raises), its
+        read started on the stream's readers."""
         try:
             check(src_offsets, lengths)
-        except BaseException as exc:
+        except BaseException:
             self.unship(found[0], owner)
-            failed: Future[ShipReply] = Future()
-            failed.set_exception(exc)
-            return failed
+            raise
         return self._readers.submit(self._fill, *found, src_offsets, lengths, owner)
 
     def _drop_unyielded(self, reading: deque[Future[ShipReply]], owner: str) -> None:
