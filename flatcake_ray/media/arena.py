@@ -14,7 +14,6 @@ behind to clean up. A chunk that changes hands gets a fresh memfd (:meth:`DramAr
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -67,8 +66,7 @@ class DramArena:
         self.name = name
         self.chunk_bytes = chunk_bytes or nbytes
         self.huge = self._choose_pages(nbytes, hugepages)
-        align = HUGE_PAGE if self.huge else mmap.PAGESIZE
-        self._map = ChunkMap(self._mapped_bytes(nbytes), align) if nbytes else None
+        self._map = ChunkMap(self._mapped_bytes(nbytes)) if nbytes else None
         self.chunk_fds: list[int] = []
         count = -(-nbytes // self.chunk_bytes) if nbytes else 0
         try:

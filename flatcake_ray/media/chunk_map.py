@@ -55,14 +55,15 @@ HUGE_PAGE = 2 << 20
 
 
 class ChunkMap:
-    """``nbytes`` of reserved address space (aligned to ``align``) that files are mapped into."""
+    """``nbytes`` of reserved address space (on a huge page's boundary) that files are mapped
+    into."""
 
-    def __init__(self, nbytes: int, align: int = HUGE_PAGE) -> None:
+    def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        span = -(-nbytes // align) * align + align
+        span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         raw = _mmap(None, span, _PROT_NONE, flags, -1)
-        self.base = -(-raw // align) * align
+        self.base = -(-raw // HUGE_PAGE) * HUGE_PAGE
         self._array = (ctypes.c_uint8 * max(nbytes, 1)).from_address(self.base)
         weakref.finalize(self._array, _libc.munmap, raw, span)
         self.view = np.frombuffer(self._array, dtype=np.uint8)[:nbytes]

@@ -321,8 +321,9 @@ class SegmentWriter:
 
     def abort(self, state: WriteState) -> None:
         for write in state.writes:  # its space goes back only once nothing writes there
-            if write.exception() is not None:
-                log.info("a layer write of an aborted put failed: %s", write.exception())
+            error = write.exception()
+            if error is not None:
+                log.info("a layer write of an aborted put failed: %s", error)
         state.writes.clear()
         with state.lock:
             for staging in state.staging.values():
