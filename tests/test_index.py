@@ -127,3 +127,33 @@ def test_the_native_probe_and_numpy_find_the_same_pages(kept, deleted):
         fallback = index.lookup(probe)
     assert np.array_equal(native[0], fallback[0]) and np.array_equal(native[1], fallback[1])
     assert native[0].tolist() == [k in set(kept) - set(deleted) for k in range(401)]
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(st.integers(0, 15), min_size=1, max_size=11),
+    st.lists(st.integers(0, 10), max_size=11),
+)
+def test_colliding_chains_across_the_tables_end(probes, homes, deleted):
+    """Digests made to share home slots near the end of a 16-slot table (their chains wrap to
+    its start): after deletes in any order, every other digest is still found, with its
+    value, and a deleted one is not (the native delete shifts chains back, numpy marks)."""
+    from flatcake_ray.core.keys import DIGEST_DTYPE, HI_MARK
+
+    digests = np.zeros(len(homes), dtype=DIGEST_DTYPE)
+    digests["hi"] = HI_MARK | (np.array(homes, dtype=np.uint64) + np.uint64(16))
+    digests["lo"] = np.arange(2, len(homes) + 2, dtype=np.uint64)  # distinct, never 0 or 1
+    index = PageIndex(capacity=16)
+    assert index.insert(digests, np.arange(len(homes)) + 100).all()
+    gone = sorted({d for d in deleted if d < len(homes)})
+    for position in deleted:  # one at a time, repeats included: each shifts the table
+        if position < len(homes):
+            index.delete(digests[position : position + 1])
+    found, values = index.lookup(digests)
+    assert found.tolist() == [p not in gone for p in range(len(homes))]
+    assert values[found].tolist() == [p + 100 for p in range(len(homes)) if p not in gone]
+    assert len(index) == len(homes) - len(gone)

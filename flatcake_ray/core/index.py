@@ -148,6 +148,13 @@ class PageIndex:
 
     def delete(self, digests: np.ndarray) -> int:
         """Remove the digests that are present; returns how many were."""
+        native = native_module()
+        if native is not None and self._deleted == 0:  # no deleted slots: shifts keep it so
+            removed = int(
+                native.remove_digests(self._hi, self._lo, self._val, np.ascontiguousarray(digests))
+            )
+            self.live -= removed
+            return removed
         slots = self._find_slots(digests)
         slots = np.unique(slots[slots >= 0])
         self._hi[slots] = 0
