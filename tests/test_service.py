@@ -29,6 +29,7 @@ from flatcake_ray.client.source import digests_of  # noqa: E402
 from flatcake_ray.config import ClientConfig  # noqa: E402
 from flatcake_ray.core.catalog import PutHints  # noqa: E402
 from flatcake_ray.core.gva import decode  # noqa: E402
+from flatcake_ray.core.keys import PageKey  # noqa: E402
 from flatcake_ray.errors import InvalidKeyError, ShapeError  # noqa: E402
 from flatcake_ray.transports.base import (  # noqa: E402
     LOCAL_DRAM,
@@ -207,6 +208,25 @@ def test_puts_write_into_memory_the_owner_hands_out(deployment, medium, hints):
     assert moved["layers_landed"] == 2 * LAYERS
     if medium == "SSD":  # each layer one O_DIRECT write, straight from its slot
         assert moved["ssd_write_commands"] == 2 * LAYERS
+
+
+def test_a_put_over_ray_continues_its_parents_session(deployment):
+    """A put sends its keys and parent packed (hashed by the client): one that names a stored
+    key as its parent and no session joins the parent's session, keys given as ``PageKey``
+    in the client's namespace hash as its plain keys do, and a key the client cannot hash is
+    refused before any call, with nothing stored."""
+    driver = deployment["driver"]
+    first = keys_for("parent-a", 8)
+    opened = driver.put(first, kv_for(8, 31), namespace="chat", session_id="chat-p", hints=DRAM)
+    assert opened.session_id == "chat-p"
+    # The parent, a plain key, is in the namespace its put's keys name.
+    more = [PageKey("chat", key) for key in keys_for("parent-b", 8)]
+    result = driver.put(more, kv_for(8, 32), parent=first[-1], hints=DRAM)
+    assert (result.pages_written, result.session_id) == (8, "chat-p")
+    assert driver.exists(keys_for("parent-b", 8), namespace="chat") == 8
+    with pytest.raises(InvalidKeyError):
+        driver.put([*keys_for("parent-c", 3), True], kv_for(4, 33), session_id="chat-q")
+    assert driver.exists(keys_for("parent-c", 3)) == 0
 
 
 def test_a_cold_lookup_asks_the_chains_home_not_every_node(deployment):

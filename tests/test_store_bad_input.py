@@ -69,6 +69,34 @@ def test_mixed_namespaces(loaded):
         store.exists([PageKey("tenant-a", "k1")], namespace="tenant-b")
 
 
+def test_a_put_of_packed_keys_continues_its_packed_parent(loaded):
+    """Keys packed by the caller (what a Ray client sends an owner) put as the keys would,
+    and a packed parent continues its session; packed keys named with a namespace, or mixed
+    with an unpacked parent either way round, are refused and store nothing."""
+    from flatcake_ray.core.catalog import PutHints
+    from flatcake_ray.core.keys import parent_digest, request_digests
+
+    store, _ = loaded
+    hints = PutHints(turn=2, prior_reply_tokens=1)
+    assert store.put(["p1", "p2"], random_kv(2, seed=5), session_id="s-1", hints=hints)
+    more = ["p3", "p4"]
+    packed = request_digests(more, None)
+    result = store.put(
+        packed, random_kv(2, seed=6), parent=parent_digest(more, None, "p2"), hints=hints
+    )
+    assert (result.pages_written, result.session_id) == (2, "s-1")
+    assert store.exists(more) == 2
+    bad = [
+        ({"namespace": "other"}, request_digests(["q1"], None)),
+        ({"parent": "p4"}, request_digests(["q1"], None)),
+        ({"parent": parent_digest(["q1"], None, "p4")}, ["q1"]),
+    ]
+    for options, keys in bad:
+        with pytest.raises(InvalidKeyError):
+            store.put(keys, random_kv(1, seed=7), **options)
+    assert store.exists(["q1"]) == 0
+
+
 def test_namespaces_isolate_tenants(loaded):
     store, _ = loaded
     assert store.exists(["a", "b", "c"], namespace="other") == 0

@@ -44,7 +44,7 @@ from flatcake_ray.core.api import Probe, PutResult
 from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.homes import anchor_of
-from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
+from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list, parent_digest
 from flatcake_ray.core.tenants import seal_key
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
@@ -342,17 +342,18 @@ class FlatCakeClient:
         self._check_open()
         self._locator.settle_unawaited()  # this client's own leases keep nothing from eviction
         report = RestoreReport(len(keys))
-        link = self._owners.owner(anchor_of(digests), namespace, session_id, parent, report)
+        parent_packed = None if parent is None else parent_digest(keys, namespace, parent)
+        link = self._owners.owner(anchor_of(digests), session_id, parent_packed, report)
         nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
         if not link.local and not nixl:
             self._count(puts_object_store_fallback=1)
         route = PutRoute(link, self.nodes, self._targets, nixl, self.config.rpc_timeout_s)
-        options = dict(namespace=namespace, session_id=session_id, parent=parent, hints=hints)
+        options = dict(session_id=session_id, parent=parent_packed, hints=hints)
         continues = parent is not None
         self._owners.remember(digests, session_id, link.node_id, continues=continues, report=report)
         self._count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
-            route, keys, layers=self.layers, page_bytes=self.page_bytes, options=options
+            route, digests, layers=self.layers, page_bytes=self.page_bytes, options=options
         )
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:

@@ -14,7 +14,6 @@ from flatcake_ray.actors.protocol import COORDINATOR_NAME, NO_LOCAL_NODE
 from flatcake_ray.client.locate import Locator
 from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.report import RestoreReport
-from flatcake_ray.client.source import digests_of
 from flatcake_ray.core.homes import anchor_of, recorded_pages
 from flatcake_ray.errors import ServiceError
 
@@ -34,16 +33,18 @@ class OwnerChooser:
     def owner(
         self,
         first: bytes,
-        namespace: str | None,
         session_id: str | None,
-        parent: Any,
+        parent: np.ndarray | None,
         report: RestoreReport,
     ) -> NodeLink:
+        """The node a put goes to: its session's, else its parent's (``parent``: that key's
+        packed digest, ``core.keys.parent_digest``), else where its chain is known to be,
+        else one the coordinator places."""
         self.nodes.refresh()  # a drained node stops taking this client's sessions too
         known = self.sessions.get(session_id) if session_id is not None else None
         if known is None and session_id is None:
             if parent is not None:  # continue the chain where its parent is
-                holder, found = self.locator.ask("exists", digests_of([parent], namespace), report)
+                holder, found = self.locator.ask("exists", parent, report)
                 known = holder.node_id if holder is not None and found else None
             else:
                 known = self.locator.where(first)

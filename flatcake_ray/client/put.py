@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -28,7 +27,6 @@ from flatcake_ray.client.nodes import NodeLink, NodeTable
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.integrity import block_checksums
-from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import copy_hashing_source
 from flatcake_ray.errors import (
@@ -68,16 +66,18 @@ class RemotePut:
     def __init__(
         self,
         route: PutRoute,
-        keys: Sequence[KeyLike | PageKey],
+        digests: np.ndarray,
         *,
         layers: int,
         page_bytes: int,
         options: dict[str, Any],
     ) -> None:
+        """``digests``: the keys packed (``core.keys.request_digests``: the owner hashes
+        nothing); ``options``: session_id, parent (packed too, or None), hints."""
         self._route = route
-        self._keys = list(keys)
+        self._digests = digests
         self._layers, self._page_bytes = layers, page_bytes
-        self._options = options  # namespace, session_id, parent, hints
+        self._options = options
         self._ticket: PutTicket | None = None
         self._landing: deque[tuple[Any, int]] = deque()  # land calls in flight, their bytes
         self._in_place: list[int] = []  # layers written into the owner's memory, not landed
@@ -92,7 +92,7 @@ class RemotePut:
     @property
     def pages_new(self) -> int:
         """Pages the owner will write (known once the put is open there)."""
-        return len(self._keys) if self._ticket is None else self._ticket.pages_new
+        return len(self._digests) if self._ticket is None else self._ticket.pages_new
 
     # ---- writes ----------------------------------------------------------------------------
     def write_layer(self, layer: int, pages: Any) -> None:
@@ -101,7 +101,7 @@ class RemotePut:
             raise ShapeError(f"layer {layer!r} outside 0..{self._layers - 1}")
         if layer in self._written:
             raise StoreWriteError(f"layer {layer} was already written")
-        data = as_layer_bytes(pages, len(self._keys), self._page_bytes)
+        data = as_layer_bytes(pages, len(self._digests), self._page_bytes)
         try:
             self._send(self._open().target, layer, data)
         except BaseException:
@@ -112,8 +112,8 @@ class RemotePut:
     def _open(self) -> PutTicket:
         if self._ticket is None:
             options = self._options
-            args = (options["namespace"], options["session_id"], options["parent"])
-            self._ticket = self._ask("begin_put", self._keys, *args, options["hints"])
+            args = (None, options["session_id"], options["parent"], options["hints"])
+            self._ticket = self._ask("begin_put", self._digests, *args)
         return self._ticket
 
     def _send(self, target: PutTarget, layer: int, data: np.ndarray) -> None:

@@ -154,6 +154,41 @@ def request_digests(keys: Sequence[KeyLike | PageKey], namespace: str | None) ->
     return digest_keys(resolved, bare)
 
 
+def put_digests(
+    keys: Sequence[KeyLike | PageKey] | np.ndarray,
+    namespace: str | None,
+    parent: KeyLike | PageKey | np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The digests of a put's keys and of the key it continues (``parent``; None without
+    one). Keys sent packed (:func:`request_digests`) carry their namespace, and then so
+    does the parent: one packed digest (:func:`parent_digest`)."""
+    packed = as_digests(keys)
+    if packed is None:
+        if isinstance(parent, np.ndarray):
+            raise InvalidKeyError("a packed parent goes with packed keys")
+        extra = [parent] if parent is not None else []
+        resolved, bare = split_namespace([*keys, *extra], namespace)
+        digests = digest_keys(resolved, bare)
+        return digests[: len(keys)], digests[len(keys) :] if parent is not None else None
+    if namespace is not None:
+        raise InvalidKeyError("packed digests carry their namespace; pass none")
+    if parent is None:
+        return packed, None
+    parent_digest = as_digests(parent)
+    if parent_digest is None or len(parent_digest) != 1:
+        raise InvalidKeyError("with packed keys the parent is one packed digest")
+    return packed, parent_digest
+
+
+def parent_digest(
+    keys: Sequence[KeyLike | PageKey], namespace: str | None, parent: KeyLike | PageKey
+) -> np.ndarray:
+    """The digest of the key a put continues, in the namespace of the put's keys (one packed
+    digest: what a client routes by and sends the owner beside its packed keys)."""
+    resolved, bare = split_namespace([*keys, parent], namespace)
+    return digest_keys(resolved, bare[-1:])
+
+
 def as_digests(value: Any) -> np.ndarray | None:
     """``value`` as digests if it is a 1-D DIGEST_DTYPE array (a packed request); None when it
     is something else (keys); InvalidKeyError for an array that no digest function made."""

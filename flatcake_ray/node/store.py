@@ -46,9 +46,8 @@ from flatcake_ray.core.keys import (
     KeyLike,
     PageKey,
     check_key_list,
-    digest_keys,
     key_digests,
-    split_namespace,
+    put_digests,
 )
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.put_checks import check_hints
@@ -201,7 +200,7 @@ class FlatCakeStore:
         *,
         namespace: str | None = None,
         session_id: str | None = None,
-        parent: KeyLike | PageKey | None = None,
+        parent: KeyLike | PageKey | np.ndarray | None = None,
         hints: PutHints | None = None,
         tenant: str = DEFAULT_TENANT,
     ) -> PutHandle:
@@ -210,16 +209,13 @@ class FlatCakeStore:
         if len(keys) == 0:
             raise ShapeError("a put needs at least one key")
         check_hints(hints)
-        extra = [parent] if parent is not None else []
-        resolved, bare = split_namespace([*keys, *extra], namespace)
-        digests = digest_keys(resolved, bare)
-        parent_digest = digests[len(keys) :] if parent is not None else None
+        digests, parent_digest = put_digests(keys, namespace, parent)
         self.puts.expire(time.monotonic())
         with self._lock:
             self._check_open()
             catalog = self.tenancy.catalog(tenant)
             plan = catalog.plan_put(
-                digests[: len(keys)], session_id=session_id, parent=parent_digest, hints=hints
+                digests, session_id=session_id, parent=parent_digest, hints=hints
             )
         page_all_layers = catalog.config.layers * catalog.config.page_bytes
         on_commit = partial(self.metrics.put_committed, tenant, page_all_layers)
