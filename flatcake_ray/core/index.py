@@ -3,8 +3,13 @@
 An open-addressed, linear-probing hash table in three flat numpy arrays (digest high word,
 low word, value), so a page costs 24 bytes per slot at a load factor of at most 0.7
 (about 34-69 bytes per page) instead of the ~200 of a Python dict of objects. Every operation
-is vectorised over a batch of keys: a lookup of a 3,421-page request is a handful of numpy
-passes, not 3,421 Python steps.
+is vectorised over a batch of keys: where ``core/_digests.c`` is built (``pip install``), one
+native loop a digest for the probe, the insert and the delete (a 3,421-page publish 0.15
+ms); else numpy passes, a probe step at a time, never 3,421 Python steps.
+
+The native delete shifts the entries after a removed one back into its gap (backward-shift
+deletion), so its tables hold no deleted slots and churn never forces a rehash; the numpy
+delete marks a slot deleted (``_DELETED_LO``), and a table that holds any stays on that path.
 
 A value packs ``segment_id << PAGE_BITS | page_in_segment``; a page's per-layer addresses are
 derived from its segment's layer-major layout, so there is no per-(page, layer) entry.

@@ -3,9 +3,10 @@ systems' DRAM tier) and the tiered systems' FIFO-bucket SSD tier.
 
 Both work on a request's pages in batches. Their key -> slot map is a :class:`KeyMap` (a dict
 driven by C-level ``map``/``zip``), not the live :class:`~flatcake_ray.index.PageIndex`:
-these tiers insert and delete on every request, and the index's linear probing degrades
-under that churn (its tombstones lengthen probe chains until the next rehash), while a dict
-costs ~50 ns a page whatever the churn. A page is keyed by its digest's low word, which the
+these tiers insert and delete on every request, a few pages at a time, and the index's
+fixed cost a batch (its numpy passes, or a native call with its checks) is paid per request
+(under churn its numpy fallback also leaves deleted slots that lengthen probe chains until
+the next rehash), while a dict costs ~50 ns a page whatever the churn. A page is keyed by its digest's low word, which the
 replay's digests make unique (see ``pages.py``).
 """
 
