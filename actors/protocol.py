@@ -53,6 +53,9 @@ class NodeDescription:
     verify_dram: bool = False  # readers check DRAM blocks too (SSD blocks always)
     gap_bytes: int = 64 << 10  # coalescing: holes smaller than this are read and dropped
     tenant: str = "default"  # whose geometry ``layers`` and ``page_bytes`` are
+    # The node's process and start, as every PutTarget names them (a client's mappings of a
+    # node's memory are this node's, never a restarted one's at the same offsets).
+    owner: tuple[int, float] = (0, 0.0)
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,7 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
             verify_dram=store.config.verify_dram,
             gap_bytes=store.config.gap_bytes,
             tenant=tenant.name,
+            owner=self.puts.owner,
         )
 
     def service_config(self, secret: object) -> ServiceConfig:

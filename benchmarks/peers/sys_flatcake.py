@@ -39,6 +39,9 @@ class FlatCakeWorker:
         from flatcake_ray.client.client import FlatCakeClient
 
         self.client = FlatCakeClient(namespace)
+        # As a serving replica does at start: NIXL, connections, and its node's arena mapped
+        # for puts and reads (else one timed put of a row paid the page tables of a chunk).
+        self.client.warm_up()
         self.workload = workload
         self.node_id = self.client.stats(nodes=False)["local_node_id"]
         self._out: dict[int, np.ndarray] = {}

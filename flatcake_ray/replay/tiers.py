@@ -6,8 +6,8 @@ driven by C-level ``map``/``zip``), not the live :class:`~flatcake_ray.index.Pag
 these tiers insert and delete on every request, a few pages at a time, and the index's
 fixed cost a batch (its numpy passes, or a native call with its checks) is paid per request
 (under churn its numpy fallback also leaves deleted slots that lengthen probe chains until
-the next rehash), while a dict costs ~50 ns a page whatever the churn. A page is keyed by its digest's low word, which the
-replay's digests make unique (see ``pages.py``).
+the next rehash), while a dict costs ~50 ns a page whatever the churn. A page is keyed by
+its digest's low word, which the replay's digests make unique (see ``pages.py``).
 """
 
 from __future__ import annotations
