@@ -99,6 +99,7 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
 
     def on_host_pools_registered(self) -> None:
         self.store = open_store(self.options, self._view().geometry)
+        self.store.warm_up()  # as HiCache starts, not in its first backup (KVStore.warm_up)
 
     def _view(self) -> HostPoolView:
         if self.view is None:

@@ -156,6 +156,7 @@ class FlatCakeTier(SecondaryTierManager):
             raise ConfigError(f"tier_threads must be >= 1, not {tier_threads!r}")
         page_bytes = row_bytes // layers
         self._store = open_store(options, Geometry(layers, page_bytes))
+        self._store.warm_up()  # as the tier is made, not in its first store (KVStore.warm_up)
         self.namespace = _namespace(offloading_spec, options.get("namespace"), row_bytes)
         self._timeout = RestoreSettings.from_options(options).load_timeout_s
         rows = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(-1, row_bytes)

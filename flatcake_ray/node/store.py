@@ -221,6 +221,9 @@ class FlatCakeStore:
         on_commit = partial(self.metrics.put_committed, tenant, page_all_layers)
         return PutHandle(self.writer, plan, catalog, len(keys), self.puts, on_commit)
 
+    def warm_up(self) -> None:
+        """Nothing to pay: the arena and the drive are this process's own, mapped when made."""
+
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
         check_key_list(keys)
         if len(keys) == 0:  # before the kv's shape check, whose message would mislead
