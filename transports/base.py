@@ -76,6 +76,17 @@ REMOTE_DRAM_RDMA = "remote-dram-rdma"
 REMOTE_SSD_NVMEOF = "remote-ssd-nvmeof"
 REMOTE_SSD_SHIPPED = "remote-ssd-shipped"
 OBJECT_STORE_FALLBACK = "object-store-fallback"
+# The paths a client's ``allow`` may name (the local ones are always taken on a node's own
+# machine).
+ALLOWABLE_PATHS = frozenset(
+    {
+        REMOTE_DRAM_NIXL,
+        REMOTE_DRAM_RDMA,
+        REMOTE_SSD_NVMEOF,
+        REMOTE_SSD_SHIPPED,
+        OBJECT_STORE_FALLBACK,
+    }
+)
 
 # Source offsets are GVA offsets (48 bits); bounding every field there also keeps
 # offset + length far from int64 overflow.

@@ -223,16 +223,22 @@ class GdsSsdTransport(Transport):
         self._files = []
 
 
-def gds_reader(mode: str, paths: list[str] | tuple[str, ...], file_bytes: int):
-    """The GDS transport the ``gds`` setting asks for, or None (O_DIRECT into host slots)."""
+def gds_wanted(mode: str) -> bool:
+    """Whether SSD reads go through GPUDirect Storage under the ``gds`` setting ("auto":
+    where it works; "on" where it does not: :class:`TransportUnavailableError`)."""
     if mode == "off":
-        return None
+        return False
     reason = GdsSsdTransport.probe()
     if reason is None:
-        return GdsSsdTransport(paths, file_bytes)
+        return True
     if mode == "on":
         raise TransportUnavailableError(f"gds=on but GPUDirect Storage is unavailable: {reason}")
     if "gds" not in _said:
         _said.add("gds")
         log.info("GPUDirect Storage off (%s); SSD reads use O_DIRECT into host memory", reason)
-    return None
+    return False
+
+
+def gds_reader(mode: str, paths: list[str] | tuple[str, ...], file_bytes: int):
+    """The GDS transport the ``gds`` setting asks for, or None (O_DIRECT into host slots)."""
+    return GdsSsdTransport(paths, file_bytes) if gds_wanted(mode) else None

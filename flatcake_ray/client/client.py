@@ -36,7 +36,7 @@ from flatcake_ray.client.nodes import NodeTable, process_paths
 from flatcake_ray.client.owners import OwnerChooser
 from flatcake_ray.client.put import PutRoute, RemotePut
 from flatcake_ray.client.put_targets import PutTargets
-from flatcake_ray.client.report import RestoreReport
+from flatcake_ray.client.report import ClientTally, RestoreReport
 from flatcake_ray.client.source import HeldLease, TransportSource, digests_of, probe_of
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.config import ClientConfig, ServiceConfig
@@ -53,22 +53,11 @@ from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.restore.dest import PagedPool, as_destination
 from flatcake_ray.restore.handle import RestoreHandle
 from flatcake_ray.restore.pipeline import RestorePipeline
-from flatcake_ray.restore.source import PathTally, ReadOutcome
+from flatcake_ray.restore.source import ReadOutcome
 from flatcake_ray.transports import base
-from flatcake_ray.transports.local_ssd import GdsSsdTransport
+from flatcake_ray.transports.local_ssd import gds_wanted
 
 Keys = Sequence[KeyLike | PageKey]
-ALL_PATHS = frozenset(
-    {
-        base.REMOTE_DRAM_NIXL,
-        base.REMOTE_DRAM_RDMA,
-        base.REMOTE_SSD_NVMEOF,
-        base.REMOTE_SSD_SHIPPED,
-        base.OBJECT_STORE_FALLBACK,
-    }
-)
-_COUNTERS = ("puts", "gets", "exists", "hit_pages", "miss_pages", "actor_calls")
-_FAILURES = ("lease_expired", "read_failures", "puts_object_store_fallback")
 
 
 class FlatCakeClient:
@@ -88,9 +77,9 @@ class FlatCakeClient:
         self.namespace = namespace
         self.client_config = config or ClientConfig.from_env()
         self.ray_node_id = ray.get_runtime_context().get_node_id()
-        self.allowed = frozenset(ALL_PATHS if allow is None else allow)
-        if self.allowed - ALL_PATHS:
-            raise ValueError(f"unknown remote paths {sorted(self.allowed - ALL_PATHS)}")
+        self.allowed = frozenset(base.ALLOWABLE_PATHS if allow is None else allow)
+        if self.allowed - base.ALLOWABLE_PATHS:
+            raise ValueError(f"unknown remote paths {sorted(self.allowed - base.ALLOWABLE_PATHS)}")
         secret = self.client_config.tenant_secret or None
         config = self.client_config
         self.nodes = NodeTable(
@@ -124,13 +113,12 @@ class FlatCakeClient:
             allowed=self.allowed,
             agents=self._nixl_agent,
             lease_ttl_s=self.config.lease_ttl_s,
-            gds=self._gds_enabled(),
+            gds=gds_wanted(self.client_config.gds),
             on_release=self._account,
             seal_key=seal_key(secret) if secret else None,
         )
         self._pipelines: dict[torch.device, RestorePipeline] = {}
-        self.paths: dict[str, PathTally] = {}
-        self.counters = dict.fromkeys((*_COUNTERS, *_FAILURES), 0)
+        self.tally = ClientTally()
         self.metrics = Metrics(node_id=None, page_tokens=self.client_config.page_tokens)
 
     @property
@@ -140,15 +128,6 @@ class FlatCakeClient:
     @property
     def page_bytes(self) -> int:
         return self._geometry[1]
-
-    def _gds_enabled(self) -> bool:
-        mode = self.client_config.gds
-        if mode == "off":
-            return False
-        reason = GdsSsdTransport.probe()
-        if reason is not None and mode == "on":
-            raise ServiceError(f"gds=on but GPUDirect Storage is unavailable: {reason}")
-        return reason is None
 
     def warm_up(self) -> frozenset[str]:
         """Pay the one-time costs now rather than in the first request: probe the remote
@@ -178,11 +157,6 @@ class FlatCakeClient:
                 self._agents[role] = reader_agent(unique_agent_name(f"fc-client-{role}"))
             return self._agents[role]
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self.counters[name] += delta
-
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("the client is closed")
@@ -200,7 +174,7 @@ class FlatCakeClient:
         digests = digests_of(keys, namespace)  # typed errors first: keys may be anything
         report = RestoreReport(len(keys))
         link, answer = self._locator.ask("lookup" if lease else "probe", digests, report)
-        self._count(exists=1, actor_calls=report.actor_calls)
+        self.tally.count(exists=1, actor_calls=report.actor_calls)
         probe = probe_of(answer, digests)
         node_id = None if link is None else link.node_id
         self.metrics.probed(self.tenant, len(keys), probe.hits, node_id)
@@ -299,24 +273,10 @@ class FlatCakeClient:
 
     def _account(self, held: HeldLease, outcome: ReadOutcome, pages: int) -> None:
         """A restore ended (TransportSource.release): finish its report, count it."""
-        report = held.report
-        report.pages = pages
-        report.paths = outcome.paths
-        report.failures = outcome.failures
-        report.actor_calls += outcome.actor_calls
-        report.data_seconds = sum(tally.seconds for tally in outcome.paths.values())
+        self.tally.restore_ended(held.report, outcome, pages)
         parts = () if held.reply is None else held.reply.parts
         node_id = None if held.link is None else held.link.node_id
         self.metrics.restore_ended(parts, outcome, pages, self.tenant, node_id)
-        with self._lock:
-            self.counters["gets"] += 1
-            self.counters["hit_pages"] += pages
-            self.counters["miss_pages"] += report.requested - pages
-            self.counters["actor_calls"] += report.actor_calls
-            self.counters["lease_expired"] += int(report.lease_expired)
-            self.counters["read_failures"] += len(report.failures)
-            for path, tally in report.paths.items():
-                self.paths.setdefault(path, PathTally()).merge(tally)
 
     # ---- puts ------------------------------------------------------------------------------
     def begin_put(
@@ -352,12 +312,12 @@ class FlatCakeClient:
         link = self._owners.owner(anchor_of(digests), session_id, parent_packed, report)
         nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
         if not link.local and not nixl:
-            self._count(puts_object_store_fallback=1)
+            self.tally.count(puts_object_store_fallback=1)
         route = PutRoute(link, self.nodes, self._targets, nixl, self.config.rpc_timeout_s)
         options = dict(session_id=session_id, parent=parent_packed, hints=hints)
         continues = parent is not None
         self._owners.remember(digests, session_id, link.node_id, continues=continues, report=report)
-        self._count(puts=1, actor_calls=report.actor_calls)
+        self.tally.count(puts=1, actor_calls=report.actor_calls)
         return RemotePut(
             route, digests, layers=self.layers, page_bytes=self.page_bytes, options=options
         )
@@ -395,17 +355,18 @@ class FlatCakeClient:
         """This client's counters and per-path tallies; with ``nodes``, each node's stats
         (one call per node: control plane, not for the serving loop), asked once this
         client's releases have run there."""
+        counters, paths = self.tally.snapshot()
         with self._lock:
             out: dict[str, Any] = {
                 "client": {
-                    **self.counters,
+                    **counters,
                     "fanouts": self._locator.fanouts,
                     "release_calls": self._locator.release_calls,
                     "releases_unawaited": self._locator.releases_unawaited,
                     "finds_unawaited": self._locator.finds_unawaited,
                     **self.nodes.direct_stats(),
                 },
-                "paths": {p: vars(t).copy() for p, t in self.paths.items()},
+                "paths": paths,
                 "local_node_id": self.nodes.local_node_id,
                 "staging_bytes": self._staging.nbytes,
             }
