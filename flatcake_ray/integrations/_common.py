@@ -12,6 +12,7 @@ service. Another way to reach a store is one :func:`register_store_opener` call 
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 from flatcake_ray.config import ClientConfig, StoreConfig, parse_size
 from flatcake_ray.config_sources import read_value
 from flatcake_ray.core.api import KVStore
-from flatcake_ray.errors import ConfigError, ShapeError
+from flatcake_ray.errors import ConfigError, FlatCakeError, ShapeError
 
 # Keys that steer the adapter itself; every other ``store_*`` option is a StoreConfig field.
 STORE_KIND = "store"
@@ -107,6 +108,19 @@ def _open_local(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
             known = _local_stores[resolved] = FlatCakeStore(config)
     _check_geometry(known, geometry)
     return known
+
+
+def warm_up(store: KVStore) -> None:
+    """``store.warm_up()`` as an engine adapter starts (the Ray client maps its node's arena
+    then, not in the first step). A store that cannot warm up now (a node gone since the
+    client connected, a peer's NIXL refused) does not stop the engine from starting: the
+    first requests pay it, or miss and recompute, as they would without this call."""
+    try:
+        store.warm_up()
+    except FlatCakeError:
+        logging.getLogger(__name__).warning(
+            "FlatCake warm-up failed; the first requests pay it", exc_info=True
+        )
 
 
 def _check_geometry(store: KVStore, geometry: Geometry) -> None:

@@ -25,7 +25,7 @@ import torch
 from flatcake_ray.core.api import KVStore, PutWriter
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import FlatCakeError, ShapeError
-from flatcake_ray.integrations._common import Geometry, byte_view
+from flatcake_ray.integrations._common import Geometry, byte_view, warm_up
 from flatcake_ray.integrations._vllm_restore import (
     LoadTarget,
     PipelinedRestore,
@@ -99,7 +99,7 @@ class WorkerSide:
         # As the engine starts, not in its first forward: the Ray client maps its node's
         # arena (a first save into a chunk of 4 KiB pages filled its page tables: 70-140 ms
         # a 1.2 GB chunk, inside a step).
-        self.store.warm_up()
+        warm_up(self.store)
         return self.geometry
 
     def _ids(self, block_ids: Sequence[int], layer: int) -> torch.Tensor:

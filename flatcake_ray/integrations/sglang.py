@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from flatcake_ray.core.api import KVStore
 from flatcake_ray.errors import ConfigError, FlatCakeError
-from flatcake_ray.integrations._common import make_namespace, open_store, release_store
+from flatcake_ray.integrations._common import make_namespace, open_store, release_store, warm_up
 from flatcake_ray.integrations._sglang_layout import HostPoolView, host_pool_view
 from flatcake_ray.restore.dest import LayerTensors
 
@@ -99,7 +99,7 @@ class FlatCakeHiCacheStorage(HiCacheStorage):
 
     def on_host_pools_registered(self) -> None:
         self.store = open_store(self.options, self._view().geometry)
-        self.store.warm_up()  # as HiCache starts, not in its first backup (KVStore.warm_up)
+        warm_up(self.store)  # as HiCache starts, not in its first backup
 
     def _view(self) -> HostPoolView:
         if self.view is None:

@@ -75,6 +75,7 @@ from flatcake_ray.integrations._common import (
     make_namespace,
     open_store,
     release_store,
+    warm_up,
 )
 from flatcake_ray.integrations._vllm_restore import RestoreSettings
 from flatcake_ray.integrations._vllm_tier_parts import (
@@ -156,7 +157,7 @@ class FlatCakeTier(SecondaryTierManager):
             raise ConfigError(f"tier_threads must be >= 1, not {tier_threads!r}")
         page_bytes = row_bytes // layers
         self._store = open_store(options, Geometry(layers, page_bytes))
-        self._store.warm_up()  # as the tier is made, not in its first store (KVStore.warm_up)
+        warm_up(self._store)  # as the tier is made, not in its first store
         self.namespace = _namespace(offloading_spec, options.get("namespace"), row_bytes)
         self._timeout = RestoreSettings.from_options(options).load_timeout_s
         rows = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(-1, row_bytes)

@@ -17,6 +17,7 @@ from flatcake_ray.integrations._common import (
     make_namespace,
     open_store,
     release_store,
+    warm_up,
 )
 
 GEOMETRY = Geometry(layers=2, page_bytes=4096)
@@ -78,3 +79,29 @@ def test_unknown_store_kind_is_a_config_error():
 
 def test_namespace_drops_empty_parts():
     assert make_namespace("vllm", "org/model", "", None, "b16") == "vllm/org/model/b16"
+
+
+class _WarmUpFails:
+    """A store whose warm-up raises ``error`` (what a node gone since connecting does)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    def warm_up(self) -> None:
+        self.calls += 1
+        raise self.error
+
+
+def test_an_adapters_warm_up_that_fails_leaves_the_engine_starting(caplog):
+    """A store error in the warm-up an adapter makes as it starts is logged, not raised (the
+    first requests pay it, or miss); a bug (any other exception) still raises."""
+    from flatcake_ray.errors import ServiceError
+
+    failing = _WarmUpFails(ServiceError("storage node 3 went away"))
+    with caplog.at_level("WARNING"):
+        warm_up(failing)  # type: ignore[arg-type]
+    assert failing.calls == 1
+    assert "warm-up failed" in caplog.text and "storage node 3 went away" in caplog.text
+    with pytest.raises(ZeroDivisionError):
+        warm_up(_WarmUpFails(ZeroDivisionError()))  # type: ignore[arg-type]
