@@ -304,38 +304,68 @@ static PyObject *use_avx2(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* The index's tables (core/index.py PageIndex): three arrays of uint64 slots, hi and lo words
+ * of a 16-byte digest and its value, open-addressed and linearly probed from ``hi & mask``. A
+ * slot with hi == lo == 0 is empty and ends a probe; hi == 0 with lo != 0 is a deleted slot
+ * (the numpy delete's), passed over. */
+typedef struct {
+    uint64_t *hi, *lo, *val;
+    Py_ssize_t slots;
+} Tables;
+
+/* ``val`` may be NULL (a lookup needs no values). False, with a ValueError naming ``usage``,
+ * unless the tables are a power of two uint64 slots each. */
+static int tables_of(Tables *t, Py_buffer *hi, Py_buffer *lo, Py_buffer *val, const char *usage) {
+    t->slots = hi->len / 8;
+    t->hi = (uint64_t *)hi->buf;
+    t->lo = (uint64_t *)lo->buf;
+    t->val = val == NULL ? NULL : (uint64_t *)val->buf;
+    if (t->slots == 0 || (t->slots & (t->slots - 1)) != 0 || hi->len % 8 != 0 ||
+        lo->len != hi->len || (val != NULL && val->len != hi->len)) {
+        PyErr_SetString(PyExc_ValueError, usage);
+        return 0;
+    }
+    return 1;
+}
+
+/* The slot that holds the digest (want_hi, want_lo), or -1 where an empty slot ends its chain
+ * first; ``first_free`` (unless NULL) gets the chain's first free slot (empty or deleted) up
+ * to that point, -1 if none. */
+static Py_ssize_t chain_slot(const Tables *t, uint64_t want_hi, uint64_t want_lo,
+                             Py_ssize_t *first_free) {
+    uint64_t mask = (uint64_t)t->slots - 1, slot = want_hi & mask;
+    if (first_free != NULL) *first_free = -1;
+    for (Py_ssize_t step = 0; step < t->slots; step++, slot = (slot + 1) & mask) {
+        if (t->hi[slot] == want_hi && t->lo[slot] == want_lo) return (Py_ssize_t)slot;
+        if (t->hi[slot] == 0) {
+            if (first_free != NULL && *first_free < 0) *first_free = (Py_ssize_t)slot;
+            if (t->lo[slot] == 0) break; /* empty: the chain ends */
+        }
+    }
+    return -1;
+}
+
 /* The index's probe (core/index.py PageIndex): for each 16-byte digest (two little-endian
- * uint64 words, hi and lo), the slot of the open-addressed, linearly probed table that holds
- * it, or -1 where an empty slot (both words 0) ends the probe first. numpy takes a pass a
+ * uint64 words, hi and lo), the slot of the table that holds it, or -1. numpy takes a pass a
  * probe step over every digest still looking (about 0.26 ms for a 3,421-page lookup); this is
  * one short loop a digest (about 0.03 ms). */
 static PyObject *find_slots(PyObject *self, PyObject *args) {
     Py_buffer hi_table, lo_table, digests, out;
     if (!PyArg_ParseTuple(args, "y*y*y*w*", &hi_table, &lo_table, &digests, &out)) return NULL;
-    Py_ssize_t slots = hi_table.len / 8, n = digests.len / 16;
+    const char *usage = "find_slots(hi, lo, digests, out): tables of a power of two uint64 "
+                        "slots each, 16-byte digests, an int64 out a digest";
+    Py_ssize_t n = digests.len / 16;
     PyObject *result = NULL;
-    if (slots == 0 || (slots & (slots - 1)) != 0 || lo_table.len != hi_table.len ||
-        hi_table.len % 8 != 0 || digests.len % 16 != 0 || out.len != n * 8) {
-        PyErr_SetString(PyExc_ValueError,
-                        "find_slots(hi, lo, digests, out): tables of a power of two uint64 "
-                        "slots each, 16-byte digests, an int64 out a digest");
+    Tables t;
+    if (!tables_of(&t, &hi_table, &lo_table, NULL, usage)) goto done;
+    if (digests.len % 16 != 0 || out.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, usage);
         goto done;
     }
-    const uint64_t *hi = (const uint64_t *)hi_table.buf, *lo = (const uint64_t *)lo_table.buf;
     const uint64_t *words = (const uint64_t *)digests.buf;
     int64_t *found = (int64_t *)out.buf;
-    uint64_t mask = (uint64_t)slots - 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t want_hi = words[2 * i], want_lo = words[2 * i + 1];
-        uint64_t slot = want_hi & mask;
-        found[i] = -1;
-        for (Py_ssize_t step = 0; step < slots; step++, slot = (slot + 1) & mask) {
-            if (hi[slot] == want_hi && lo[slot] == want_lo) {
-                found[i] = (int64_t)slot;
-                break;
-            }
-            if (hi[slot] == 0 && lo[slot] == 0) break;
-        }
+        found[i] = chain_slot(&t, words[2 * i], words[2 * i + 1], NULL);
     }
     result = Py_NewRef(Py_None);
 done:
@@ -346,60 +376,44 @@ done:
     return result;
 }
 
-/* The index's insert (core/index.py PageIndex.insert): each 16-byte digest that is absent
- * goes into the first free slot (empty, or deleted: hi == 0) of its probe chain, with its
- * value; one that is present (in the table, or earlier in the batch) keeps its first value.
- * ``inserted`` gets 1 where a digest went in. The caller reserved room for every digest
- * (a free slot always ends a chain). Returns how many deleted slots were taken. numpy took a
- * pass a probe step plus a sort for the batch's repeats (about 2 ms for 3,421 pages, and a
- * whole-table rehash in passes); this is one short loop a digest. */
+/* The index's insert (core/index.py PageIndex.insert): each digest that is absent goes into
+ * the first free slot (empty, or deleted) of its chain, with its value; one that is present
+ * (in the table, or earlier in the batch) keeps its first value. ``inserted`` gets 1 where a
+ * digest went in. The caller reserved room for every digest (a free slot always ends a
+ * chain). Returns how many deleted slots were taken. numpy took a pass a probe step plus a
+ * sort for the batch's repeats (about 2 ms for 3,421 pages, and a whole-table rehash in
+ * passes); this is one short loop a digest. */
 static PyObject *place_digests(PyObject *self, PyObject *args) {
     Py_buffer hi_table, lo_table, val_table, digests, values, out;
     if (!PyArg_ParseTuple(args, "w*w*w*y*y*w*", &hi_table, &lo_table, &val_table, &digests,
                           &values, &out))
         return NULL;
-    Py_ssize_t slots = hi_table.len / 8, n = digests.len / 16;
-    PyObject *result = NULL;
-    if (slots == 0 || (slots & (slots - 1)) != 0 || lo_table.len != hi_table.len ||
-        val_table.len != hi_table.len || hi_table.len % 8 != 0 || digests.len % 16 != 0 ||
-        values.len != n * 8 || out.len != n) {
-        PyErr_SetString(PyExc_ValueError,
-                        "place_digests(hi, lo, val, digests, values, inserted): tables of a "
+    const char *usage = "place_digests(hi, lo, val, digests, values, inserted): tables of a "
                         "power of two uint64 slots each, 16-byte digests, a uint64 value and "
-                        "a bool out a digest");
+                        "a bool out a digest";
+    Py_ssize_t n = digests.len / 16;
+    PyObject *result = NULL;
+    Tables t;
+    if (!tables_of(&t, &hi_table, &lo_table, &val_table, usage)) goto done;
+    if (digests.len % 16 != 0 || values.len != n * 8 || out.len != n) {
+        PyErr_SetString(PyExc_ValueError, usage);
         goto done;
     }
-    uint64_t *hi = (uint64_t *)hi_table.buf, *lo = (uint64_t *)lo_table.buf;
-    uint64_t *val = (uint64_t *)val_table.buf;
     const uint64_t *words = (const uint64_t *)digests.buf, *value = (const uint64_t *)values.buf;
     uint8_t *inserted = (uint8_t *)out.buf;
-    uint64_t mask = (uint64_t)slots - 1;
     long reused = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t want_hi = words[2 * i], want_lo = words[2 * i + 1];
-        uint64_t slot = want_hi & mask;
-        Py_ssize_t free_slot = -1;
-        int present = 0;
-        for (Py_ssize_t step = 0; step < slots; step++, slot = (slot + 1) & mask) {
-            if (hi[slot] == want_hi && lo[slot] == want_lo) {
-                present = 1;
-                break;
-            }
-            if (hi[slot] == 0) {
-                if (free_slot < 0) free_slot = (Py_ssize_t)slot;
-                if (lo[slot] == 0) break; /* empty: the chain ends */
-            }
-        }
+        Py_ssize_t free_slot;
         inserted[i] = 0;
-        if (present) continue;
+        if (chain_slot(&t, words[2 * i], words[2 * i + 1], &free_slot) >= 0) continue;
         if (free_slot < 0) {
             PyErr_SetString(PyExc_RuntimeError, "place_digests: the table is full");
             goto done;
         }
-        reused += lo[free_slot] != 0;
-        hi[free_slot] = want_hi;
-        lo[free_slot] = want_lo;
-        val[free_slot] = value[i];
+        reused += t.lo[free_slot] != 0;
+        t.hi[free_slot] = words[2 * i];
+        t.lo[free_slot] = words[2 * i + 1];
+        t.val[free_slot] = value[i];
         inserted[i] = 1;
     }
     result = PyLong_FromLong(reused);
@@ -413,7 +427,7 @@ done:
     return result;
 }
 
-/* The index's delete (core/index.py PageIndex.delete) without tombstones: each digest found
+/* The index's delete (core/index.py PageIndex.delete) without deleted slots: each digest found
  * is taken out and the entries after it in its cluster move back into the gap where their
  * probe would find them earlier (backward-shift deletion), so a chain never holds a deleted
  * slot and the table never needs a rehash to clear them (numpy marked slots deleted, and
@@ -423,50 +437,40 @@ static PyObject *remove_digests(PyObject *self, PyObject *args) {
     Py_buffer hi_table, lo_table, val_table, digests;
     if (!PyArg_ParseTuple(args, "w*w*w*y*", &hi_table, &lo_table, &val_table, &digests))
         return NULL;
-    Py_ssize_t slots = hi_table.len / 8, n = digests.len / 16;
+    const char *usage = "remove_digests(hi, lo, val, digests): tables of a power of two uint64 "
+                        "slots each, 16-byte digests";
+    Py_ssize_t n = digests.len / 16;
     PyObject *result = NULL;
-    if (slots == 0 || (slots & (slots - 1)) != 0 || lo_table.len != hi_table.len ||
-        val_table.len != hi_table.len || hi_table.len % 8 != 0 || digests.len % 16 != 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "remove_digests(hi, lo, val, digests): tables of a power of two uint64 "
-                        "slots each, 16-byte digests");
+    Tables t;
+    if (!tables_of(&t, &hi_table, &lo_table, &val_table, usage)) goto done;
+    if (digests.len % 16 != 0) {
+        PyErr_SetString(PyExc_ValueError, usage);
         goto done;
     }
-    uint64_t *hi = (uint64_t *)hi_table.buf, *lo = (uint64_t *)lo_table.buf;
-    uint64_t *val = (uint64_t *)val_table.buf;
     const uint64_t *words = (const uint64_t *)digests.buf;
-    uint64_t mask = (uint64_t)slots - 1;
+    uint64_t mask = (uint64_t)t.slots - 1;
     long removed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t want_hi = words[2 * i], want_lo = words[2 * i + 1];
-        uint64_t gap = want_hi & mask;
-        int found = 0;
-        for (Py_ssize_t step = 0; step < slots; step++, gap = (gap + 1) & mask) {
-            if (hi[gap] == want_hi && lo[gap] == want_lo) {
-                found = 1;
-                break;
-            }
-            if (hi[gap] == 0) break; /* empty: absent */
-        }
-        if (!found) continue;
+        Py_ssize_t found = chain_slot(&t, words[2 * i], words[2 * i + 1], NULL);
+        if (found < 0) continue;
         removed++;
-        uint64_t next = gap;
-        for (Py_ssize_t step = 0; step < slots; step++) {
+        uint64_t gap = (uint64_t)found, next = gap;
+        for (Py_ssize_t step = 0; step < t.slots; step++) {
             next = (next + 1) & mask;
-            if (hi[next] == 0) break; /* the cluster ends */
-            uint64_t home = hi[next] & mask;
+            if (t.hi[next] == 0) break; /* the cluster ends */
+            uint64_t home = t.hi[next] & mask;
             /* The entry at ``next`` stays unless its home is at or before the gap, cyclically:
              * a probe from its home passes the gap before reaching it. */
             int stays = gap <= next ? (gap < home && home <= next) : (gap < home || home <= next);
             if (stays) continue;
-            hi[gap] = hi[next];
-            lo[gap] = lo[next];
-            val[gap] = val[next];
+            t.hi[gap] = t.hi[next];
+            t.lo[gap] = t.lo[next];
+            t.val[gap] = t.val[next];
             gap = next;
         }
-        hi[gap] = 0;
-        lo[gap] = 0;
-        val[gap] = 0;
+        t.hi[gap] = 0;
+        t.lo[gap] = 0;
+        t.val[gap] = 0;
     }
     result = PyLong_FromLong(removed);
 done:
