@@ -129,16 +129,18 @@ class FlatCakeClient:
     def page_bytes(self) -> int:
         return self._geometry[1]
 
-    def warm_up(self) -> frozenset[str]:
+    def warm_up(self, *, peers: bool = True) -> frozenset[str]:
         """Pay the one-time costs now rather than in the first request: probe the remote
-        paths (importing NIXL imports torch: seconds), start this client's NIXL agent and
-        connect the remote-DRAM transport of every node; on this client's own node, map the
+        paths (importing NIXL imports torch: seconds); on this client's own node, map the
         arena chunks its tenant holds for reads and for puts (a put's first write into a
         chunk this process never mapped paid its page tables: 1.2 GB of 4 KiB pages, 70-140
-        ms). Returns the paths probed usable."""
+        ms); with ``peers``, also start this client's NIXL agent and connect the remote-DRAM
+        transport of every node (a connection a node: an engine's adapter leaves them to its
+        first reads, so its start does not grow with the cluster). Returns the paths probed
+        usable."""
         usable = process_paths()
         for link in self.nodes.up():
-            if base.REMOTE_DRAM_NIXL in link.available(self.allowed):
+            if peers and base.REMOTE_DRAM_NIXL in link.available(self.allowed):
                 link.transport(base.REMOTE_DRAM_NIXL, Medium.DRAM, self._nixl_agent)
             if link.local:  # local paths are always taken (no "allow" names them)
                 link.transport(base.LOCAL_DRAM, Medium.DRAM, self._nixl_agent)

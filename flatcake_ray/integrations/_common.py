@@ -111,12 +111,13 @@ def _open_local(options: Mapping[str, Any], geometry: Geometry) -> KVStore:
 
 
 def warm_up(store: KVStore) -> None:
-    """``store.warm_up()`` as an engine adapter starts (the Ray client maps its node's arena
-    then, not in the first step). A store that cannot warm up now (a node gone since the
-    client connected, a peer's NIXL refused) does not stop the engine from starting: the
-    first requests pay it, or miss and recompute, as they would without this call."""
+    """``store.warm_up(peers=False)`` as an engine adapter starts (the Ray client maps its
+    node's arena then, not in the first step; its connections to other nodes wait for the
+    reads that need them, so an engine's start does not grow with the cluster). A store that
+    cannot warm up now (a node gone since the client connected) does not stop the engine from
+    starting: the first requests pay it, or miss and recompute, as without this call."""
     try:
-        store.warm_up()
+        store.warm_up(peers=False)
     except FlatCakeError:
         logging.getLogger(__name__).warning(
             "FlatCake warm-up failed; the first requests pay it", exc_info=True

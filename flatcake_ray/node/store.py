@@ -221,8 +221,9 @@ class FlatCakeStore:
         on_commit = partial(self.metrics.put_committed, tenant, page_all_layers)
         return PutHandle(self.writer, plan, catalog, len(keys), self.puts, on_commit)
 
-    def warm_up(self) -> None:
-        """Nothing to pay: the arena and the drive are this process's own, mapped when made."""
+    def warm_up(self, *, peers: bool = True) -> None:
+        """Nothing to pay: the arena and the drive are this process's own, mapped when made
+        (and it has no peers)."""
 
     def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
         check_key_list(keys)

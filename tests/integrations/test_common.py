@@ -88,7 +88,7 @@ class _WarmUpFails:
         self.error = error
         self.calls = 0
 
-    def warm_up(self) -> None:
+    def warm_up(self, *, peers: bool = True) -> None:
         self.calls += 1
         raise self.error
 
