@@ -30,6 +30,11 @@ RESTORE_STAGES = (
     # A checked mapped chunk copied into consecutive host slots, each block hashed after its
     # copy (one pass: the scatter and the checksums of that chunk at once).
     ("scatter+checksums", "flatcake_ray.restore.deliver", "copy_and_check"),
+    # A checked chunk bound for pages split in memory or apart (vLLM's K and V planes,
+    # scattered slots): each block copied into its pieces and hashed in one pass; before,
+    # copied into a private buffer with its hash (``checked copy``), then scattered.
+    ("scatter+checksums", "flatcake_ray.restore.deliver", "copy_into_pieces"),
+    ("checked copy", "flatcake_ray.restore.deliver", "copy_blocks_checked"),
     ("release", "flatcake_ray.node.source", "NodeSource.release"),
     ("release", "flatcake_ray.client.source", "TransportSource.release"),
 )

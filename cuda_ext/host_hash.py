@@ -25,6 +25,7 @@ import numpy as np
 from flatcake_ray.cuda_ext.host_copy import (
     HASH_AT,
     LENGTH,
+    ROW_BYTES,
     SPLIT_BYTES,
     idle_threads,
     native_module,
@@ -83,6 +84,33 @@ def copy_and_hash(ops: np.ndarray) -> np.ndarray | None:
         return None
     module, address = native
     return run_ops(module, ops, address)
+
+
+def pieces_pass() -> bool:
+    """:func:`copy_and_hash_pieces` runs here (the native module, built, on a CPU with AVX2)."""
+    module = native_module()
+    return module is not None and bool(module.pieces_pass())
+
+
+def copy_and_hash_pieces(rows: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    """Copy each row's bytes into its pieces and return their XXH3-64s (uint64), hashed in
+    the copy's own pass, on the idle copy threads. ``rows``: int64 ``(src, length,
+    first_piece, piece_bytes)``, a row's ``length`` over 240 and whole pieces of a multiple
+    of 64 bytes; ``pieces``: int64 destination addresses. Every address a valid range of the
+    caller's live memory; only where :func:`pieces_pass` (ValueError otherwise)."""
+    module = native_module()
+    if module is None:
+        raise ValueError("the native copy module is not built")
+    rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1, 4)
+    pieces = np.ascontiguousarray(pieces, dtype=np.int64)
+    total = int(rows[:, 1].sum())
+    threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(rows)))
+    sums = np.zeros(len(rows), dtype=np.uint64)
+    claimed = np.zeros(1, dtype=np.int64)
+    step = max(1, len(rows) if threads == 1 else ROW_BYTES // max(1, total // max(1, len(rows))))
+    call = functools.partial(module.copy_hash_pieces, rows, pieces, sums, claimed, step)
+    run_split([call] * threads)
+    return sums
 
 
 def copy_hashing_source(dst: np.ndarray, src: np.ndarray, block_bytes: int) -> np.ndarray | None:

@@ -59,6 +59,21 @@ def small_config(root, **overrides) -> StoreConfig:
     return StoreConfig(**base)
 
 
+@pytest.fixture(params=[True, False], ids=["avx2-pass", "plain-pass"])
+def native_pass(request):
+    """The native copies' AVX2 pass (hash in the copy loop, non-temporal stores, copies into
+    pieces) where the CPU has it, and the plain pass (copy, then libxxhash) that other CPUs
+    take."""
+    from flatcake_ray.cuda_ext import host_copy
+
+    module = host_copy.native_module()
+    if module is None:
+        pytest.skip("cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, or no compiler)")
+    before = module.use_avx2(request.param)
+    yield request.param
+    module.use_avx2(before)
+
+
 @pytest.fixture
 def failpoints():
     """The failpoint module, every point disarmed again when the test ends."""

@@ -19,18 +19,6 @@ from flatcake_ray.transports.base import ReadBatch
 from flatcake_ray.transports.local_ssd import PIECE_BYTES, depth_pieces
 
 
-@pytest.fixture(params=[True, False], ids=["avx2-pass", "plain-pass"])
-def native_pass(request):
-    """The native copies' AVX2 pass (hash in the copy loop, non-temporal stores) where the
-    CPU has it, and the plain pass (copy, then libxxhash) that other CPUs take."""
-    module = host_copy.native_module()
-    if module is None:
-        pytest.skip("cuda_ext/_copyhash.c not built (FLATCAKE_NATIVE=0, or no compiler)")
-    before = module.use_avx2(request.param)
-    yield request.param
-    module.use_avx2(before)
-
-
 @pytest.fixture(params=[1, 2, 4], ids=lambda n: f"{n}-threads")
 def threads(request, monkeypatch) -> int:
     monkeypatch.setattr(host_copy, "idle_threads", lambda: request.param)
@@ -223,3 +211,54 @@ def test_ssd_reads_are_cut_into_pieces_that_cover_each_range_once() -> None:
     assert [n for _, n, _ in pieces] == [PIECE_BYTES] * 3 + [4096]
     assert [src for src, _, _ in pieces] == [i * PIECE_BYTES for i in range(4)]
     assert all(dst - src == 1 << 30 for src, _, dst in pieces)  # each lands where its bytes go
+
+
+@pytest.mark.parametrize(
+    ("page_bytes", "pieces_a_page", "pages_a_block"),
+    [(32768, 2, 2), (8192, 2, 8), (4096, 1, 16), (320, 5, 3), (448, 7, 1)],
+)
+def test_a_block_copied_into_pieces_lands_in_them_in_order_with_libxxhash_s_sum(
+    native_pass: bool, threads: int, page_bytes: int, pieces_a_page: int, pages_a_block: int
+) -> None:
+    """A checked restore into pages split in memory (vLLM's K and V planes) copies each block
+    straight into its pieces, wherever they lie, and hashes it in the same pass: each block's
+    bytes land piece after piece, its sum is the reader's xxh3-64, nothing else is written.
+    Only the AVX2 pass has it (the plain one says so and the restore takes its other path);
+    rows it cannot take are a ValueError, with nothing copied."""
+    if not host_hash.fused():
+        pytest.skip("no fused copy: cuda_ext/_copyhash.c not built or no libxxhash")
+    if native_pass and not host_hash.pieces_pass():
+        pytest.skip("this CPU has no AVX2: the restore copies into a scratch buffer instead")
+    blocks, piece = 5, page_bytes // pieces_a_page
+    block_bytes = page_bytes * pages_a_block
+    rng = np.random.default_rng(page_bytes + pieces_a_page)
+    source = rng.integers(0, 256, blocks * block_bytes, dtype=np.uint8)
+    target = np.zeros(2 * source.nbytes, dtype=np.uint8)
+    count = blocks * pages_a_block * pieces_a_page
+    slots = rng.permutation(2 * count)[:count]  # every piece somewhere, none overlapping
+    pieces = target.ctypes.data + slots * piece
+    rows = np.array(
+        [
+            [source.ctypes.data + b * block_bytes, block_bytes, b * block_bytes // piece, piece]
+            for b in range(blocks)
+        ],
+        dtype=np.int64,
+    )
+    if not native_pass:
+        with pytest.raises(ValueError, match="AVX2"):
+            host_hash.copy_and_hash_pieces(rows, pieces)
+        assert not target.any()
+        return
+    sums = host_hash.copy_and_hash_pieces(rows, pieces)
+    landed = np.concatenate([target[s * piece : (s + 1) * piece] for s in slots])
+    assert np.array_equal(landed, source)
+    assert np.array_equal(sums, block_checksums(source, block_bytes))
+    untouched = np.setdiff1d(np.arange(2 * count), slots)
+    assert not any(target[s * piece : (s + 1) * piece].any() for s in untouched)
+    target[:] = 0
+    for bad in ([0, 200, 0, 64], [0, 1024, 0, 96], [0, 1024, count - 1, 512]):
+        row = np.array([bad], dtype=np.int64)
+        row[0, 0] += source.ctypes.data
+        with pytest.raises(ValueError, match="row"):
+            host_hash.copy_and_hash_pieces(row, pieces)
+    assert not target.any()

@@ -15,7 +15,16 @@ from flatcake_ray.cuda_ext.scatter import scatter_layer
 from flatcake_ray.errors import RestoreTimeoutError, ShapeError
 from flatcake_ray.restore import LayerTensors, PagedPool
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
-from tests.test_restore import DRAM, WAIT, make_pool, pool_pages, put_turns, scattered_slots
+from tests.test_restore import (
+    DRAM,
+    WAIT,
+    assert_no_wrong_byte,
+    flip_on_drive,
+    make_pool,
+    pool_pages,
+    put_turns,
+    scattered_slots,
+)
 
 # ---- per-layer destinations (vLLM's KV caches) ------------------------------------------------
 
@@ -52,7 +61,7 @@ def saved_pages(tensors, block_ids):
 @pytest.mark.parametrize("hints", [[None, None], [DRAM, None], [DRAM, DRAM]])
 @pytest.mark.parametrize("verify_dram", [False, True])
 def test_per_layer_tensors_restore_byte_exact(
-    make_store, pipelines, make_layers, hints, verify_dram
+    make_store, pipelines, make_layers, hints, verify_dram, native_pass
 ):
     store = make_store(verify_dram=verify_dram)
     kv = random_kv(24, seed=60)
@@ -65,6 +74,35 @@ def test_per_layer_tensors_restore_byte_exact(
     assert np.array_equal(saved_pages(tensors, blocks), kv)
     untouched = np.setdiff1d(np.arange(BLOCKS), blocks)
     assert not saved_pages(tensors, untouched).any()
+
+
+@pytest.mark.parametrize("medium", ["DRAM", "SSD"])
+def test_a_wrong_block_in_kv_planes_shrinks_the_restore_and_leaves_no_wrong_byte(
+    make_store, pipelines, native_pass, medium
+):
+    """A checked restore into vLLM's K/V planes (each page two pieces far apart) copies each
+    checksum block straight into its pieces and hashes it there (the AVX2 pass), or through a
+    private copy (the plain one): a byte flipped in the second put's pages fails that scope
+    only, and none of its pages holds a wrong byte (each its bytes or nothing), the first
+    put's exact."""
+    store = make_store(verify_dram=True)
+    kv = random_kv(24, seed=64)
+    hints = DRAM if medium == "DRAM" else None
+    store.put(list(range(9)), kv[:, :9], hints=hints)
+    store.put(list(range(9, 24)), kv[:, 9:], hints=hints)  # no parent: a scope of its own
+    page, layer = 17, 2
+    if medium == "DRAM":
+        gva = int(store.gvas([page])[0])  # a DRAM GVA is its arena offset; 15 pages a layer
+        store.arena.view[gva + layer * 15 * PAGE_BYTES + 100] ^= 0xFF
+    else:
+        flip_on_drive(store, page, layer, scope_pages=15)
+    tensors = kv_first_layers()
+    blocks = scattered_slots(24, seed=65, slots=BLOCKS)
+    handle = pipelines(store).submit(list(range(24)), LayerTensors(tensors, blocks))
+    assert handle.wait(WAIT) == 9 and store.stats()["quarantined_scopes"] == 1
+    got = saved_pages(tensors, blocks)
+    assert np.array_equal(got[:, :9], kv[:, :9])
+    assert_no_wrong_byte(got[:, 9:], kv[:, 9:])
 
 
 def test_per_layer_wait_returns_with_that_layer_in_place(make_store, pipelines):

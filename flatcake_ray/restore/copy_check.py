@@ -17,7 +17,8 @@ import numpy as np
 from flatcake_ray.core.block_checks import BlockRows, HashSpan
 from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import DST, HASH_AT, op_rows
-from flatcake_ray.cuda_ext.host_hash import copy_and_hash, fused
+from flatcake_ray.cuda_ext.host_hash import copy_and_hash, copy_and_hash_pieces, fused, pieces_pass
+from flatcake_ray.restore.dest import Destination
 
 
 @dataclass(frozen=True)
@@ -142,3 +143,81 @@ def copy_blocks_checked(medium: np.ndarray, rows: BlockRows, into: np.ndarray) -
     sums = copy_and_hash(op_rows(copies, medium.ctypes.data + rows.offset, rows.length, copies))
     assert sums is not None  # fused() said the native pass is there
     return sums != rows.expected
+
+
+def copy_into_pieces(
+    source: np.ndarray, rows: BlockRows, runs: list[PageRun], dest: Destination, page_bytes: int
+) -> np.ndarray | None:
+    """Copy each block of ``rows`` (whole checksum blocks of ``source``, the mapped medium or
+    a filled host slot, sorted by offset) straight into the host pieces where its pages go
+    (``dest``'s, for ``runs``; a block's pages no run takes go to a private sink) and hash it
+    in the same pass; returns per row whether its sum is wrong. What is hashed is what the
+    pieces hold. None, with nothing copied, where this pass does not apply: not built or no
+    AVX2, a device, pieces not a multiple of 64 bytes, a short block, a run's page outside
+    every block."""
+    if not runs or not len(rows) or not pieces_pass():
+        return None
+    found = _pieces_of(runs, dest, page_bytes)
+    if found is None or int(rows.length.min()) <= 240:
+        return None
+    offsets, addresses, piece_bytes = found
+    per_page = page_bytes // piece_bytes
+    per_row = rows.length // page_bytes
+    starts = np.cumsum(per_row) - per_row
+    pages = np.repeat(rows.offset, per_row) + page_bytes * (
+        np.arange(int(per_row.sum()), dtype=np.int64) - np.repeat(starts, per_row)
+    )
+    if not _all_inside(offsets, pages):
+        return None
+    at = np.minimum(np.searchsorted(offsets, pages), len(offsets) - 1)
+    taken = offsets[at] == pages
+    table = np.empty((len(pages), per_page), dtype=np.int64)
+    table[taken] = addresses[at[taken]]
+    sink = np.empty(int((~taken).sum()) * page_bytes, dtype=np.uint8)  # alive until copied
+    table[~taken] = sink.ctypes.data + (
+        np.arange(len(sink) // page_bytes, dtype=np.int64)[:, None] * page_bytes
+        + np.arange(per_page, dtype=np.int64)[None, :] * piece_bytes
+    )
+    if int(rows.offset.min()) < 0 or int((rows.offset + rows.length).max()) > source.nbytes:
+        raise AssertionError("a block lies outside the chunk's source")
+    ops = np.stack(
+        [
+            source.ctypes.data + rows.offset,
+            rows.length,
+            starts * per_page,
+            np.full(len(rows), piece_bytes, dtype=np.int64),
+        ],
+        axis=1,
+    )
+    return copy_and_hash_pieces(ops, table.reshape(-1)) != rows.expected
+
+
+def _pieces_of(
+    runs: list[PageRun], dest: Destination, page_bytes: int
+) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(each taken page's source offset, ascending; its pieces' addresses, a row a page;
+    the piece size), or None where a run has no host pieces, the runs' pieces differ in size
+    or are not whole multiples of 64 bytes, or two runs take one page."""
+    offsets, addresses, piece_bytes = [], [], 0
+    for run in runs:
+        where = dest.host_pieces(run.layer, run.positions)
+        if where is None or piece_bytes not in (0, where.piece_bytes):
+            return None
+        piece_bytes = where.piece_bytes
+        offsets.append(run.offset + page_bytes * np.arange(len(run.positions), dtype=np.int64))
+        addresses.append(where.addresses)
+    if piece_bytes % 64 or page_bytes % piece_bytes:
+        return None
+    offset = np.concatenate(offsets)
+    order = np.argsort(offset, kind="stable")
+    offset = offset[order]
+    if len(offset) > 1 and not bool(np.all(np.diff(offset) > 0)):
+        return None
+    table = np.concatenate(addresses).reshape(len(order), page_bytes // piece_bytes)[order]
+    return offset, table, piece_bytes
+
+
+def _all_inside(offsets: np.ndarray, pages: np.ndarray) -> bool:
+    """Every taken page (``offsets``) is one of the blocks' ``pages`` (both ascending)."""
+    at = np.minimum(np.searchsorted(pages, offsets), len(pages) - 1)
+    return bool(np.all(pages[at] == offsets))

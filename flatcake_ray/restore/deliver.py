@@ -8,9 +8,10 @@ On the host, a group's layers are checked and scattered one after another, and e
 reported in place as soon as it is, so a group's first layer can be waited on before its
 last has landed. A checked chunk (of the mapped arena, or a filled slot) bound for
 consecutive host slots is copied there and checked there (the reader's own memory: one copy,
-no private one), each whole block hashed right after its copy (``restore/copy_check.py``);
-other whole checksum blocks are hashed together on the idle cores (``cuda_ext/host_hash.py``).
-"""
+no private one), each whole block hashed right after its copy; one bound for pages split in
+memory or apart (vLLM's K and V planes) is copied block by block into their pieces, hashed in
+the same pass (``restore/copy_check.py``); other whole checksum blocks are hashed together
+on the idle cores (``cuda_ext/host_hash.py``)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ from flatcake_ray.core.chunks import LayerChunk, PageRun
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.cuda_ext.host_hash import xxh3_many
 from flatcake_ray.cuda_ext.scatter import scatter_layer
-from flatcake_ray.restore.copy_check import ChunkChecks, copy_and_check, copy_blocks_checked
+from flatcake_ray.restore.copy_check import (
+    ChunkChecks,
+    copy_and_check,
+    copy_blocks_checked,
+    copy_into_pieces,
+)
 from flatcake_ray.restore.dest import ScatterFn
 from flatcake_ray.restore.source import FillStats, Slot
 from flatcake_ray.restore.window import Job
@@ -54,6 +60,8 @@ class ChunkDelivery:
             self._scatter_device(job, chunk, runs, source, slot, stats)
         elif targets := self._in_place_targets(job, chunk):
             self._deliver_in_place(job, chunk, slot, stats, targets)
+        elif self._copied_into_pieces(job, chunk, slot, stats):
+            pass  # a checked chunk copied straight into host pieces, hashed as it went
         elif chunk.mapped and self._copied_checked(job, chunk):
             pass  # a checked chunk bound for pages split in memory: copied, checked, scattered
         else:
@@ -98,6 +106,34 @@ class ChunkDelivery:
             self._count(job, chunk, [run for run in runs if run.layer == layer], stats)
             if chunk.done_layer is not None:
                 job.handle._layer_done(layer)
+
+    def _copied_into_pieces(
+        self, job: Job, chunk: LayerChunk, slot: Slot | None, stats: FillStats | None
+    ) -> bool:
+        """A checked chunk of whole blocks only, each block copied straight into the host
+        pieces its pages go to and hashed in that pass (``copy_into_pieces``); a scope found
+        wrong has its pages zeroed. False, with nothing done, where that pass does not apply."""
+        if not chunk.checked or chunk.hashes or not self._direct:
+            return False
+        runs = self._kept(job, chunk.runs)
+        rows = ChunkChecks.of(chunk).rows
+        wrong = copy_into_pieces(
+            self._bytes_of(job, chunk, slot), rows, runs, job.dest, self.page_bytes
+        )
+        if wrong is None:
+            return False
+        for scope_id in set(rows.scope[wrong].tolist()):
+            self._failed_scope(job, scope_id)
+        for run in runs:
+            if run.scope_id in job.outcome.bad_scopes:
+                zeros = torch.zeros(len(run.positions) * self.page_bytes, dtype=torch.uint8)
+                job.dest.scatter(zeros, run.positions, run.layer, self._scatter)
+        runs = self._kept(job, runs)
+        for layer in sorted({run.layer for run in chunk.runs}):
+            self._count(job, chunk, [run for run in runs if run.layer == layer], stats)
+            if chunk.done_layer is not None:
+                job.handle._layer_done(layer)
+        return True
 
     def _copied_checked(self, job: Job, chunk: LayerChunk) -> bool:
         """A checked mapped chunk of whole blocks only, into host pages that are not one

@@ -33,7 +33,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ from flatcake_ray.cuda_ext.scatter import (
 )
 from flatcake_ray.errors import ShapeError
 
-__all__ = ["Destination", "LayerTensors", "PagedPool", "as_destination"]
+__all__ = ["Destination", "HostPieces", "LayerTensors", "PagedPool", "as_destination"]
 
 ScatterFn = Callable[..., None]  # cuda_ext.scatter.scatter_layer's signature
 
@@ -80,6 +80,19 @@ class Destination(ABC):
         and checks them in place); None otherwise, or on a device."""
         return None
 
+    def host_pieces(self, layer: int, positions: np.ndarray) -> HostPieces | None:
+        """Where the pages of ``positions`` of ``layer`` go in host memory, piece by piece in
+        each page's logical order, page after page (a checked restore copies each checksum
+        block of pages straight into its pieces and hashes it in the same pass); None on a
+        device. The addresses lie in the destination's own memory, every piece inside it and
+        no two overlapping (checked when the destination was made)."""
+        return None
+
+
+class HostPieces(NamedTuple):
+    addresses: np.ndarray  # int64, ``pieces_per_page`` a page, pages in ``positions`` order
+    piece_bytes: int
+
 
 class PagedPool(Destination):
     """One paged pool tensor (or writable numpy array) in ``layer_first`` or ``page_first``."""
@@ -107,6 +120,16 @@ class PagedPool(Destination):
         if self.layout != LAYER_FIRST:
             return None
         return _consecutive_pages(self.pool[layer], self.slot_ids[positions])
+
+    def host_pieces(self, layer: int, positions: np.ndarray) -> HostPieces | None:
+        pool = self.pool
+        if pool.device.type != "cpu" or not pool[0, 0].is_contiguous():
+            return None
+        layer_dim, slot_dim = (0, 1) if self.layout == LAYER_FIRST else (1, 0)
+        size = pool.element_size()
+        base = pool.data_ptr() + layer * pool.stride(layer_dim) * size
+        slots = self.slot_ids[positions]
+        return HostPieces(base + slots * (pool.stride(slot_dim) * size), self.page_bytes)
 
 
 class LayerTensors(Destination):
@@ -145,6 +168,9 @@ class LayerTensors(Destination):
         pool = self._layers[layer].pool  # None: its blocks are split in memory
         return None if pool is None else _consecutive_pages(pool[0], self.block_ids[positions])
 
+    def host_pieces(self, layer: int, positions: np.ndarray) -> HostPieces | None:
+        return self._layers[layer].host_pieces(self.block_ids[positions])
+
 
 class _LayerMap:
     """How one layer tensor's blocks lie in memory: one contiguous piece or several."""
@@ -166,6 +192,13 @@ class _LayerMap:
         # One piece a block: also a one-layer pool, for the scatter kernel (a device) and
         # for copies straight into consecutive blocks (``host_pages``).
         self.pool = data.unsqueeze(0) if self.geometry.one_piece else None
+
+    def host_pieces(self, blocks: np.ndarray) -> HostPieces | None:
+        if self.span.device.type != "cpu":
+            return None
+        geometry = self.geometry
+        offsets = (blocks[:, None] * self.block_stride + geometry.piece_offsets[None, :]).ravel()
+        return HostPieces(self.span.data_ptr() + offsets, geometry.piece_bytes)
 
     def scatter(self, staged: torch.Tensor, blocks: np.ndarray, scatter, stream) -> None:
         geometry = self.geometry
