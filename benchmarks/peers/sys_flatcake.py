@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.peers.workload import Workload, check_bytes, gbps, median
+from benchmarks.peers.workload import CONTROL_SAMPLES, Workload, check_bytes, gbps, median
 from flatcake_ray.cli.benchkit import bench_service_config, start_local_cluster
 
 NAMESPACE = "flatcake-peers"
@@ -118,7 +118,7 @@ class FlatCakeWorker:
         """``locate(lease=True)``: lookup + lease + release, no bytes; cold and warm cache."""
         keys = self.workload.keys(session, pages)
         cold, warm = [], []
-        for _ in range(self.workload.rounds + 2):
+        for _ in range(CONTROL_SAMPLES):
             self.client.forget_locations()
             cold.append(self.client.locate(keys, lease=True))
             warm.append(self.client.locate(keys, lease=True))
@@ -280,9 +280,11 @@ class FlatCakeBench:
         pages = self.workload.pages
         # The owner on another node (every call a Ray call), and on the reader's own machine
         # (its calls to that node direct, client/direct.py): what a serving engine asks most.
-        remote = self.first(self.other(put["owner"])).control.remote(put["session"], pages)
-        local = self.first(put["owner"]).control.remote(put["session"], pages)
-        return {**ray.get(remote), "local": ray.get(local)}
+        # One after the other: run at once, the two clients' lookups queued at the same
+        # owner and shared the two cores, and each measured the other's too.
+        remote = ray.get(self.first(self.other(put["owner"])).control.remote(put["session"], pages))
+        local = ray.get(self.first(put["owner"]).control.remote(put["session"], pages))
+        return {**remote, "local": local}
 
     def scale(self, clients: list[int], out: dict[int, Any]) -> dict[int, dict[str, Any]]:
         """Aggregate restore and put rates with ``k`` concurrent clients on each node."""

@@ -26,7 +26,14 @@ import time
 from typing import Any
 
 from benchmarks.peers.limits import answer, environment, spawn, stop
-from benchmarks.peers.workload import TOKENS_PER_PAGE, Workload, check_bytes, gbps, median
+from benchmarks.peers.workload import (
+    CONTROL_SAMPLES,
+    TOKENS_PER_PAGE,
+    Workload,
+    check_bytes,
+    gbps,
+    median,
+)
 
 CHUNK_TOKENS = 256
 
@@ -165,7 +172,7 @@ def _measure(workload: Workload, backend: str, disk_dir: str) -> dict[str, Any]:
         if r:
             restores.append(seconds)
     lookups = []
-    for _ in range(workload.rounds + 2):
+    for _ in range(CONTROL_SAMPLES):
         started = time.perf_counter()
         engine.lookup(tokens(0))
         lookups.append((time.perf_counter() - started) * 1e3)

@@ -29,7 +29,7 @@ from typing import Any
 
 from benchmarks.peers.limits import answer, environment, spawn, stop
 from benchmarks.peers.mooncake_client import client_main
-from benchmarks.peers.workload import Workload, gbps, median
+from benchmarks.peers.workload import CONTROL_SAMPLES, Workload, gbps, median
 
 # A get fails (LEASE_EXPIRED) if it outlasts its lease: DRAM leases match FlatCake's 60 s TTL;
 # SSD leases are short: DRAM replicas clear only once leases lapse, and a get of a disk-only
@@ -221,9 +221,7 @@ def run_dram(workload: Workload, root: str, clients: list[int], scale_pages: int
                 "remote DRAM": {"gbps": _get_rate(mc, 1, source, workload.pages)},
             },
         }
-        controls = [
-            mc.call(1, "control", source, workload.pages) for _ in range(workload.rounds + 2)
-        ]
+        controls = [mc.call(1, "control", source, workload.pages) for _ in range(CONTROL_SAMPLES)]
         result["control"] = {k: median([c[k] for c in controls]) for k in ("exist_ms", "lease_ms")}
         if clients:
             result["scale"] = _scale(mc, workload, clients, scale_pages)

@@ -11,6 +11,10 @@ import numpy as np
 from flatcake_ray.cli.benchkit import seeded_pages
 
 TOKENS_PER_PAGE = 16  # LMCache counts tokens; a page holds this many (K and V halves)
+# Lookups each system's control figure is the median of (cold and warm each, where it has
+# both): a lookup takes 1-3 ms, so 11 cost nothing beside the restores, and a median of 5 moved
+# with every other process's step.
+CONTROL_SAMPLES = 11
 
 
 class ByteMismatch(AssertionError):
