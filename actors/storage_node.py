@@ -12,10 +12,11 @@ The node registers with the coordinator (``actors/membership.py``), exports its 
 and its ship buffer over NIXL (``actors/node_exports.py``), and answers:
 
 - ``lookup`` (with lease) / ``exists`` / ``probe`` / ``release``: index lookups, one call per
-  request per node, whatever the page count. ``find``, ``record_home``, ``home_of``: the
-  node as a chain's home (``actors/homes.py``). A lease pins the scopes of the hits until
-  released or until ``lease_ttl_s``. ``release`` answers whether the lease was held and every
-  scope it pinned is intact: only then is what its reader copied good.
+  request per node, whatever the page count (``actors/node_lookups.py``). ``find``,
+  ``record_home``, ``home_of``: the node as a chain's home (``actors/homes.py``). A lease
+  pins the scopes of the hits until released or until ``lease_ttl_s``. ``release`` answers
+  whether the lease was held and every scope it pinned is intact: only then is what its
+  reader copied good.
 - ``begin_put`` / ``land`` / ``commit_put`` / ``abort_put``: a layer-wise put (the store's one
   put path, ``PutHandle``) whose bytes the client writes into memory this node hands out: the
   arena in place for DRAM, landing slots for SSD (``actors/node_puts.py``).
@@ -34,10 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from flatcake_ray import failpoints
 from flatcake_ray.actors.auth import service_gate
@@ -53,10 +51,10 @@ from flatcake_ray.actors.memory_handout import (
     memory_is_private,
 )
 from flatcake_ray.actors.node_exports import NodeExports
+from flatcake_ray.actors.node_lookups import LookupCalls
 from flatcake_ray.actors.node_puts import NodePuts
 from flatcake_ray.actors.node_tenants import NodeTenants
 from flatcake_ray.actors.protocol import (
-    LeaseReply,
     NodeDescription,
     NodeUsage,
     PutTicket,
@@ -65,14 +63,12 @@ from flatcake_ray.actors.protocol import (
 from flatcake_ray.actors.shipping import ShipBuffer
 from flatcake_ray.actors.supervision import DramHeld, Supervision
 from flatcake_ray.actors.tenant_limits import TenantLimits
-from flatcake_ray.actors.wire import check_request, lease_ids, scope_ids
+from flatcake_ray.actors.wire import check_request
 from flatcake_ray.config import ServiceConfig
-from flatcake_ray.core.api import Probe, PutResult
+from flatcake_ray.core.api import PutResult
 from flatcake_ray.core.catalog import PutHints
-from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import Tenant
 from flatcake_ray.errors import MediumFullError, ServiceError
-from flatcake_ray.failpoints import failpoint
 from flatcake_ray.node.root_slot import RootSlot
 from flatcake_ray.node.store import FlatCakeStore
 
@@ -87,7 +83,7 @@ _COUNTERS = (
 log = logging.getLogger(__name__)
 
 
-class StorageNode(HomeCalls, LeasedBytesCalls):
+class StorageNode(LookupCalls, HomeCalls, LeasedBytesCalls):
     def __init__(self, config: ServiceConfig, service_secret: str) -> None:
         import ray
 
@@ -298,76 +294,6 @@ class StorageNode(HomeCalls, LeasedBytesCalls):
         """Connect a reader's RDMA queue pair to the exported arena (once per reader)."""
         chunks = self.store.arena_chunks(self._tenant(secret).name)
         return self.exports.accept_rdma(reader, chunks)
-
-    # ---- lookups ---------------------------------------------------------------------------
-    def lookup(
-        self, secret: object, keys: Any, namespace: Any = None, releases: Any = ()
-    ) -> LeaseReply:
-        """The consecutive hits from the first key, leased (zero hits: nothing is held).
-        ``releases``: the caller's earlier leases here it lets go of and wants no answer
-        for, released first (one call instead of a release each)."""
-        tenant = self._tenant(secret).name
-        check_request(keys, namespace)
-        for lease_id in lease_ids(releases):
-            self._release(tenant, lease_id)
-        self._expire_leases()
-        self.limits.lease(tenant, self.leases.held_by(tenant))
-        self.counters["lookups"] += 1
-        lease = self.store.lease(keys, namespace=namespace, tenant=tenant)
-        if lease.hits == 0:
-            self.store.release(lease)
-            return LeaseReply(self.node_id, 0, 0, epoch=self.started_at)
-        lease_id = self.leases.add(lease)
-        self.exports.wake()
-        self.counters["leased_pages"] += lease.hits
-        parts = lease_parts(lease)
-        return LeaseReply(self.node_id, lease_id, lease.hits, parts, epoch=self.started_at)
-
-    def exists(self, secret: object, keys: Any, namespace: Any = None) -> int:
-        tenant = self._tenant(secret).name
-        check_request(keys, namespace)
-        self.counters["exists_calls"] += 1
-        return self.store.exists(keys, namespace=namespace, tenant=tenant)
-
-    def probe(self, secret: object, keys: Any, namespace: Any = None) -> Probe:
-        tenant = self._tenant(secret).name
-        check_request(keys, namespace)
-        self.counters["exists_calls"] += 1
-        return self.store.probe(keys, namespace=namespace, tenant=tenant)
-
-    def gvas(self, secret: object, keys: Any, namespace: Any = None) -> np.ndarray:
-        tenant = self._tenant(secret).name
-        check_request(keys, namespace)
-        return self.store.gvas(keys, namespace=namespace, tenant=tenant)
-
-    def release(self, secret: object, lease_id: object, bad_scopes: Any = ()) -> bool:
-        """True when the caller's tenant held this lease and every scope it pinned is intact:
-        what its reader read is good. Anything else (unknown, expired, another tenant's) is
-        False, counted, and changes nothing."""
-        tenant = self._tenant(secret, metered=False).name
-        failpoint("node.release", lease_id=lease_id)
-        return self._release(tenant, lease_id, scope_ids(bad_scopes))
-
-    def _release(self, tenant: str, lease_id: object, bad_scopes: Iterable[int] = ()) -> bool:
-        self.counters["releases"] += 1
-        lease = self.leases.pop(lease_id, tenant)
-        if lease is None:
-            self.counters["lease_misses"] += 1
-            return False
-        bad = set(lease.scope_ids).intersection(bad_scopes)
-        if bad:
-            # A reader saw a bad checksum: read those scopes here, so the store's own check
-            # quarantines them if the medium really is bad (a torn remote read does not). The
-            # reader has already dropped those pages; the rest of what it read is good.
-            self.store.recheck(lease, bad)
-            return True
-        intact = self.store.release(lease)
-        self.counters["leases_broken"] += int(not intact)
-        return intact
-
-    def _expire_leases(self) -> None:
-        for lease in self.leases.expire(time.monotonic()):
-            self.store.release(lease)
 
     # ---- puts (actors/node_puts.py) ------------------------------------------------------
     def begin_put(

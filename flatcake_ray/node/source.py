@@ -25,6 +25,7 @@ from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.arena import DramArena
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.metrics.record import Metrics
+from flatcake_ray.node.read_ledger import ReadLedger
 from flatcake_ray.restore.source import FillStats, Leased, MappedView, ReadOutcome, Slot, Source
 from flatcake_ray.transports.base import LOCAL_DRAM, LOCAL_SSD, ReadBatch
 from flatcake_ray.transports.local_ssd import LocalSsdTransport, gds_reader
@@ -49,7 +50,8 @@ class NodeStore(Protocol):
 
     def release(self, lease: Lease) -> bool: ...
 
-    def account_read(self, outcome: ReadOutcome, catalog: Catalog) -> None: ...
+    @property
+    def reads(self) -> ReadLedger: ...
 
 
 class NodeSource(Source):
@@ -101,7 +103,7 @@ class NodeSource(Source):
         return FillStats(LOCAL_SSD, stats.bytes, stats.commands, time.perf_counter() - started)
 
     def release(self, leased: Leased, outcome: ReadOutcome) -> int:
-        self._store.account_read(outcome, self._catalog)
+        self._store.reads.account(outcome, self._catalog)
         self._store.metrics.restore_ended(
             leased.parts, outcome, outcome.pages, self._catalog.tenant
         )

@@ -12,7 +12,8 @@ demo use it directly.
   on SSD).
 - ``restore(keys, dest)``: a layer-pipelined restore through the store's
   :class:`RestorePipeline` (one per device); ``get(keys, out)`` waits for one into a
-  ``[layers, pages, page_elems]`` buffer and returns how many pages are valid.
+  ``[layers, pages, page_elems]`` buffer and returns how many pages are valid. What restores
+  found is counted, and bad scopes quarantined, by its :class:`ReadLedger` (``reads``).
 
 One process owns a store root at a time (a lock file): a second opener gets
 :class:`StoreInUseError` instead of allocating the same extents twice.
@@ -61,6 +62,7 @@ from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.node.manifest import Manifest
 from flatcake_ray.node.put import PutHandle
 from flatcake_ray.node.puts import PutTable
+from flatcake_ray.node.read_ledger import ReadLedger
 from flatcake_ray.node.recovery import lock_root, manifest_header, recover
 from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.stats import STORE_COUNTERS, store_stats
@@ -68,7 +70,7 @@ from flatcake_ray.node.tenancy import Tenancy
 from flatcake_ray.node.writer import SegmentWriter
 from flatcake_ray.restore.dest import PagedPool, as_destination
 from flatcake_ray.restore.pipeline import RestorePipeline
-from flatcake_ray.restore.source import Leased, ReadOutcome
+from flatcake_ray.restore.source import Leased
 
 __all__ = ["FlatCakeStore", "PutHandle", "PutHints", "PutResult"]
 
@@ -105,6 +107,7 @@ class FlatCakeStore:
             undo.callback(self.manifest.close)
             recover(self.manifest, self.tenancy, self.catalog)
             undo.pop_all()
+        self.reads = ReadLedger(self._lock, self.counters, self.manifest)
         # A chunk going to another tenant gets a fresh file first (docs/security.md).
         self.tenancy.space[Medium.DRAM].on_handover = self.arena.renew_chunk
         self.writer = SegmentWriter(
@@ -369,43 +372,10 @@ class FlatCakeStore:
         return self.pipeline(dest.device, lease.tenant).submit_leased(leased, dest)
 
     def recheck(self, lease: Lease, scope_ids: set[int]) -> None:
-        """Read the leased pages of ``scope_ids`` again here, verifying every block (a remote
-        reader saw a bad checksum: if the medium really is bad, this quarantines the scope).
-        Consumes the lease: it is released when the re-read ends."""
-        parts = [p for p in lease_parts(lease) if p.scope_id in scope_ids]
-        pages = sum(p.pages for p in parts)
-        renumbered, at = [], 0
-        for part in parts:
-            positions = np.arange(at, at + part.pages, dtype=np.int64)
-            renumbered.append(part.at_positions(positions))
-            at += part.pages
-        config = self.tenancy.catalog(lease.tenant).config
-        scratch = np.empty((config.layers, pages, config.page_bytes), dtype=np.uint8)
-        dest = PagedPool(scratch, np.arange(pages), LAYER_FIRST)
-        leased = Leased(pages, tuple(renumbered), lease)
-        self.pipeline("cpu", lease.tenant).submit_leased(leased, dest).wait()
-
-    def account_read(self, outcome: ReadOutcome, catalog: Catalog) -> None:
-        """Count a restore's reads and quarantine the scopes whose checksums failed."""
-        config = catalog.config
-        with self._lock:
-            self.counters["ssd_read_commands"] += outcome.commands.get(Medium.SSD, 0)
-            self.counters["ssd_bytes_read"] += outcome.bytes_read.get(Medium.SSD, 0)
-            self.counters["dram_bytes_read"] += outcome.bytes_wanted.get(Medium.DRAM, 0)
-            self.counters["hit_pages"] += outcome.pages
-            self.counters["bytes_delivered"] += outcome.pages * config.layers * config.page_bytes
-            for scope_id in outcome.bad_scopes:
-                self._quarantine(catalog, scope_id)
-
-    def _quarantine(self, catalog: Catalog, scope_id: int) -> None:
-        scope = catalog.scopes.get(scope_id)
-        if scope is None:
-            return
-        runs = [[r.allocator, r.start, r.length, r.used] for r in scope.runs.runs]
-        self.counters["checksum_failures"] += 1
-        catalog.quarantine(scope_id)
-        if scope.medium is Medium.SSD:
-            self.manifest.append({"t": "quarantine", "scope": scope_id, "runs": runs})
+        """Read the leased pages of ``scope_ids`` again here, every block checked (a remote
+        reader saw a bad one; ``ReadLedger.recheck``). Consumes the lease."""
+        catalog, pipeline = self.tenancy.catalog(lease.tenant), self.pipeline("cpu", lease.tenant)
+        self.reads.recheck(lease, scope_ids, catalog, pipeline)
 
     def gvas(
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
