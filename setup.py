@@ -1,6 +1,6 @@
 """The native part of the build (everything else is in pyproject.toml): the batch page-key
 digests of ``flatcake_ray/core/_digests.c`` and the fused copies and block checksums of
-``cuda_ext/_copyhash.c``. Optional: where one cannot be compiled, the package installs without
+``cuda_ext/_copyhash*.c``. Optional: where one cannot be compiled, the package installs without
 it and ``core/keys.py`` hashes with hashlib, ``cuda_ext/host_hash.py`` copies and then hashes
 (same digests, same sums).
 ``FLATCAKE_NATIVE=0`` leaves it out: ``make wheel`` does, so the wheel shipped to a cluster's
@@ -19,7 +19,8 @@ NATIVE = [
     ),
     Extension(
         "flatcake_ray.cuda_ext._copyhash",
-        ["cuda_ext/_copyhash.c"],
+        ["cuda_ext/_copyhash.c", "cuda_ext/_copyhash_pieces.c", "cuda_ext/_copyhash_seal.c"],
+        depends=["cuda_ext/_copyhash.h", "cuda_ext/_xxh3_stripes.h"],
         extra_compile_args=["-O3"],
         optional=True,
     ),
