@@ -153,12 +153,12 @@ def copy_into_pieces(
     (``dest``'s, for ``runs``; a block's pages no run takes go to a private sink) and hash it
     in the same pass; returns per row whether its sum is wrong. What is hashed is what the
     pieces hold. None, with nothing copied, where this pass does not apply: not built or no
-    AVX2, a device, pieces not a multiple of 64 bytes, a short block, a run's page outside
-    every block."""
+    AVX2, a device, pieces not a multiple of 64 bytes, a short block or one not of whole
+    pages, a run's page outside every block."""
     if not runs or not len(rows) or not pieces_pass():
         return None
     found = _pieces_of(runs, dest, page_bytes)
-    if found is None or int(rows.length.min()) <= 240:
+    if found is None or int(rows.length.min()) <= 240 or np.any(rows.length % page_bytes):
         return None
     offsets, addresses, piece_bytes = found
     per_page = page_bytes // piece_bytes
