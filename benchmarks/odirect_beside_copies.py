@@ -30,15 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from flatcake_ray.cli.benchkit import aligned_buffer
+
 SLOT = 16 << 20
 PIECE = 4 << 20
 BLOCK = 64 << 10
-
-
-def aligned(nbytes: int) -> np.ndarray:
-    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    return raw[start : start + nbytes]
 
 
 class Reader:
@@ -88,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/var/tmp")
     args = parser.parse_args(argv)
     nbytes = args.mib << 20
-    dest, staging = aligned(nbytes), [aligned(SLOT), aligned(SLOT)]
+    dest, staging = aligned_buffer(nbytes), [aligned_buffer(SLOT), aligned_buffer(SLOT)]
     with tempfile.NamedTemporaryFile(dir=args.dir) as scratch:
         scratch.write(np.random.default_rng(0).integers(0, 256, nbytes, np.uint8).tobytes())
         scratch.flush()

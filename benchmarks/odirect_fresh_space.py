@@ -21,13 +21,9 @@ import time
 
 import numpy as np
 
+from flatcake_ray.cli.benchkit import aligned_buffer
+
 CHUNK = 32 << 20
-
-
-def aligned(nbytes: int) -> np.ndarray:
-    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    return raw[start : start + nbytes]
 
 
 def write_pass(fd: int, data: np.ndarray, nbytes: int) -> float:
@@ -45,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/var/tmp")
     args = parser.parse_args(argv)
     nbytes = args.mib << 20
-    data = aligned(CHUNK)
+    data = aligned_buffer(CHUNK)
     data[:] = np.random.default_rng(0).integers(0, 256, CHUNK, dtype=np.uint8)
     rates: dict[str, list[float]] = {"fresh": [], "written before": []}
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")

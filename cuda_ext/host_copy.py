@@ -217,13 +217,12 @@ def run_ops(module: Any, ops: np.ndarray, address: int) -> np.ndarray:
     it hashes nothing). A long row that only copies is cut first, so that no thread is left
     alone with one big row at the end."""
     ops = np.ascontiguousarray(ops, dtype=np.int64).reshape(-1, 4)
-    total = int(ops[:, LENGTH].sum())
-    threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(ops)))
+    threads = batch_threads(ops[:, LENGTH])
     long = (ops[:, HASH_AT] == 0) & (ops[:, LENGTH] > ROW_BYTES)
     work = np.concatenate([ops[~long], _cut(ops[long])]) if threads > 1 and long.any() else ops
     sums = np.zeros(len(work), dtype=np.uint64)
     claimed = np.zeros(1, dtype=np.int64)
-    step = _step(work, threads)
+    step = claim_step(work[:, LENGTH], threads)
     run_split([functools.partial(module.copy_hash, work, sums, claimed, address, step)] * threads)
     if work is ops:
         return sums
@@ -232,11 +231,18 @@ def run_ops(module: Any, ops: np.ndarray, address: int) -> np.ndarray:
     return found
 
 
-def _step(ops: np.ndarray, threads: int) -> int:
+def batch_threads(lengths: np.ndarray) -> int:
+    """Threads a native batch of rows of ``lengths`` bytes runs on: the idle ones where it is
+    ``SPLIT_BYTES`` or more, one otherwise, never more than its rows."""
+    total = int(lengths.sum())
+    return min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(lengths)))
+
+
+def claim_step(lengths: np.ndarray, threads: int) -> int:
     """Rows a thread claims at a time: about ``ROW_BYTES`` of them (all, on one thread)."""
-    if threads == 1 or not len(ops):
-        return max(1, len(ops))
-    mean = max(1, int(ops[:, LENGTH].sum()) // len(ops))
+    if threads == 1 or not len(lengths):
+        return max(1, len(lengths))
+    mean = max(1, int(lengths.sum()) // len(lengths))
     return max(1, ROW_BYTES // mean)
 
 

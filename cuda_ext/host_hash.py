@@ -25,8 +25,9 @@ import numpy as np
 from flatcake_ray.cuda_ext.host_copy import (
     HASH_AT,
     LENGTH,
-    ROW_BYTES,
     SPLIT_BYTES,
+    batch_threads,
+    claim_step,
     idle_threads,
     native_module,
     op_rows,
@@ -103,11 +104,10 @@ def copy_and_hash_pieces(rows: np.ndarray, pieces: np.ndarray) -> np.ndarray:
         raise ValueError("the native copy module is not built")
     rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1, 4)
     pieces = np.ascontiguousarray(pieces, dtype=np.int64)
-    total = int(rows[:, 1].sum())
-    threads = min(idle_threads() if total >= SPLIT_BYTES else 1, max(1, len(rows)))
+    threads = batch_threads(rows[:, 1])
     sums = np.zeros(len(rows), dtype=np.uint64)
     claimed = np.zeros(1, dtype=np.int64)
-    step = max(1, len(rows) if threads == 1 else ROW_BYTES // max(1, total // max(1, len(rows))))
+    step = claim_step(rows[:, 1], threads)
     call = functools.partial(module.copy_hash_pieces, rows, pieces, sums, claimed, step)
     run_split([call] * threads)
     return sums

@@ -193,16 +193,20 @@ class _LayerMap:
         # for copies straight into consecutive blocks (``host_pages``).
         self.pool = data.unsqueeze(0) if self.geometry.one_piece else None
 
+    def _piece_offsets(self, blocks: np.ndarray) -> np.ndarray:
+        """Where each piece of ``blocks`` lies in the span, block after block."""
+        return (blocks[:, None] * self.block_stride + self.geometry.piece_offsets[None, :]).ravel()
+
     def host_pieces(self, blocks: np.ndarray) -> HostPieces | None:
         if self.span.device.type != "cpu":
             return None
-        geometry = self.geometry
-        offsets = (blocks[:, None] * self.block_stride + geometry.piece_offsets[None, :]).ravel()
-        return HostPieces(self.span.data_ptr() + offsets, geometry.piece_bytes)
+        return HostPieces(
+            self.span.data_ptr() + self._piece_offsets(blocks), self.geometry.piece_bytes
+        )
 
     def scatter(self, staged: torch.Tensor, blocks: np.ndarray, scatter, stream) -> None:
         geometry = self.geometry
-        offsets = (blocks[:, None] * self.block_stride + geometry.piece_offsets[None, :]).ravel()
+        offsets = self._piece_offsets(blocks)
         own = scatter is scatter_layer  # a scatter a caller wrapped (tests) sees every page
         if (own or self.pool is None) and _copy_pieces(
             staged, self.span, offsets, geometry.piece_bytes
