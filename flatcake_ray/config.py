@@ -10,6 +10,9 @@ alike); booleans accept ``1/0/true/false/yes/no/on/off``; lists of folders are
 is the host name, ``{slot}`` the smallest slot of that root no other storage node of the
 machine holds (``node/root_slot.py``), ``{namespace}`` the namespace, ``{node}`` the Ray node
 id (new for every Ray node: keep it out of roots meant to survive a restart).
+
+:class:`StoreConfig` and :class:`PlacementConfig` live in ``config_store.py`` (what the lower
+floors read) and are re-exported here with the shared :data:`ALIGN`.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from flatcake_ray.config_sources import (
     normalise,
     parse_size,
 )
-from flatcake_ray.errors import ConfigError, GeometryMismatchError
-from flatcake_ray.gva_bits import MAX_NODE_ID, MAX_OFFSET
+from flatcake_ray.config_store import ALIGN, PlacementConfig, StoreConfig, require
+from flatcake_ray.errors import GeometryMismatchError
 
 __all__ = [
     "ALIGN",
@@ -43,196 +46,12 @@ __all__ = [
     "parse_size",
 ]
 
-ALIGN = 4096  # O_DIRECT and cuFile alignment
 DEFAULT_SECRET_FILE = "~/.flatcake/{namespace}.secret"
 GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
 STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
 STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync", "verify_dram")
 STORE_FIELDS += ("dram_chunks",)
-MAX_DRAM_CHUNKS = 4096
-
-
-def _require(condition: bool, message: str, *names: str) -> None:
-    if not condition:
-        raise ConfigError(message, *names)
-
-
-def _align_up(value: int) -> int:
-    return -(-value // ALIGN) * ALIGN
-
-
-DRAM_POLICIES = ("replica", "table2", "admit")
-
-
-@dataclass(frozen=True)
-class PlacementConfig:
-    """Write-time placement (paper Table 2; the paper gives no thresholds) and how DRAM is
-    used beyond it (``core/placement.py`` states the rules; ``docs/placement.md`` the
-    measurements behind the default)."""
-
-    page_tokens: int = 256
-    tau_tokens: int = 1024  # a prior reply shorter than this marks a short-turn chat
-    l_agent_tokens: int = 32768  # a context at least this long marks an agentic session
-    # replica: SSD segments also keep a droppable DRAM read replica while DRAM has room;
-    # table2: the paper's rules only; admit: SSD-bound later turns go to DRAM (no SSD copy)
-    # while DRAM stays under its low watermark.
-    dram_policy: str = "replica"
-
-    def __post_init__(self) -> None:
-        normalise(self)
-        for name in ("page_tokens", "tau_tokens", "l_agent_tokens"):
-            _require(getattr(self, name) > 0, f"{name} must be positive", name)
-        _require(
-            self.dram_policy in DRAM_POLICIES,
-            f"dram_policy must be one of {DRAM_POLICIES}",
-            "dram_policy",
-        )
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    """One node's store: geometry of a page, sizes of both media and policy knobs."""
-
-    root: str  # folder for the arena's fallback file name and the default SSD folder
-    layers: int
-    page_bytes: int  # bytes of one page of one layer
-    node_id: int = 0
-    dram_bytes: int = 256 << 20
-    # The arena in this many chunks, each its own file; more than one: each chunk holds one
-    # tenant's pages at a time (core/extents.py), and a DRAM segment fits one chunk.
-    dram_chunks: int = 1
-    ssd_dirs: tuple[str, ...] = ()  # one folder per drive; empty: <root>/ssd
-    ssd_files_per_dir: int = 4
-    ssd_file_bytes: int = 256 << 20
-    ssd_min_run_bytes: int = 1 << 20  # smallest run a new SSD scope reserves in a pool file
-    gap_bytes: int = 64 << 10  # coalescing bridges holes smaller than this
-    max_read_bytes: int = 32 << 20  # one coalesced read is at most this long
-    # DRAM past high_watermark frees its oldest unreferenced scopes down to low_watermark, so
-    # the headroom that admission and read replicas look for is there before the next put.
-    high_watermark: float = 0.90
-    low_watermark: float = 0.80
-    # SSD has no headroom rule to feed, and a write-once pool of mostly-never-reused turns
-    # sits at its high watermark: a band frees scopes that were coming back (the chat replay:
-    # 96.8% of reusable pages at 0.90/0.80, 99.6% on demand, docs/bench_replay.md). 1.0/1.0
-    # frees only what a put needs.
-    ssd_high_watermark: float = 1.0
-    ssd_low_watermark: float = 1.0
-    hugepages: str = "auto"  # auto | off | require
-    fsync: bool = True  # data reaches the drive before its manifest record does
-    # Readers check DRAM blocks too (SSD blocks always). Off for a store only its own process
-    # writes; a service's nodes turn it on (ServiceConfig.verify_dram).
-    verify_dram: bool = False
-    check_bytes: int = 64 << 10  # a checksum block: whole pages, about this many bytes
-    restore_windows: int = 2  # SSD restores streaming at once (FC-MAS prefetch budget)
-    restore_slot_bytes: int = 16 << 20  # one staging slot; a window holds two
-    gds: str = "auto"  # GPUDirect Storage for SSD reads into GPU memory: auto | on | off
-    put_ttl_s: float = 60.0  # a put not written to for this long is aborted (writer gone)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-
-    def __post_init__(self) -> None:
-        normalise(self)
-        _require(bool(self.root), "root must be non-empty", "root")
-        _require(self.layers > 0, "layers must be positive", "layers")
-        _require(self.page_bytes > 0, "page_bytes must be positive", "page_bytes")
-        _require(
-            0 <= self.node_id <= MAX_NODE_ID, f"node_id must be in 0..{MAX_NODE_ID}", "node_id"
-        )
-        _require(
-            self.dram_bytes % ALIGN == 0,
-            f"dram_bytes must be a non-negative multiple of {ALIGN}",
-            "dram_bytes",
-        )
-        _require(
-            1 <= self.dram_chunks <= MAX_DRAM_CHUNKS,
-            f"dram_chunks must be in 1..{MAX_DRAM_CHUNKS}",
-            "dram_chunks",
-        )
-        _require(
-            self.ssd_files_per_dir >= 1, "ssd_files_per_dir must be at least 1", "ssd_files_per_dir"
-        )
-        self._check_ssd_sizes()
-        _require(self.gap_bytes >= 0, "gap_bytes must be >= 0", "gap_bytes")
-        _require(
-            self.max_read_bytes >= ALIGN and self.max_read_bytes % ALIGN == 0,
-            f"max_read_bytes must be a positive multiple of {ALIGN}",
-            "max_read_bytes",
-        )
-        _require(
-            0 < self.low_watermark <= self.high_watermark <= 1,
-            "need 0 < low_watermark <= high_watermark <= 1",
-            "low_watermark",
-            "high_watermark",
-        )
-        _require(
-            0 < self.ssd_low_watermark <= self.ssd_high_watermark <= 1,
-            "need 0 < ssd_low_watermark <= ssd_high_watermark <= 1",
-            "ssd_low_watermark",
-            "ssd_high_watermark",
-        )
-        _require(
-            self.hugepages in ("auto", "off", "require"),
-            "hugepages must be auto, off or require",
-            "hugepages",
-        )
-
-    @property
-    def dram_chunk_bytes(self) -> int:
-        """Bytes of one arena chunk (the last may be shorter); 0 without an arena."""
-        return _align_up(-(-self.dram_bytes // self.dram_chunks))
-
-    def _check_ssd_sizes(self) -> None:
-        _require(
-            self.ssd_file_bytes > 0 and self.ssd_file_bytes % ALIGN == 0,
-            f"ssd_file_bytes must be a positive multiple of {ALIGN}",
-            "ssd_file_bytes",
-        )
-        _require(
-            len(set(self.ssd_dirs)) == len(self.ssd_dirs),
-            "ssd_dirs lists a folder twice",
-            "ssd_dirs",
-        )
-        pool_bytes = self.ssd_file_bytes * self.ssd_files_per_dir * max(1, len(self.ssd_dirs))
-        _require(
-            pool_bytes <= MAX_OFFSET and self.dram_bytes <= MAX_OFFSET,
-            "a medium larger than 256 TiB does not fit a 48-bit offset",
-            "dram_bytes",
-            "ssd_file_bytes",
-            "ssd_files_per_dir",
-        )
-        _require(
-            self.ssd_min_run_bytes > 0 and self.ssd_min_run_bytes % ALIGN == 0,
-            f"ssd_min_run_bytes must be a positive multiple of {ALIGN}",
-            "ssd_min_run_bytes",
-        )
-        page_span = self.layers * _align_up(self.page_bytes)  # one page of every layer
-        _require(
-            page_span <= self.ssd_file_bytes,
-            f"one page of every layer ({self.layers} x {self.page_bytes} bytes, 4 KiB aligned) "
-            f"must fit one SSD pool file of {self.ssd_file_bytes} bytes",
-            "layers",
-            "page_bytes",
-            "ssd_file_bytes",
-        )
-        _require(self.check_bytes > 0, "check_bytes must be positive", "check_bytes")
-        _require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
-        _require(
-            self.restore_slot_bytes % ALIGN == 0
-            and self.restore_slot_bytes >= self.page_bytes + ALIGN,
-            f"restore_slot_bytes must be a multiple of {ALIGN} holding a page plus {ALIGN} bytes",
-            "restore_slot_bytes",
-        )
-        _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off", "gds")
-        _require(self.put_ttl_s > 0, "put_ttl_s must be positive", "put_ttl_s")
-
-    @property
-    def ssd_folders(self) -> tuple[str, ...]:
-        return self.ssd_dirs or (os.path.join(self.root, "ssd"),)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> StoreConfig:
-        """Arguments first, then ``FLATCAKE_*`` variables on top of them."""
-        return build_config(cls, Source.arguments(given), Source.environment(cls, environ))
 
 
 def path_component(text: str) -> str:
@@ -312,27 +131,27 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         normalise(self)
-        _require(bool(self.namespace), "namespace must be non-empty", "namespace")
-        _require(bool(self.root), "root must be non-empty", "root")
+        require(bool(self.namespace), "namespace must be non-empty", "namespace")
+        require(bool(self.root), "root must be non-empty", "root")
         for name in ("ship_bytes", "landing_bytes"):
-            _require(
+            require(
                 getattr(self, name) >= ALIGN and getattr(self, name) % ALIGN == 0,
                 f"{name} must be a positive multiple of {ALIGN}",
                 name,
             )
         for name in ("lease_ttl_s", "rpc_timeout_s", "report_interval_s", "node_timeout_s"):
-            _require(getattr(self, name) > 0, f"{name} must be positive", name)
-        _require(self.node_down_s >= 0, "node_down_s must be >= 0", "node_down_s")
-        _require(
+            require(getattr(self, name) > 0, f"{name} must be positive", name)
+        require(self.node_down_s >= 0, "node_down_s must be >= 0", "node_down_s")
+        require(
             self.tenant_calls_per_s >= 0,
             "tenant_calls_per_s must be >= 0 (0: no limit)",
             "tenant_calls_per_s",
         )
         for name in ("tenant_call_burst", "tenant_leases", "tenant_puts"):
-            _require(getattr(self, name) >= 1, f"{name} must be at least 1", name)
-        _require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0", "ramp_seconds")
-        _require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]", "ramp_floor")
-        _require(
+            require(getattr(self, name) >= 1, f"{name} must be at least 1", name)
+        require(self.ramp_seconds >= 0, "ramp_seconds must be >= 0", "ramp_seconds")
+        require(0 < self.ramp_floor <= 1, "ramp_floor must be in (0, 1]", "ramp_floor")
+        require(
             self.node_concurrency >= 2, "node_concurrency must be at least 2", "node_concurrency"
         )
         self.store_config("0" * 16, 1)  # the store's own checks, before any node starts
@@ -410,19 +229,19 @@ class ClientConfig:
     tenant_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        _require(self.page_tokens > 0, "page_tokens must be positive", "page_tokens")
-        _require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
-        _require(
+        require(self.page_tokens > 0, "page_tokens must be positive", "page_tokens")
+        require(self.restore_windows >= 1, "restore_windows must be >= 1", "restore_windows")
+        require(
             self.restore_slot_bytes % ALIGN == 0 and self.restore_slot_bytes >= 2 * ALIGN,
             f"restore_slot_bytes must be a multiple of {ALIGN}, at least {2 * ALIGN}",
             "restore_slot_bytes",
         )
-        _require(
+        require(
             self.staging_segment_bytes >= ALIGN,
             f"staging_segment_bytes must be >= {ALIGN}",
             "staging_segment_bytes",
         )
-        _require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off", "gds")
+        require(self.gds in ("auto", "on", "off"), "gds must be auto, on or off", "gds")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> ClientConfig:

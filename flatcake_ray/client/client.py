@@ -17,7 +17,8 @@ a chunk whose checksum fails or whose transport fails: misses, never wrong bytes
 
 Puts go layer by layer (:class:`~flatcake_ray.client.put.RemotePut`) to the owner's put
 handle, through shared memory (same node) or NIXL (other node), never the Ray object store
-unless nothing else reaches the owner (labelled ``object-store-fallback``).
+unless nothing else reaches the owner (labelled ``object-store-fallback``); the put calls are
+:class:`~flatcake_ray.client.put_calls.PutCalls` (mixed in, ``client/put_calls.py``).
 """
 
 from __future__ import annotations
@@ -34,21 +35,18 @@ import torch
 from flatcake_ray.client.locate import Locator, hits
 from flatcake_ray.client.nodes import NodeTable, process_paths
 from flatcake_ray.client.owners import OwnerChooser
-from flatcake_ray.client.put import PutRoute, RemotePut
+from flatcake_ray.client.put_calls import PutCalls
 from flatcake_ray.client.put_targets import PutTargets
 from flatcake_ray.client.report import ClientTally, RestoreReport
 from flatcake_ray.client.source import HeldLease, TransportSource, digests_of, probe_of
 from flatcake_ray.client.staging import StagingArena
 from flatcake_ray.config import ClientConfig, ServiceConfig
 from flatcake_ray.core.api import Probe, PutResult
-from flatcake_ray.core.catalog import PutHints
 from flatcake_ray.core.gva import Medium
-from flatcake_ray.core.homes import anchor_of
-from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list, parent_digest
+from flatcake_ray.core.keys import KeyLike, PageKey, check_key_list
 from flatcake_ray.core.tenants import seal_key
 from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
 from flatcake_ray.errors import ServiceError, ShapeError, StoreClosedError
-from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.metrics.record import Metrics
 from flatcake_ray.restore.dest import PagedPool, as_destination
 from flatcake_ray.restore.handle import RestoreHandle
@@ -60,7 +58,7 @@ from flatcake_ray.transports.local_ssd import gds_wanted
 Keys = Sequence[KeyLike | PageKey]
 
 
-class FlatCakeClient:
+class FlatCakeClient(PutCalls):
     def __init__(
         self,
         namespace: str = "flatcake",
@@ -279,65 +277,6 @@ class FlatCakeClient:
         parts = () if held.reply is None else held.reply.parts
         node_id = None if held.link is None else held.link.node_id
         self.metrics.restore_ended(parts, outcome, pages, self.tenant, node_id)
-
-    # ---- puts ------------------------------------------------------------------------------
-    def begin_put(
-        self,
-        keys: Keys,
-        *,
-        namespace: str | None = None,
-        session_id: str | None = None,
-        parent: KeyLike | PageKey | None = None,
-        hints: PutHints | None = None,
-    ) -> RemotePut:
-        """A put of ``keys`` a layer at a time on the session's node (see ``RemotePut``)."""
-        digests = digests_of(keys, namespace)  # every key checked before any call
-        return self._begin_put(
-            keys, digests, namespace=namespace, session_id=session_id, parent=parent, hints=hints
-        )
-
-    def _begin_put(
-        self,
-        keys: Keys,
-        digests: np.ndarray,
-        *,
-        namespace: str | None = None,
-        session_id: str | None = None,
-        parent: KeyLike | PageKey | None = None,
-        hints: PutHints | None = None,
-    ) -> RemotePut:
-        """``begin_put`` of keys checked and hashed once (``digests``, one row a key)."""
-        self._check_open()
-        self._locator.settle_unawaited()  # this client's own leases keep nothing from eviction
-        report = RestoreReport(len(keys))
-        parent_packed = None if parent is None else parent_digest(keys, namespace, parent)
-        link = self._owners.owner(anchor_of(digests), session_id, parent_packed, report)
-        nixl = not link.local and base.REMOTE_DRAM_NIXL in link.available(self.allowed)
-        if not link.local and not nixl:
-            self.tally.count(puts_object_store_fallback=1)
-        route = PutRoute(link, self.nodes, self._targets, nixl, self.config.rpc_timeout_s)
-        options = dict(session_id=session_id, parent=parent_packed, hints=hints)
-        continues = parent is not None
-        self._owners.remember(digests, session_id, link.node_id, continues=continues, report=report)
-        self.tally.count(puts=1, actor_calls=report.actor_calls)
-        return RemotePut(
-            route, digests, layers=self.layers, page_bytes=self.page_bytes, options=options
-        )
-
-    def put(self, keys: Keys, kv: Any, **options: Any) -> PutResult:
-        """Store ``kv`` ([layers, len(keys), page_elems]) under ``keys`` on the session's node;
-        pages already stored there are skipped (write-once). Raises ServiceError when the
-        owner does not answer in time (it may still publish; a retry is safe: write-once)."""
-        digests = digests_of(keys, options.get("namespace"))  # typed errors before the kv's
-        pages, _ = as_page_bytes(
-            kv, self.layers, self.page_bytes, min_pages=len(keys), writable=False, what="kv"
-        )
-        if pages.shape[1] != len(keys):
-            raise ShapeError(f"kv holds {pages.shape[1]} pages for {len(keys)} keys")
-        with self._begin_put(keys, digests, **options) as handle:
-            for layer in range(self.layers):
-                handle.write_layer(layer, pages[layer])
-            return handle.commit()
 
     # ---- async forms -----------------------------------------------------------------------
     async def aput(self, keys: Keys, kv: Any, **options: Any) -> PutResult:

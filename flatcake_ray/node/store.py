@@ -13,7 +13,8 @@ demo use it directly.
 - ``restore(keys, dest)``: a layer-pipelined restore through the store's
   :class:`RestorePipeline` (one per device); ``get(keys, out)`` waits for one into a
   ``[layers, pages, page_elems]`` buffer and returns how many pages are valid. What restores
-  found is counted, and bad scopes quarantined, by its :class:`ReadLedger` (``reads``).
+  found is counted, and bad scopes quarantined, by its :class:`ReadLedger` (``reads``). The
+  restore calls are :class:`~flatcake_ray.node.store_restores.RestoreCalls` (mixed in).
 
 One process owns a store root at a time (a lock file): a second opener gets
 :class:`StoreInUseError` instead of allocating the same extents twice.
@@ -50,11 +51,9 @@ from flatcake_ray.core.keys import (
     key_digests,
     put_digests,
 )
-from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.put_checks import check_hints
 from flatcake_ray.core.tenants import DEFAULT_TENANT, Tenant
-from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
-from flatcake_ray.errors import LeaseError, ShapeError, StoreClosedError
+from flatcake_ray.errors import ShapeError, StoreClosedError
 from flatcake_ray.media.arena import ArenaChunk, DramArena
 from flatcake_ray.media.buffers import as_page_bytes
 from flatcake_ray.media.pool import SsdPool
@@ -66,18 +65,17 @@ from flatcake_ray.node.read_ledger import ReadLedger
 from flatcake_ray.node.recovery import lock_root, manifest_header, recover
 from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.stats import STORE_COUNTERS, store_stats
+from flatcake_ray.node.store_restores import RestoreCalls
 from flatcake_ray.node.tenancy import Tenancy
 from flatcake_ray.node.writer import SegmentWriter
-from flatcake_ray.restore.dest import PagedPool, as_destination
 from flatcake_ray.restore.pipeline import RestorePipeline
-from flatcake_ray.restore.source import Leased
 
 __all__ = ["FlatCakeStore", "PutHandle", "PutHints", "PutResult"]
 
 Keys = Sequence[KeyLike | PageKey]
 
 
-class FlatCakeStore:
+class FlatCakeStore(RestoreCalls):
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.tenancy = Tenancy(config, on_free=self._log_free)
@@ -311,71 +309,6 @@ class FlatCakeStore:
         with self._lock:
             self._sources.pop(name, None)
             return self.tenancy.remove(name)
-
-    def pipeline(
-        self, device: str | torch.device = "cpu", tenant: str = DEFAULT_TENANT
-    ) -> RestorePipeline:
-        """The store's restore pipeline for ``tenant``'s destinations on ``device`` (made on
-        first use)."""
-        key = (tenant, torch.device(device))
-        source = self.source_for(tenant)
-        with self._lock:
-            self._check_open()
-            if key not in self._pipelines:
-                self._pipelines[key] = RestorePipeline(
-                    source,
-                    windows=self.config.restore_windows,
-                    slot_bytes=self.config.restore_slot_bytes,
-                    device=key[1],
-                )
-            return self._pipelines[key]
-
-    def restore(
-        self,
-        keys: Keys,
-        dest: Any,
-        slot_ids: Any = None,
-        layout: Layout = LAYER_FIRST,
-        *,
-        namespace: str | None = None,
-        grant: Any = None,
-        tenant: str = DEFAULT_TENANT,
-    ):
-        """Start a layer-pipelined restore of ``keys`` into ``dest``; see ``RestorePipeline``.
-        This store hands out no grants: a ``grant`` is another store's (LeaseError)."""
-        destination = as_destination(dest, slot_ids, layout)
-        pipeline = self.pipeline(destination.device, tenant)
-        return pipeline.submit(keys, destination, namespace=namespace, grant=grant)
-
-    def let_go(self, grant: Any) -> None:
-        """No grant is this store's (``probe`` hands out none)."""
-        raise LeaseError(f"an in-process store hands out no lease grants, got {grant!r}")
-
-    def get(
-        self, keys: Keys, out: Any, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT
-    ) -> int:
-        """Restore the consecutive hits into ``out`` (``[layers, >= len(keys), page_elems]``,
-        numpy or torch) and return how many pages from the first are valid."""
-        self._check_open()
-        pool = PagedPool(out, np.arange(len(keys)), LAYER_FIRST)
-        pipeline = self.pipeline(pool.device, tenant)
-        restored = pipeline.submit(keys, pool, namespace=namespace).wait()
-        with self._lock:
-            self.counters["gets"] += 1
-            self.counters["miss_pages"] += len(keys) - restored
-        return restored
-
-    def restore_lease(self, lease: Lease, dest: Any):
-        """Restore a prefix leased with :meth:`lease` into ``dest``; the restore takes the
-        lease over and releases it when it ends."""
-        leased = Leased(lease.hits, lease_parts(lease), lease)
-        return self.pipeline(dest.device, lease.tenant).submit_leased(leased, dest)
-
-    def recheck(self, lease: Lease, scope_ids: set[int]) -> None:
-        """Read the leased pages of ``scope_ids`` again here, every block checked (a remote
-        reader saw a bad one; ``ReadLedger.recheck``). Consumes the lease."""
-        catalog, pipeline = self.tenancy.catalog(lease.tenant), self.pipeline("cpu", lease.tenant)
-        self.reads.recheck(lease, scope_ids, catalog, pipeline)
 
     def gvas(
         self, keys: Keys, *, namespace: str | None = None, tenant: str = DEFAULT_TENANT

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flatcake_ray.config import DRAM_POLICIES
+from flatcake_ray.config_store import DRAM_POLICIES
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.errors import ConfigError
 

@@ -28,7 +28,8 @@ Who calls what, in which order:
 
 Every restore submitted is finished exactly once, by its lane or, if the scheduler's
 bookkeeping fails, by the pipeline with that error; that is what wakes its waiters and
-``close()``. Lane threads survive any error of a restore or of the bookkeeping.
+``close()``. Lane threads survive any error of a restore or of the bookkeeping (the
+bookkeeping the lanes run is ``restore/dispatch.py``).
 
 Admission. A restore is classified by its slowest medium. One whose hits are all in DRAM is
 dispatched at once to the DRAM lane (it holds no SSD window). One that touches SSD queues for
@@ -45,7 +46,6 @@ kernel on the window's stream; the layer counts as in place once that stream has
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -72,6 +72,7 @@ from flatcake_ray.errors import (
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.restore.deliver import ChunkDelivery
 from flatcake_ray.restore.dest import Destination, ScatterFn, as_destination
+from flatcake_ray.restore.dispatch import LaneDispatch
 from flatcake_ray.restore.handle import RestoreHandle
 from flatcake_ray.restore.source import Leased, ReadOutcome, Slot, Source
 from flatcake_ray.restore.window import Gauge, Job, Lane
@@ -88,10 +89,9 @@ DEFAULT_SLOT_BYTES = 16 << 20
 # copy on every idle thread (Ray local DRAM restore 10.85 -> 13.52 GB/s, BENCHMARKS.md).
 IN_PLACE_SLOTS = 4
 IN_PLACE_SLOTS_BACK_TO_BACK = 16
-logger = logging.getLogger(__name__)
 
 
-class RestorePipeline:
+class RestorePipeline(LaneDispatch):
     """See the module docstring for the contract.
 
     ``windows``: SSD restores streaming at once (the scheduler's prefetch budget).
@@ -285,83 +285,6 @@ class RestorePipeline:
         if dest.pages != keys:
             raise ShapeError(f"the destination maps {dest.pages} pages, one per key: need {keys}")
         return dest
-
-    # ---- scheduling (callers hold self._lock) --------------------------------------------
-    def _pump_or_break(self) -> None:
-        try:
-            self._pump()
-        except BaseException as exc:  # every queued handle is failed with it, wait() raises it
-            self._break(exc)
-
-    def _pump(self) -> None:
-        now = self._clock()
-        for request in self.scheduler.start_prefetches(now):
-            job = self._jobs[request.request_id]
-            job.handle._start(now)
-            self._idle.pop().start(job)  # the scheduler's budget is the number of windows
-            job.dispatched = True
-        for request in self.scheduler.pop_ready(now, None):
-            job = self._jobs.pop(request.request_id)
-            if request.medium is Medium.DRAM:
-                job.handle._start(now)
-                self._dram_lane.start(job)
-                job.dispatched = True
-            # an SSD restore popped here is already in place: its window finished it
-
-    # ---- the scatter threads' side -------------------------------------------------------
-    def _finish(self, lane: Lane, job: Job) -> None:
-        """The lane is done with ``job``; never raises (a lane thread must survive it)."""
-        outcome = job.outcome
-        handle, now = job.handle, self._clock()
-        outcome.queued_s = (handle.started_at or now) - handle.submitted_at
-        outcome.seconds = now - outcome.asked_at
-        try:
-            outcome.pages = job.handle.pages if job.error is None else 0
-            job.handle._shrink(self.source.release(job.leased, outcome))
-            outcome.pages = job.handle.pages if job.error is None else 0
-        except BaseException as exc:  # raised by wait()
-            job.error = job.error or exc
-        job.handle._finish(self._clock(), job.error, outcome)
-        with self._lock:
-            # Counted out first: close() must not wait for a job whatever the bookkeeping does.
-            self._live -= 1
-            try:
-                if lane is not self._dram_lane:
-                    self._window_done(lane, job)
-            except BaseException as exc:
-                self._break(exc)
-            finally:
-                self._drained.notify_all()
-
-    def _window_done(self, lane: Lane, job: Job) -> None:
-        self._idle.append(lane)
-        if self._fault is not None:
-            return  # the scheduler is broken: nothing is queued or started any more
-        request_id, now = job.handle.request_id, self._clock()
-        if job.error is None:
-            self.scheduler.prefetch_done(request_id, now)
-        else:
-            self.scheduler.cancel(request_id, now)
-            self._jobs.pop(request_id)
-        self._pump()
-
-    def _break(self, exc: BaseException) -> None:
-        """The scheduler bookkeeping failed (callers hold self._lock): fail every restore not
-        yet dispatched with it. A dispatched one finishes on its own lane."""
-        self._fault = self._fault or exc
-        now = self._clock()
-        failed = [job for job in self._jobs.values() if not job.dispatched]
-        self._jobs = {i: j for i, j in self._jobs.items() if j.dispatched}
-        for job in failed:  # woken and counted out before anything else can raise
-            job.outcome.pages = 0
-            job.handle._finish(now, exc, job.outcome)
-            self._live -= 1
-        self._drained.notify_all()
-        for job in failed:
-            try:
-                self.source.release(job.leased, job.outcome)
-            except BaseException:  # a lane thread runs this: it must live on; wait() raises exc
-                logger.exception("releasing the lease of restore %d failed", job.handle.request_id)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:
