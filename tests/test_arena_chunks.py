@@ -232,3 +232,61 @@ def test_hugetlb_chunks_are_read_and_landed_into_by_other_processes(make_store):
     finally:
         reader.close()
         area.close()
+
+
+def _smaps_of(address: int) -> dict[str, str]:
+    """This process's ``/proc/self/smaps`` entry for the mapping holding ``address``."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end ..."
+            start, end = (int(edge, 16) for edge in head.split("-"))
+            entry = {} if start <= address < end else None
+        elif entry is not None:
+            name, _, value = line.partition(":")
+            entry[name] = value.strip()
+            if name == "VmFlags":
+                return entry
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _shmem_huge_setting() -> str:
+    setting = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    if not setting.exists():  # a kernel built without transparent huge pages
+        return "never"
+    return next(word.strip("[]") for word in setting.read_text().split() if word[0] == "[")
+
+
+@pytest.fixture
+def thp_arena():
+    from flatcake_ray.media.arena import DramArena
+
+    arena = DramArena(2 * HUGE, f"thp-{os.getpid()}", hugepages="off", chunk_bytes=HUGE)
+    yield arena
+    arena.close()
+
+
+def test_chunk_mappings_ask_for_huge_pages_the_owner_s_and_a_reader_s(thp_arena):
+    # Asked before any page is faulted in: only then can an administrator's `advise` make
+    # them 2 MiB (the owner's pages are what a peer's cross-memory READ pins).
+    assert "hg" in _smaps_of(thp_arena.view.ctypes.data)["VmFlags"].split()
+    reader = ChunkMap(2 * HUGE)
+    fd = os.dup(thp_arena.chunk_fd(HUGE))
+    try:
+        reader.place(HUGE, fd, HUGE, shared=False)
+        assert "hg" in _smaps_of(reader.base + HUGE)["VmFlags"].split()
+        assert (reader.view[HUGE : 2 * HUGE] == 0).all()
+    finally:
+        reader.unplace(HUGE)
+        os.close(fd)
+
+
+@pytest.mark.skipif(
+    _shmem_huge_setting() in ("never", "deny"),
+    reason="shared memory gets no transparent huge pages here "
+    f"(/sys/kernel/mm/transparent_hugepage/shmem_enabled is {_shmem_huge_setting()})",
+)
+def test_an_arena_s_pages_are_huge_where_shared_memory_may_have_them(thp_arena):
+    thp_arena.view[:] = 7
+    mapped_kb = int(_smaps_of(thp_arena.view.ctypes.data)["ShmemPmdMapped"].split()[0])
+    assert mapped_kb >= HUGE >> 10

@@ -110,13 +110,16 @@ class DramArena:
         size = self._mapped_bytes(nbytes)
         fd = new_chunk_file(f"flatcake-{self.name}-{index}", size, huge=self.huge)
         self.chunk_fds.append(fd)
-        # Allocated now, not at first touch: with only MAP_POPULATE (here and in a client's
-        # mapping), a client's first write into a chunk ran at 0.55x its later writes
-        # (224 MB: 20-22 ms against 12), so a put into memory not written since the node
-        # started paid it (every put of a fresh node).
-        os.posix_fallocate(fd, 0, size)
         assert self._map is not None
+        # Allocated now, not at first touch: a client's first write into memory no one had
+        # allocated ran at 0.55x its later writes (224 MB: 20-22 ms against 12), so a put
+        # into memory not written since the node started paid it (every put of a fresh
+        # node). The owner's mapping faults every page in for writing, after asking for
+        # huge pages (``ChunkMap.place``: a file's pages are allocated as they are
+        # faulted, huge only through a mapping that asked); the fallocate then finds them
+        # all, and allocates them where the kernel could not fault them in so.
         self._map.place(start, fd, size, shared=True)
+        os.posix_fallocate(fd, 0, size)
 
     def renew_chunk(self, index: int) -> None:
         """Give chunk ``index`` a fresh memfd in place of its own, which is retired (its pages
@@ -159,6 +162,8 @@ class DramArena:
         # Allocated, as a new chunk is (a client's first writes would fault in every page),
         # but not pre-faulted in the owner's own mapping: that would take as long again,
         # under the store's lock, for reads that fault around 16 pages at a time anyway.
+        # (So where huge pages come only to a mapping that asks, ``shmem_enabled = advise``,
+        # a renewed chunk's pages are 4 KiB: renewals are rare, the lock is not.)
         os.posix_fallocate(fd, 0, size)
         self._register_chunk(index)
 

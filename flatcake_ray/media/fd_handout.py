@@ -23,7 +23,7 @@ from flatcake_ray.errors import ForeignMemoryError, ShapeError
 from flatcake_ray.media import peer_socket
 
 SOCKET_PREFIX = "flatcake-fd-"
-MAX_CHUNKS = 4096  # per hand-out: every chunk of the largest arena (config.MAX_DRAM_CHUNKS)
+MAX_CHUNKS = 4096  # per hand-out: every chunk of the largest arena (config_store.MAX_DRAM_CHUNKS)
 _PER_MESSAGE = 250  # descriptors a message (SCM_RIGHTS takes at most 253)
 
 
