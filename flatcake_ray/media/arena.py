@@ -114,12 +114,9 @@ class DramArena:
         # Allocated now, not at first touch: a client's first write into memory no one had
         # allocated ran at 0.55x its later writes (224 MB: 20-22 ms against 12), so a put
         # into memory not written since the node started paid it (every put of a fresh
-        # node). The owner's mapping faults every page in for writing, after asking for
-        # huge pages (``ChunkMap.place``: a file's pages are allocated as they are
-        # faulted, huge only through a mapping that asked); the fallocate then finds them
-        # all, and allocates them where the kernel could not fault them in so.
+        # node). ``ChunkMap.place`` faults every page in for writing through the owner's
+        # mapping, after asking for huge pages.
         self._map.place(start, fd, size, shared=True)
-        os.posix_fallocate(fd, 0, size)
 
     def renew_chunk(self, index: int) -> None:
         """Give chunk ``index`` a fresh memfd in place of its own, which is retired (its pages

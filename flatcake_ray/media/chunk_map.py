@@ -77,9 +77,10 @@ class ChunkMap:
         self, offset: int, fd: int, nbytes: int, *, shared: bool, populate: bool = True
     ) -> None:
         """Map ``nbytes`` of the file open as ``fd`` at ``offset``, over whatever was there:
-        ``shared`` writable (the owner; a put writing in place; pre-faulted for writing
-        unless not ``populate``), or private (a reader: its writes, were it to make any,
-        would land in its own copy, never the file). The caller keeps ``fd``.
+        ``shared`` writable (the owner; a put writing in place; every page allocated and
+        faulted in for writing unless not ``populate``), or private (a reader: its writes,
+        were it to make any, would land in its own copy, never the file). The caller keeps
+        ``fd``.
 
         Every mapping asks for transparent huge pages before a page is faulted in: where
         the administrator set ``shmem_enabled = advise`` a chunk's pages are then 2 MiB, and
@@ -93,7 +94,9 @@ class ChunkMap:
         self.mapped[offset] = nbytes
         _advise_huge(address, nbytes)
         if shared and populate and not _populate_for_writing(address, nbytes):
-            # A kernel without MADV_POPULATE_WRITE: populated as mapped, as before it.
+            # A kernel without MADV_POPULATE_WRITE: the file's pages allocated, then mapped
+            # populated (which faults a shared mapping in for reading only).
+            os.posix_fallocate(fd, 0, nbytes)
             _mmap(address, nbytes, prot, mmap.MAP_SHARED | _MAP_POPULATE | _MAP_FIXED, fd)
 
     def unplace(self, offset: int) -> None:
