@@ -51,7 +51,7 @@ GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
 STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
 STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync", "verify_dram")
-STORE_FIELDS += ("dram_chunks",)
+STORE_FIELDS += ("dram_chunks", "ssd_prewrite")
 
 
 def path_component(text: str) -> str:
@@ -89,6 +89,7 @@ class ServiceConfig:
     ssd_dirs: tuple[str, ...] = ()
     ssd_files_per_dir: int = 4
     ssd_file_bytes: int = 1 << 30
+    ssd_prewrite: bool = False  # StoreConfig.ssd_prewrite; examples/cluster.yaml turns it on
     hugepages: str = "auto"
     fsync: bool = True
     # Readers check DRAM too: clients write puts into a node's shared memory, and the check

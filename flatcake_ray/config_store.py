@@ -86,6 +86,10 @@ class StoreConfig:
     ssd_files_per_dir: int = 4
     ssd_file_bytes: int = 256 << 20
     ssd_min_run_bytes: int = 1 << 20  # smallest run a new SSD scope reserves in a pool file
+    # Write zeros once, in the background, over pool space the file system allocated but never
+    # wrote: first puts then overwrite written blocks (1.7x faster on ext4) instead of
+    # converting unwritten extents (media/pool_prewrite.py). Costs one write of the pool.
+    ssd_prewrite: bool = False
     gap_bytes: int = 64 << 10  # coalescing bridges holes smaller than this
     max_read_bytes: int = 32 << 20  # one coalesced read is at most this long
     # DRAM past high_watermark frees its oldest unreferenced scopes down to low_watermark, so

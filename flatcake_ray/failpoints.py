@@ -30,6 +30,8 @@ Points placed today:
 - ``node.release``: when a storage node handles a lease release (context: ``lease_id``).
 - ``pool.allocate``: before an SSD pool file is pre-allocated at open (context: ``path``).
 - ``pool.write``: before bytes go to an SSD pool file (context: ``offset``).
+- ``pool.prewrite``: before a step of zeros goes over never-written pool space, under the lock
+  data writes claim their ranges with (context: ``offset`` in its file).
 - ``plan.chunks``: when a restore plans the reads of a layer group (context: ``first``,
   ``end``); ``scheduler.start_prefetches`` and ``scheduler.prefetch_done`` (context:
   ``request_id``): the restore scheduler's bookkeeping.

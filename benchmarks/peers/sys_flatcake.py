@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.peers.workload import CONTROL_SAMPLES, Workload, check_bytes, gbps, median
-from flatcake_ray.cli.benchkit import bench_service_config, start_local_cluster
+from flatcake_ray.cli.benchkit import await_prewrite, bench_service_config, start_local_cluster
 
 NAMESPACE = "flatcake-peers"
 RESOURCE = "peersbench"
@@ -48,6 +48,9 @@ class FlatCakeWorker:
 
     def node(self) -> int:
         return self.node_id
+
+    def await_prewrite(self) -> float:
+        return await_prewrite(self.client)
 
     def _hints(self, medium: str) -> Any:
         from flatcake_ray.core.catalog import PutHints
@@ -141,6 +144,7 @@ class FlatCakeBench:
         self.workload, self.root, self.scale_pages = workload, root, scale_pages
         self.cluster: Any = None
         self.workers: dict[int, list[Any]] = defaultdict(list)  # FlatCake node id -> actors
+        self.prewrite_s = 0.0  # until the nodes' SSD pools were written once
         self.ray_nodes: dict[int, str] = {}
 
     def __enter__(self) -> FlatCakeBench:
@@ -160,6 +164,8 @@ class FlatCakeBench:
         deploy.start(config, resource=RESOURCE)
         for ray_node in deploy.service_nodes(RESOURCE):
             self._add_worker(ray_node)
+        # every node's pool written once, as a deployed node's is soon after its first start
+        self.prewrite_s = ray.get(next(iter(self.workers.values()))[0].await_prewrite.remote())
         return self
 
     def _add_worker(self, ray_node: str) -> Any:
@@ -352,6 +358,7 @@ def run_flatcake(
         environment(UCX_TLS=ucx_tls, PYTHONPATH=_pythonpath()),
         FlatCakeBench(workload, root, scale_pages) as bench,
     ):
+        result["prewrite_s"] = round(bench.prewrite_s, 2)
         warm = bench.put_round("0", local_writers=full)  # warm-up; restored below
         result["restore"] = bench.restores(warm, local_readers=full)
         if full:

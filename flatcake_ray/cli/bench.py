@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from flatcake_ray.cli.benchkit import (
+    await_prewrite,
     bench_folder,
     bench_service_config,
     best_gbps,
@@ -67,6 +68,9 @@ class RestoreBench:
         from flatcake_ray.client.client import FlatCakeClient
 
         self.client = FlatCakeClient(namespace)
+
+    def await_prewrite(self) -> float:
+        return await_prewrite(self.client)
 
     def where(self) -> dict[str, Any]:
         return {"ray_node_id": self.client.ray_node_id, "node_id": self.client.nodes.local_node_id}
@@ -294,6 +298,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         benches = _bench_actors(targets)
         wheres = ray.get([b.where.remote() for b in benches])
         by_node = {w["node_id"]: b for w, b in zip(wheres, benches, strict=True)}
+        prewrite_s = ray.get(benches[0].await_prewrite.remote())
         results = _measure(benches, by_node, args)
     placed = results.pop("_placed")
     return {
@@ -309,6 +314,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "wall_seconds": round(time.perf_counter() - started, 1),
             "load_before": load_before,
             "load_after": load_average(),
+            "prewrite_seconds": round(prewrite_s, 2),  # pools written once before timing
         },
         "paths": {k: v for k, v in results.items() if k not in ("control_plane", "window")},
         "control_plane": results["control_plane"],

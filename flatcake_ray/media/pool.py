@@ -15,6 +15,7 @@ import numpy as np
 from flatcake_ray.errors import MediumFullError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.log import log_once
+from flatcake_ray.media.pool_prewrite import STEP, PoolPrewrite
 
 # Allocation failures that mean "this disk cannot hold the configured pool".
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -27,7 +28,15 @@ class SsdPool:
     numbered round-robin over folders so consecutive scopes land on different drives.
     """
 
-    def __init__(self, folders: tuple[str, ...], files_per_dir: int, file_bytes: int) -> None:
+    def __init__(
+        self,
+        folders: tuple[str, ...],
+        files_per_dir: int,
+        file_bytes: int,
+        *,
+        prewrite: bool = False,
+        prewrite_step: int = STEP,
+    ) -> None:
         self.file_bytes = file_bytes
         self.paths: list[str] = []
         for i in range(files_per_dir * len(folders)):
@@ -36,9 +45,13 @@ class SsdPool:
             self.paths.append(str(folder / f"pool-{i:04d}.fc"))
         self.direct = True
         self.fds: list[int] = []
+        self.prewrite: PoolPrewrite | None = None
         try:
             for path in self.paths:
                 self.fds.append(self._open(path))
+            # Buffered I/O (O_DIRECT refused) writes back through the page cache: nothing to gain.
+            if prewrite and self.direct:
+                self.prewrite = PoolPrewrite(self.fds, file_bytes, prewrite_step)
         except BaseException:
             self.close()  # a failed open leaves no descriptor behind
             raise
@@ -77,6 +90,7 @@ class SsdPool:
         pool.paths = [str(p) for p in paths]
         pool.direct = True
         pool.fds = []
+        pool.prewrite = None  # the owning store writes the pool; a reader never does
         try:
             for path in pool.paths:
                 pool.fds.append(pool._open_readonly(path))
@@ -103,6 +117,8 @@ class SsdPool:
         """Write an aligned buffer at an aligned pool offset (one command per call)."""
         failpoint("pool.write", offset=offset)
         file_index, file_offset = self.locate(offset)
+        if self.prewrite is not None:
+            self.prewrite.claim(file_index, file_offset, file_offset + buffer.nbytes)
         view = memoryview(buffer)
         while view.nbytes:
             written = os.pwrite(self.fds[file_index], view, file_offset)
@@ -120,7 +136,21 @@ class SsdPool:
     def sync(self, offset: int) -> None:
         os.fdatasync(self.fds[self.locate(offset)[0]])
 
+    @property
+    def prewrite_pending(self) -> int:
+        """Bytes of never-written pool space the prewriter has still to write (0: none; more
+        after it stopped: see :attr:`prewrite_error`)."""
+        return 0 if self.prewrite is None else self.prewrite.pending_bytes
+
+    @property
+    def prewrite_error(self) -> str:
+        """Why the prewriter stopped early (empty: it did not)."""
+        error = None if self.prewrite is None else self.prewrite.error
+        return "" if error is None else str(error)
+
     def close(self) -> None:
+        if self.prewrite is not None:
+            self.prewrite.close()  # before its descriptors go
         for fd in self.fds:
             os.close(fd)
         self.fds = []

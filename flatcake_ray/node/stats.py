@@ -117,5 +117,7 @@ def store_stats(store: StoreParts) -> dict[str, Any]:
         "arena_chunks": store.arena.chunks,  # each handed to its owner only
         "arena_hugepages": store.arena.huge,
         "ssd_o_direct": store.pool.direct,
+        "ssd_prewrite_pending": store.pool.prewrite_pending,  # never-written bytes to go
+        "ssd_prewrite_error": store.pool.prewrite_error,
         "tenants": tenants,
     }

@@ -95,7 +95,12 @@ class FlatCakeStore(RestoreCalls):
                 config.dram_bytes, f"{root_slug}-{config.node_id}", config.hugepages, chunk
             )
             undo.callback(self.arena.close)
-            self.pool = SsdPool(config.ssd_folders, config.ssd_files_per_dir, config.ssd_file_bytes)
+            self.pool = SsdPool(
+                config.ssd_folders,
+                config.ssd_files_per_dir,
+                config.ssd_file_bytes,
+                prewrite=config.ssd_prewrite,
+            )
             undo.callback(self.pool.close)
             self.manifest = Manifest(
                 str(Path(config.ssd_folders[0]) / "manifest.fcm"),

@@ -1,0 +1,186 @@
+"""An SSD pool's never-written space written once in the background (``ssd_prewrite``),
+never over the data written meanwhile."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flatcake_ray import failpoints as fp
+from flatcake_ray.media.pool import SsdPool
+from flatcake_ray.media.pool_prewrite import unwritten_ranges
+from tests.conftest import LAYERS, PAGE_BYTES, random_kv
+
+FILE_BYTES = 1 << 20
+BLOCK = 4096
+STEP = 64 << 10
+
+
+def _reports_unwritten(folder) -> bool:
+    """Whether the file system here reports fallocated space as holes (ext4, XFS do)."""
+    path = os.path.join(folder, "probe")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 1 << 20)
+        return unwritten_ranges(fd, 1 << 20) == [(0, 1 << 20)]
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+@pytest.fixture
+def folder(tmp_path):
+    if not _reports_unwritten(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system reports no unwritten extents (nothing to prewrite)")
+    return tmp_path
+
+
+def _block(seed: int) -> np.ndarray:
+    """One 4 KiB page-aligned block of seeded bytes (O_DIRECT writes from aligned memory)."""
+    raw = np.empty(2 * BLOCK, np.uint8)
+    start = -raw.ctypes.data % BLOCK
+    block = raw[start : start + BLOCK]
+    block[:] = np.random.default_rng(seed).integers(1, 256, BLOCK, dtype=np.uint8)
+    return block
+
+
+def _read(pool: SsdPool, offset: int) -> np.ndarray:
+    out = _block(0)
+    pool.read_into(*pool.locate(offset), out)
+    return out
+
+
+def _settle(pool: SsdPool, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while pool.prewrite is not None and not pool.prewrite.done:
+        assert time.monotonic() < deadline, "the prewrite did not finish"
+        time.sleep(0.005)
+
+
+def _holes(pool: SsdPool) -> list[list[tuple[int, int]]]:
+    return [unwritten_ranges(fd, pool.file_bytes) for fd in pool.fds]
+
+
+def test_a_prewritten_pool_has_no_unwritten_space(folder):
+    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+    try:
+        assert pool.prewrite_pending <= 2 * FILE_BYTES
+        _settle(pool)
+        assert _holes(pool) == [[], []]
+        assert (pool.prewrite_pending, pool.prewrite_error) == (0, "")
+    finally:
+        pool.close()
+
+
+def test_without_prewrite_the_space_stays_unwritten(folder):
+    pool = SsdPool((str(folder),), 2, FILE_BYTES)
+    try:
+        assert _holes(pool) == [[(0, FILE_BYTES)], [(0, FILE_BYTES)]]
+        assert pool.prewrite_pending == 0
+    finally:
+        pool.close()
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    blocks=st.lists(
+        st.integers(0, 2 * FILE_BYTES // BLOCK - 1), min_size=1, max_size=40, unique=True
+    ),
+    writers=st.integers(1, 3),
+)
+def test_data_written_while_prewriting_is_never_zeroed(folder, blocks, writers):
+    """Writes race the prewriter (its steps slowed by a failpoint); every block written reads
+    back its bytes, and the rest of the pool ends written (no unwritten space left)."""
+    fp.arm("pool.prewrite", call=lambda **_: time.sleep(0.001), times=None)
+    try:
+        with tempfile.TemporaryDirectory(dir=folder) as where:
+            pool = SsdPool((where,), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+            try:
+                share = [blocks[i::writers] for i in range(writers)]
+                threads = [
+                    threading.Thread(
+                        target=lambda mine: [pool.write(b * BLOCK, _block(b + 1)) for b in mine],
+                        args=(mine,),
+                    )
+                    for mine in share
+                ]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                _settle(pool)
+                for b in blocks:
+                    assert np.array_equal(_read(pool, b * BLOCK), _block(b + 1)), b
+                assert _holes(pool) == [[], []]
+            finally:
+                pool.close()
+    finally:
+        fp.disarm_all()
+
+
+def test_a_failed_prewrite_says_why_and_the_pool_stays_usable(folder, failpoints):
+    failpoints.arm("pool.prewrite", raises=OSError(errno.EIO, "injected"), times=1, skip=2)
+    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+    try:
+        _settle(pool)
+        assert "injected" in pool.prewrite_error
+        assert pool.prewrite_pending == 2 * FILE_BYTES - 2 * STEP
+        pool.write(FILE_BYTES + 8 * BLOCK, _block(7))
+        assert np.array_equal(_read(pool, FILE_BYTES + 8 * BLOCK), _block(7))
+    finally:
+        pool.close()
+
+
+def test_a_reopened_pool_prewrites_the_rest_and_keeps_its_data(folder, failpoints):
+    failpoints.arm("pool.prewrite", raises=OSError(errno.EIO, "injected"), times=1, skip=3)
+    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+    try:
+        _settle(pool)
+        assert pool.prewrite_error
+        pool.write(FILE_BYTES - BLOCK, _block(3))  # in space the first prewrite never reached
+    finally:
+        pool.close()
+    holes = SsdPool((str(folder),), 2, FILE_BYTES)
+    try:
+        left = _holes(holes)
+    finally:
+        holes.close()
+    assert left[0] == [(3 * STEP, FILE_BYTES - BLOCK)] and left[1] == [(0, FILE_BYTES)]
+    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+    try:
+        assert pool.prewrite_pending == FILE_BYTES - 3 * STEP - BLOCK + FILE_BYTES
+        _settle(pool)
+        assert _holes(pool) == [[], []] and not pool.prewrite_error
+        assert np.array_equal(_read(pool, FILE_BYTES - BLOCK), _block(3))
+    finally:
+        pool.close()
+
+
+def test_a_store_prewrites_its_pool_when_configured(folder, make_store):
+    store = make_store(ssd_prewrite=True)
+    deadline = time.monotonic() + 30
+    while store.stats()["ssd_prewrite_pending"]:
+        assert time.monotonic() < deadline, "the store's prewrite did not finish"
+        time.sleep(0.01)
+    assert store.stats()["ssd_prewrite_error"] == ""
+    assert _holes(store.pool) == [[] for _ in store.pool.fds]
+    kv = random_kv(12)
+    assert store.put(list(range(12)), kv).medium.name == "SSD"
+    out = np.zeros((LAYERS, 12, PAGE_BYTES), dtype=np.uint8)
+    assert store.get(list(range(12)), out) == 12 and np.array_equal(out, kv)
+
+
+def test_a_store_leaves_its_pool_alone_by_default(folder, make_store):
+    store = make_store()
+    assert store.stats()["ssd_prewrite_pending"] == 0
+    assert all(holes for holes in _holes(store.pool))
