@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 
 from flatcake_ray.failpoints import failpoint
+from flatcake_ray.media.log import log_once
 
 log = logging.getLogger("flatcake_ray.media")
 
@@ -37,7 +38,14 @@ def unwritten_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     ranges: list[tuple[int, int]] = []
     at = 0
     while at < size:
-        hole = os.lseek(fd, at, os.SEEK_HOLE)
+        try:
+            hole = os.lseek(fd, at, os.SEEK_HOLE)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            # A file system that cannot say where its holes are: nothing known to prewrite.
+            log_once("seek-hole", "SSD pool: SEEK_HOLE refused (%s); no prewrite", exc)
+            return []
         if hole >= size:
             break
         try:
