@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flatcake_ray import failpoints as fp
+from flatcake_ray.errors import ConfigError
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.media.pool_prewrite import unwritten_ranges
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
@@ -184,3 +185,11 @@ def test_a_store_leaves_its_pool_alone_by_default(folder, make_store):
     store = make_store()
     assert store.stats()["ssd_prewrite_pending"] == 0
     assert all(holes for holes in _holes(store.pool))
+
+
+@pytest.mark.parametrize("step", [0, -4096, 4096 + 512])
+def test_a_step_that_is_not_whole_blocks_is_refused_and_opens_nothing(tmp_path, step):
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConfigError, match="prewrite step"):
+        SsdPool((str(tmp_path),), 1, FILE_BYTES, prewrite=True, prewrite_step=step)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -24,6 +24,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.log import log_once
 
@@ -77,7 +78,7 @@ class PoolPrewrite:
 
     def __init__(self, fds: Sequence[int], file_bytes: int, step: int = STEP) -> None:
         if step <= 0 or step % ALIGN:
-            raise ValueError(f"prewrite step must be a positive multiple of {ALIGN}, not {step}")
+            raise ConfigError(f"prewrite step must be a positive multiple of {ALIGN}", "step")
         self._fds, self._step = list(fds), step
         self._todo = [
             (index, start, end)
