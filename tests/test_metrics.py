@@ -148,6 +148,7 @@ def test_puts_and_node_state(workload):
     )
     assert value(samples, "flatcake_pages", node_id="0") == stats["pages_indexed"] == 8
     assert value(samples, "flatcake_index_bytes", node_id="0") == stats["index_bytes"]
+    assert value(samples, "flatcake_ssd_prewrite_pending_bytes", node_id="0") == 0  # off
     assert value(samples, "flatcake_node_up", node_id="0") == 1
 
 

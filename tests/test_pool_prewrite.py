@@ -18,6 +18,8 @@ from flatcake_ray import failpoints as fp
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.media.pool_prewrite import unwritten_ranges
+from flatcake_ray.metrics.definitions import BY_NAME
+from flatcake_ray.metrics.view import collapse
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
 
 FILE_BYTES = 1 << 20
@@ -193,3 +195,18 @@ def test_a_step_that_is_not_whole_blocks_is_refused_and_opens_nothing(tmp_path, 
     with pytest.raises(ConfigError, match="prewrite step"):
         SsdPool((str(tmp_path),), 1, FILE_BYTES, prewrite=True, prewrite_step=step)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_store_reports_a_stopped_prewrite_in_stats_and_metrics(folder, make_store, failpoints):
+    failpoints.arm("pool.prewrite", raises=OSError(errno.EIO, "injected"), times=1)
+    store = make_store(ssd_prewrite=True)
+    _settle(store.pool)
+    stats = store.stats()
+    assert "injected" in stats["ssd_prewrite_error"]
+    assert (
+        stats["ssd_prewrite_pending"]
+        == store.config.ssd_files_per_dir * store.config.ssd_file_bytes
+    )
+    series = BY_NAME["flatcake_ssd_prewrite_pending_bytes"].exported
+    gauge = [s.value for s in collapse(store.metrics.samples()) if s.name == series]
+    assert gauge == [stats["ssd_prewrite_pending"]]

@@ -133,6 +133,12 @@ METRICS: tuple[MetricDef, ...] = (
         "flatcake_pool_utilisation", _G, (NODE_ID,), "SSD bytes used / bytes reserved by scopes"
     ),
     MetricDef(
+        "flatcake_ssd_prewrite_pending_bytes",
+        _G,
+        (NODE_ID,),
+        "never-written SSD pool bytes the prewrite has still to write (ssd_prewrite)",
+    ),
+    MetricDef(
         "flatcake_tenant_used_bytes",
         _G,
         (NODE_ID, TENANT, MEDIUM),
