@@ -100,14 +100,17 @@ def test_without_prewrite_the_space_stays_unwritten(folder):
         st.integers(0, 2 * FILE_BYTES // BLOCK - 1), min_size=1, max_size=40, unique=True
     ),
     writers=st.integers(1, 3),
+    drives=st.integers(1, 2),
 )
-def test_data_written_while_prewriting_is_never_zeroed(folder, blocks, writers):
-    """Writes race the prewriter (its steps slowed by a failpoint); every block written reads
-    back its bytes, and the rest of the pool ends written (no unwritten space left)."""
+def test_data_written_while_prewriting_is_never_zeroed(folder, blocks, writers, drives):
+    """Writes race the prewriter (its steps slowed by a failpoint; one drive, or two written
+    at once); every block written reads back its bytes, and the rest of the pool ends
+    written (no unwritten space left)."""
     fp.arm("pool.prewrite", call=lambda **_: time.sleep(0.001), times=None)
     try:
         with tempfile.TemporaryDirectory(dir=folder) as where:
-            pool = SsdPool((where,), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+            folders = tuple(os.path.join(where, f"drive{d}") for d in range(drives))
+            pool = SsdPool(folders, 2 // drives, FILE_BYTES, prewrite=True, prewrite_step=STEP)
             try:
                 share = [blocks[i::writers] for i in range(writers)]
                 threads = [
@@ -210,3 +213,24 @@ def test_a_store_reports_a_stopped_prewrite_in_stats_and_metrics(folder, make_st
     series = BY_NAME["flatcake_ssd_prewrite_pending_bytes"].exported
     gauge = [s.value for s in collapse(store.metrics.samples()) if s.name == series]
     assert gauge == [stats["ssd_prewrite_pending"]]
+
+
+def test_the_drives_of_a_pool_are_prewritten_at_once(folder, failpoints):
+    active, most, lock = [0], [0], threading.Lock()
+
+    def step(**_):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.01)
+        with lock:
+            active[0] -= 1
+
+    failpoints.arm("pool.prewrite", call=step, times=None)
+    folders = (str(folder / "drive0"), str(folder / "drive1"))
+    pool = SsdPool(folders, 1, FILE_BYTES, prewrite=True, prewrite_step=STEP)
+    try:
+        _settle(pool)
+        assert most[0] == 2 and _holes(pool) == [[], []]
+    finally:
+        pool.close()

@@ -51,7 +51,7 @@ class SsdPool:
                 self.fds.append(self._open(path))
             # Buffered I/O (O_DIRECT refused) writes back through the page cache: nothing to gain.
             if prewrite and self.direct:
-                self.prewrite = PoolPrewrite(self.fds, file_bytes, prewrite_step)
+                self.prewrite = PoolPrewrite(self.fds, file_bytes, prewrite_step, len(folders))
         except BaseException:
             self.close()  # a failed open leaves no descriptor behind
             raise

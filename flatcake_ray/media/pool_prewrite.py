@@ -6,10 +6,11 @@ O_DIRECT write into such space ran at 0.55-0.59 of a write into space written on
 (``benchmarks/odirect_fresh_space.py``). A pool reaches written space only after wrapping
 around once. The prewriter writes zeros over the unwritten ranges (found with ``SEEK_HOLE``,
 which ext4 and XFS report for unwritten extents; a file system without unwritten extents
-reports none) so every later put overwrites written blocks.
+reports none) so every later put overwrites written blocks: a thread per drive, so a pool of
+several drives is written in the time of one.
 
 Never over data: :meth:`PoolPrewrite.claim` runs before every data write (``SsdPool.write``)
-and marks its range, under the lock the prewriter holds while it writes a step of zeros; a
+and marks its range, under the lock the drive's prewriter holds while it writes a step of zeros; a
 step skips every claimed range, and a claim that comes while a step is writing waits for it,
 so the data lands after the zeros. Reads only ever cover data ranges, so they never see the
 zeros. A store reopened before it finished finds the rest with ``SEEK_HOLE`` again.
@@ -73,41 +74,32 @@ def _minus(start: int, end: int, claimed: Sequence[tuple[int, int]]) -> list[tup
     return pieces
 
 
-class PoolPrewrite:
-    """One background thread writing zeros over a pool's unwritten ranges, file by file."""
+class _DrivePrewrite:
+    """One drive's files: a thread writing their unwritten ranges, and the lock its steps
+    and the data writes' claims share (a drive's own, so drives are written at once)."""
 
-    def __init__(self, fds: Sequence[int], file_bytes: int, step: int = STEP) -> None:
-        if step <= 0 or step % ALIGN:
-            raise ConfigError(f"prewrite step must be a positive multiple of {ALIGN}", "step")
-        self._fds, self._step = list(fds), step
-        self._todo = [
-            (index, start, end)
-            for index, fd in enumerate(self._fds)
-            for start, end in unwritten_ranges(fd, file_bytes)
-        ]
-        self.pending_bytes = sum(end - start for _, start, end in self._todo)
-        self.error: OSError | None = None  # why it stopped early (the pool stays correct)
+    def __init__(
+        self,
+        fds: dict[int, int],
+        todo: list[tuple[int, int, int]],
+        step: int,
+        stop: threading.Event,
+    ) -> None:
+        self._fds, self._todo, self._step, self._stop = fds, todo, step, stop
+        self.pending_bytes = sum(end - start for _, start, end in todo)
+        self.error: OSError | None = None
         self._claimed: dict[int, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._done = not self._todo
-        self._thread: threading.Thread | None = None
-        if self._todo:
-            self._thread = threading.Thread(
-                target=self._run, name="flatcake-ssd-prewrite", daemon=True
-            )
-            self._thread.start()
-
-    @property
-    def done(self) -> bool:
-        return self._done
+        self.done = not todo
+        self.thread = threading.Thread(target=self._run, name="flatcake-ssd-prewrite", daemon=True)
+        if todo:
+            self.thread.start()
 
     def claim(self, file_index: int, start: int, end: int) -> None:
-        """Mark ``[start, end)`` of a file as data before it is written (never zeroed after)."""
-        if self._done:
+        if self.done:
             return
         with self._lock:
-            if not self._done:
+            if not self.done:
                 self._claimed.setdefault(file_index, []).append((start, end))
 
     def _run(self) -> None:
@@ -124,7 +116,7 @@ class PoolPrewrite:
         finally:
             zeros.close()
             with self._lock:
-                self._done = True
+                self.done = True
                 self._claimed.clear()
 
     def _write_step(self, index: int, start: int, end: int, zeros: mmap.mmap) -> None:
@@ -137,8 +129,53 @@ class PoolPrewrite:
                     view, lo = view[written:], lo + written
             self.pending_bytes -= end - start
 
+
+class PoolPrewrite:
+    """A pool's unwritten ranges written once: a thread per drive (file ``i`` of the pool is
+    on drive ``i % drives``, as :class:`~flatcake_ray.media.pool.SsdPool` lays them out)."""
+
+    def __init__(
+        self, fds: Sequence[int], file_bytes: int, step: int = STEP, drives: int = 1
+    ) -> None:
+        if step <= 0 or step % ALIGN:
+            raise ConfigError(f"prewrite step must be a positive multiple of {ALIGN}", "step")
+        self._drives = max(1, min(drives, len(fds)))
+        self._stop = threading.Event()
+        todo = [
+            (index, start, end)
+            for index, fd in enumerate(fds)
+            for start, end in unwritten_ranges(fd, file_bytes)
+        ]
+        self._parts = [
+            _DrivePrewrite(
+                {i: fd for i, fd in enumerate(fds) if i % self._drives == drive},
+                [t for t in todo if t[0] % self._drives == drive],
+                step,
+                self._stop,
+            )
+            for drive in range(self._drives)
+        ]
+
+    @property
+    def done(self) -> bool:
+        return all(part.done for part in self._parts)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(part.pending_bytes for part in self._parts)
+
+    @property
+    def error(self) -> OSError | None:
+        """Why a drive's prewrite stopped early (the pool stays correct), the first found."""
+        return next((part.error for part in self._parts if part.error is not None), None)
+
+    def claim(self, file_index: int, start: int, end: int) -> None:
+        """Mark ``[start, end)`` of a file as data before it is written (never zeroed after)."""
+        self._parts[file_index % self._drives].claim(file_index, start, end)
+
     def close(self) -> None:
-        """Stop after the step in flight (the rest is found again at the next open)."""
+        """Stop after the steps in flight (the rest is found again at the next open)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for part in self._parts:
+            if part.thread.is_alive():
+                part.thread.join()
