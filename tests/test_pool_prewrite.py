@@ -19,7 +19,7 @@ from flatcake_ray.errors import ConfigError
 from flatcake_ray.media.pool import SsdPool
 from flatcake_ray.media.pool_prewrite import unwritten_ranges
 from flatcake_ray.metrics.definitions import BY_NAME
-from flatcake_ray.metrics.view import collapse
+from flatcake_ray.metrics.view import collapse, format_view, status_view
 from tests.conftest import LAYERS, PAGE_BYTES, random_kv
 
 FILE_BYTES = 1 << 20
@@ -189,6 +189,7 @@ def test_a_store_prewrites_its_pool_when_configured(folder, make_store):
 def test_a_store_leaves_its_pool_alone_by_default(folder, make_store):
     store = make_store()
     assert store.stats()["ssd_prewrite_pending"] == 0
+    assert "still to prewrite" not in format_view(status_view(store.metrics.samples()))
     assert all(holes for holes in _holes(store.pool))
 
 
@@ -213,6 +214,10 @@ def test_a_store_reports_a_stopped_prewrite_in_stats_and_metrics(folder, make_st
     series = BY_NAME["flatcake_ssd_prewrite_pending_bytes"].exported
     gauge = [s.value for s in collapse(store.metrics.samples()) if s.name == series]
     assert gauge == [stats["ssd_prewrite_pending"]]
+    view = status_view(store.metrics.samples())
+    row = next(r for r in view["nodes"] if r["node_id"] == str(store.config.node_id))
+    assert row["ssd_prewrite_pending_bytes"] == stats["ssd_prewrite_pending"]
+    assert "still to prewrite" in format_view(view)
 
 
 def test_the_drives_of_a_pool_are_prewritten_at_once(folder, failpoints):

@@ -132,6 +132,9 @@ def _node_only(samples: list[Sample], node: str) -> dict[str, Any]:
         "lost_dram_scopes": int(
             _total(samples, _series("flatcake_lost_scopes"), where, medium="dram")
         ),
+        "ssd_prewrite_pending_bytes": int(
+            _total(samples, _series("flatcake_ssd_prewrite_pending_bytes"), where)
+        ),
     }
 
 
@@ -205,6 +208,12 @@ def format_view(view: Mapping[str, Any]) -> str:
         "restarts: Ray restarted the node's actor; lost: DRAM scopes those restarts lost "
         "(SSD scopes come back)"
     )
+    for r in view["nodes"]:
+        if r["ssd_prewrite_pending_bytes"]:
+            lines.append(
+                f"node {r[NODE_ID]}: {_mib(r['ssd_prewrite_pending_bytes'])} MiB of its SSD pool "
+                "still to prewrite (its first SSD puts are slower until then)"
+            )
     lines.append("metrics per tenant (node all: every node)")
     lines.append(
         f"{'tenant':<16} {'node':>5} {'dram MiB':>9} {'ssd MiB':>9} {'lookups':>8} "
