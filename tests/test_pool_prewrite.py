@@ -8,6 +8,8 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -68,28 +70,34 @@ def _settle(pool: SsdPool, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+@contextmanager
+def _opened(*folders, files: int = 2, prewrite: bool = True) -> Iterator[SsdPool]:
+    """A pool of ``files`` files per folder, prewriting in ``STEP`` steps; closed after."""
+    pool = SsdPool(
+        tuple(map(str, folders)), files, FILE_BYTES, prewrite=prewrite, prewrite_step=STEP
+    )
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 def _holes(pool: SsdPool) -> list[list[tuple[int, int]]]:
     return [unwritten_ranges(fd, pool.file_bytes) for fd in pool.fds]
 
 
 def test_a_prewritten_pool_has_no_unwritten_space(folder):
-    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
-    try:
+    with _opened(folder) as pool:
         assert pool.prewrite_pending <= 2 * FILE_BYTES
         _settle(pool)
         assert _holes(pool) == [[], []]
         assert (pool.prewrite_pending, pool.prewrite_error) == (0, "")
-    finally:
-        pool.close()
 
 
 def test_without_prewrite_the_space_stays_unwritten(folder):
-    pool = SsdPool((str(folder),), 2, FILE_BYTES)
-    try:
+    with _opened(folder, prewrite=False) as pool:
         assert _holes(pool) == [[(0, FILE_BYTES)], [(0, FILE_BYTES)]]
         assert pool.prewrite_pending == 0
-    finally:
-        pool.close()
 
 
 @settings(
@@ -109,9 +117,8 @@ def test_data_written_while_prewriting_is_never_zeroed(folder, blocks, writers, 
     fp.arm("pool.prewrite", call=lambda **_: time.sleep(0.001), times=None)
     try:
         with tempfile.TemporaryDirectory(dir=folder) as where:
-            folders = tuple(os.path.join(where, f"drive{d}") for d in range(drives))
-            pool = SsdPool(folders, 2 // drives, FILE_BYTES, prewrite=True, prewrite_step=STEP)
-            try:
+            folders = [os.path.join(where, f"drive{d}") for d in range(drives)]
+            with _opened(*folders, files=2 // drives) as pool:
                 share = [blocks[i::writers] for i in range(writers)]
                 threads = [
                     threading.Thread(
@@ -128,48 +135,34 @@ def test_data_written_while_prewriting_is_never_zeroed(folder, blocks, writers, 
                 for b in blocks:
                     assert np.array_equal(_read(pool, b * BLOCK), _block(b + 1)), b
                 assert _holes(pool) == [[], []]
-            finally:
-                pool.close()
     finally:
         fp.disarm_all()
 
 
 def test_a_failed_prewrite_says_why_and_the_pool_stays_usable(folder, failpoints):
     failpoints.arm("pool.prewrite", raises=OSError(errno.EIO, "injected"), times=1, skip=2)
-    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
-    try:
+    with _opened(folder) as pool:
         _settle(pool)
         assert "injected" in pool.prewrite_error
         assert pool.prewrite_pending == 2 * FILE_BYTES - 2 * STEP
         pool.write(FILE_BYTES + 8 * BLOCK, _block(7))
         assert np.array_equal(_read(pool, FILE_BYTES + 8 * BLOCK), _block(7))
-    finally:
-        pool.close()
 
 
 def test_a_reopened_pool_prewrites_the_rest_and_keeps_its_data(folder, failpoints):
     failpoints.arm("pool.prewrite", raises=OSError(errno.EIO, "injected"), times=1, skip=3)
-    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
-    try:
+    with _opened(folder) as pool:
         _settle(pool)
         assert pool.prewrite_error
         pool.write(FILE_BYTES - BLOCK, _block(3))  # in space the first prewrite never reached
-    finally:
-        pool.close()
-    holes = SsdPool((str(folder),), 2, FILE_BYTES)
-    try:
+    with _opened(folder, prewrite=False) as holes:
         left = _holes(holes)
-    finally:
-        holes.close()
     assert left[0] == [(3 * STEP, FILE_BYTES - BLOCK)] and left[1] == [(0, FILE_BYTES)]
-    pool = SsdPool((str(folder),), 2, FILE_BYTES, prewrite=True, prewrite_step=STEP)
-    try:
+    with _opened(folder) as pool:
         assert pool.prewrite_pending == FILE_BYTES - 3 * STEP - BLOCK + FILE_BYTES
         _settle(pool)
         assert _holes(pool) == [[], []] and not pool.prewrite_error
         assert np.array_equal(_read(pool, FILE_BYTES - BLOCK), _block(3))
-    finally:
-        pool.close()
 
 
 def test_a_store_prewrites_its_pool_when_configured(folder, make_store):
@@ -232,10 +225,6 @@ def test_the_drives_of_a_pool_are_prewritten_at_once(folder, failpoints):
             active[0] -= 1
 
     failpoints.arm("pool.prewrite", call=step, times=None)
-    folders = (str(folder / "drive0"), str(folder / "drive1"))
-    pool = SsdPool(folders, 1, FILE_BYTES, prewrite=True, prewrite_step=STEP)
-    try:
+    with _opened(folder / "drive0", folder / "drive1", files=1) as pool:
         _settle(pool)
         assert most[0] == 2 and _holes(pool) == [[], []]
-    finally:
-        pool.close()

@@ -15,7 +15,7 @@ import numpy as np
 from flatcake_ray.errors import MediumFullError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.log import log_once
-from flatcake_ray.media.pool_prewrite import STEP, PoolPrewrite
+from flatcake_ray.media.pool_prewrite import STEP, PoolPrewrite, pwrite_whole
 
 # Allocation failures that mean "this disk cannot hold the configured pool".
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -119,10 +119,7 @@ class SsdPool:
         file_index, file_offset = self.locate(offset)
         if self.prewrite is not None:
             self.prewrite.claim(file_index, file_offset, file_offset + buffer.nbytes)
-        view = memoryview(buffer)
-        while view.nbytes:
-            written = os.pwrite(self.fds[file_index], view, file_offset)
-            view, file_offset = view[written:], file_offset + written
+        pwrite_whole(self.fds[file_index], memoryview(buffer), file_offset)
 
     def read_into(self, file_index: int, file_offset: int, buffer: np.ndarray) -> int:
         done = 0

@@ -61,6 +61,14 @@ def unwritten_ranges(fd: int, size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def pwrite_whole(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (a write may take fewer bytes): the one
+    loop a pool's data writes (``SsdPool.write``) and the prewrite's zeros both go through."""
+    while data.nbytes:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
 def _minus(start: int, end: int, claimed: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of ``[start, end)`` no claimed range covers."""
     pieces = [(start, end)]
@@ -75,12 +83,13 @@ def _minus(start: int, end: int, claimed: Sequence[tuple[int, int]]) -> list[tup
 
 
 class _DrivePrewrite:
-    """One drive's files: a thread writing their unwritten ranges, and the lock its steps
-    and the data writes' claims share (a drive's own, so drives are written at once)."""
+    """One drive's files (the pool's ``fds``, written only where ``todo`` names them): a thread
+    writing their unwritten ranges, and the lock its steps and the data writes' claims share
+    (a drive's own, so drives are written at once)."""
 
     def __init__(
         self,
-        fds: dict[int, int],
+        fds: Sequence[int],
         todo: list[tuple[int, int, int]],
         step: int,
         stop: threading.Event,
@@ -123,10 +132,7 @@ class _DrivePrewrite:
         with self._lock:
             failpoint("pool.prewrite", offset=start)
             for lo, hi in _minus(start, end, self._claimed.get(index, ())):
-                view = memoryview(zeros)[: hi - lo]
-                while view.nbytes:
-                    written = os.pwrite(self._fds[index], view, lo)
-                    view, lo = view[written:], lo + written
+                pwrite_whole(self._fds[index], memoryview(zeros)[: hi - lo], lo)
             self.pending_bytes -= end - start
 
 
@@ -148,7 +154,7 @@ class PoolPrewrite:
         ]
         self._parts = [
             _DrivePrewrite(
-                {i: fd for i, fd in enumerate(fds) if i % self._drives == drive},
+                fds,
                 [t for t in todo if t[0] % self._drives == drive],
                 step,
                 self._stop,
