@@ -73,8 +73,15 @@ def _settle(pool: SsdPool, timeout_s: float = 30.0) -> None:
 @contextmanager
 def _opened(*folders, files: int = 2, prewrite: bool = True) -> Iterator[SsdPool]:
     """A pool of ``files`` files per folder, prewriting in ``STEP`` steps; closed after."""
+    # Unpaced: these tests race writers against the steps; waiting for an idle drive (the
+    # disk other jobs here share) only slows them (pacing: tests/test_drive_activity.py).
     pool = SsdPool(
-        tuple(map(str, folders)), files, FILE_BYTES, prewrite=prewrite, prewrite_step=STEP
+        tuple(map(str, folders)),
+        files,
+        FILE_BYTES,
+        prewrite=prewrite,
+        prewrite_step=STEP,
+        prewrite_paced=False,
     )
     try:
         yield pool

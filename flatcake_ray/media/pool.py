@@ -14,6 +14,7 @@ import numpy as np
 
 from flatcake_ray.errors import MediumFullError
 from flatcake_ray.failpoints import failpoint
+from flatcake_ray.media.drive_activity import DriveActivity
 from flatcake_ray.media.log import log_once
 from flatcake_ray.media.pool_prewrite import STEP, PoolPrewrite, pwrite_whole
 
@@ -36,7 +37,11 @@ class SsdPool:
         *,
         prewrite: bool = False,
         prewrite_step: int = STEP,
+        prewrite_paced: bool = True,
     ) -> None:
+        """``prewrite``: write the never-written space once in the background
+        (``pool_prewrite.py``), in ``prewrite_step`` steps, each waiting while others use its
+        drive unless ``prewrite_paced`` is off."""
         self.file_bytes = file_bytes
         self.paths: list[str] = []
         for i in range(files_per_dir * len(folders)):
@@ -51,7 +56,10 @@ class SsdPool:
                 self.fds.append(self._open(path))
             # Buffered I/O (O_DIRECT refused) writes back through the page cache: nothing to gain.
             if prewrite and self.direct:
-                self.prewrite = PoolPrewrite(self.fds, file_bytes, prewrite_step, len(folders))
+                activity = DriveActivity.of if prewrite_paced else _unpaced
+                self.prewrite = PoolPrewrite(
+                    self.fds, file_bytes, prewrite_step, len(folders), activity=activity
+                )
         except BaseException:
             self.close()  # a failed open leaves no descriptor behind
             raise
@@ -151,3 +159,8 @@ class SsdPool:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def _unpaced(fd: int) -> None:
+    """No view of the drive: a prewrite that never waits for it."""
+    return None
