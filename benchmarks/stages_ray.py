@@ -10,8 +10,9 @@ import os
 import statistics
 from typing import Any
 
+from benchmarks.peers.flatcake_worker import FlatCakeWorker, seed_of
 from benchmarks.peers.limits import local_limits, nixl_read_gbps
-from benchmarks.peers.sys_flatcake import FlatCakeBench, FlatCakeWorker, seed_of
+from benchmarks.peers.sys_flatcake import FlatCakeBench
 from benchmarks.peers.workload import Workload, check_bytes
 from benchmarks.stage_clock import StageClock, summarise
 

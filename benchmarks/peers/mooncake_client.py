@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.peers.workload import Workload, check_bytes
+from benchmarks.peers.workload import Workload, check_bytes, wait_until
 
 
 class StoreClient:
@@ -30,6 +30,7 @@ class StoreClient:
             raise RuntimeError(f"Mooncake client {self.name} failed to set up")
         shape = (workload.layers, spec["pages"], workload.page_bytes)
         self.src, self.out = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
+        self._prepared: dict[tuple[str, int], np.ndarray] = {}
         for array in (self.src, self.out):
             if self.store.register_buffer(array.ctypes.data, array.nbytes) != 0:
                 raise RuntimeError("Mooncake register_buffer failed")
@@ -43,14 +44,27 @@ class StoreClient:
         ]
         return ptrs, [[size] * self.workload.layers for _ in range(pages)]
 
-    def put(self, session: str, pages: int, seed: int, segment: str) -> dict[str, Any]:
+    def prepare(self, session: str, pages: int, seed: int) -> None:
+        """Make ``session``'s bytes now (a concurrent round's put, or what its gets are
+        checked against), outside the round's timed window (``workload.start_gate``)."""
+        self._prepared[(session, pages)] = self.workload.kv(seed, pages)
+
+    def _bytes_of(self, session: str, pages: int, seed: int) -> np.ndarray:
+        made = self._prepared.get((session, pages))
+        return self.workload.kv(seed, pages) if made is None else made
+
+    def put(
+        self, session: str, pages: int, seed: int, segment: str, start_at: float | None = None
+    ) -> dict[str, Any]:
         from mooncake.store import ReplicateConfig
 
-        self.src[:, :pages] = self.workload.kv(seed, pages)
+        self.src[:, :pages] = self._bytes_of(session, pages, seed)
+        self._prepared.pop((session, pages), None)
         ptrs, sizes = self._slices(self.src, pages)
         config = ReplicateConfig()
         config.preferred_segment = segment
         keys = self.workload.keys(session, pages)
+        wait_until(start_at)
         started = time.time()
         codes = self.store.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
         ended = time.time()
@@ -61,18 +75,34 @@ class StoreClient:
             )
         return {"start": started, "end": ended, "bytes": pages * self.workload.object_bytes}
 
-    def get(self, session: str, pages: int, seed: int) -> dict[str, Any]:
+    def get(
+        self,
+        session: str,
+        pages: int,
+        seed: int,
+        start_at: float | None = None,
+        check: bool = True,
+    ) -> dict[str, Any]:
+        """One get, checked byte for byte (``check`` off: by ``check``, once the round's
+        concurrent gets are over)."""
         ptrs, sizes = self._slices(self.out, pages)
         self.out[:, :pages] = 0
         keys = self.workload.keys(session, pages)
+        wait_until(start_at)
         started = time.time()
         got = self.store.batch_get_into_multi_buffers(keys, ptrs, sizes)
         ended = time.time()
         short = [g for g in got if g != self.workload.object_bytes]
         if short:
             raise RuntimeError(f"Mooncake get of {session}: {len(short)} keys failed ({short[0]})")
-        check_bytes(self.out[:, :pages], self.workload.kv(seed, pages), f"Mooncake {session}")
+        if check:
+            self.check(session, pages, seed)
         return {"start": started, "end": ended, "bytes": pages * self.workload.object_bytes}
+
+    def check(self, session: str, pages: int, seed: int) -> None:
+        """The last get of ``pages`` pages holds ``session``'s bytes, byte for byte."""
+        expected = self._bytes_of(session, pages, seed)
+        check_bytes(self.out[:, :pages], expected, f"Mooncake {session}")
 
     def control(self, session: str, pages: int) -> dict[str, float]:
         """``batch_is_exist`` and ``batch_get_replica_desc`` (the lease) for the same keys."""

@@ -137,9 +137,11 @@ def scale_table(results: dict[str, Any]) -> list[str]:
     lines.append("")
     lines.append(
         f"Each client restores one {pages}-page DRAM session (the same one) and puts its own "
-        f"{pages}-page DRAM session, all at once; aggregate = all bytes / (last end - first "
-        "start), median of rounds. In parentheses beside FlatCake's rates: the fraction of the "
-        "2-clients-per-node aggregate (target: >= 0.9 at 8)."
+        f"{pages}-page DRAM session, all at once: the clients of a round start together at a "
+        "wall-clock gate, their bytes made before it and checked once every client is done; "
+        "aggregate = all bytes / (last end - first start), median of rounds. In parentheses "
+        "beside FlatCake's rates: the fraction of the 2-clients-per-node aggregate (target: "
+        ">= 0.9 at 8)."
     )
     return lines
 

@@ -12,127 +12,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
-import zlib
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
-
-from benchmarks.peers.workload import CONTROL_SAMPLES, Workload, check_bytes, gbps, median
-from flatcake_ray.cli.benchkit import await_prewrite, bench_service_config, start_local_cluster
+from benchmarks.peers.flatcake_worker import FlatCakeWorker
+from benchmarks.peers.workload import Workload, aggregate, gbps, median, start_gate
+from flatcake_ray.cli.benchkit import bench_service_config, start_local_cluster
 
 NAMESPACE = "flatcake-peers"
 RESOURCE = "peersbench"
-SHORT_CHAT = {"turn": 2, "prior_reply_tokens": 1, "context_tokens": 1}  # -> DRAM
-FIRST_TURN = {"turn": 1}  # -> SSD
-
-
-def seed_of(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
-class FlatCakeWorker:
-    """One FlatCake client in its own process, pinned to one node (a Ray actor)."""
-
-    def __init__(self, namespace: str, workload: Workload) -> None:
-        from flatcake_ray.client.client import FlatCakeClient
-
-        self.client = FlatCakeClient(namespace)
-        # As a serving replica does at start: NIXL, connections, and its node's arena mapped
-        # for puts and reads (else one timed put of a row paid the page tables of a chunk).
-        self.client.warm_up()
-        self.workload = workload
-        self.node_id = self.client.stats(nodes=False)["local_node_id"]
-        self._out: dict[int, np.ndarray] = {}
-
-    def node(self) -> int:
-        return self.node_id
-
-    def await_prewrite(self) -> float:
-        return await_prewrite(self.client)
-
-    def _hints(self, medium: str) -> Any:
-        from flatcake_ray.core.catalog import PutHints
-
-        return PutHints(**(SHORT_CHAT if medium == "DRAM" else FIRST_TURN))
-
-    def seed(self, session: str, medium: str) -> int:
-        """Open ``session`` with one page; returns the node its scope was placed on."""
-        key = [f"{session}-seed"]
-        kv = np.zeros((self.workload.layers, 1, self.workload.page_bytes), np.uint8)
-        self.client.put(key, kv, session_id=session, hints=self._hints(medium))
-        return self.client.locate(key).node_id
-
-    def put(self, session: str, pages: int, medium: str) -> dict[str, Any]:
-        keys = self.workload.keys(session, pages)
-        kv = self.workload.kv(seed_of(session), pages)
-        started = time.time()
-        result = self.client.put(keys, kv, session_id=session, hints=self._hints(medium))
-        ended = time.time()
-        owner = self.client.locate(keys).node_id
-        return {
-            "seconds": ended - started,
-            "start": started,
-            "end": ended,
-            "bytes": kv.nbytes,
-            "medium": result.medium,
-            "written": result.pages_written,
-            "local": owner == self.node_id,
-        }
-
-    def _buffer(self, pages: int) -> np.ndarray:
-        if pages not in self._out:
-            self._out[pages] = np.zeros(
-                (self.workload.layers, pages, self.workload.page_bytes), np.uint8
-            )
-        return self._out[pages]
-
-    def restore_once(self, session: str, pages: int) -> dict[str, Any]:
-        """One restore, checked byte for byte; wall-clock start and end (for aggregates)."""
-        keys = self.workload.keys(session, pages)
-        out = self._buffer(pages)
-        out.fill(0)
-        started = time.time()
-        report = self.client.restore_report(keys, out)
-        ended = time.time()
-        if report.pages != pages:
-            raise AssertionError(
-                f"FlatCake restored {report.pages} of {pages} pages of {session} on node "
-                f"{self.node_id} (owner {report.node_id}, lease expired {report.lease_expired}, "
-                f"failures {report.failures})"
-            )
-        check_bytes(out, self.workload.kv(seed_of(session), pages), f"FlatCake {session}")
-        return {"start": started, "end": ended, "bytes": out.nbytes, "paths": sorted(report.paths)}
-
-    def restore(self, session: str, pages: int) -> dict[str, Any]:
-        """One warm-up, then ``rounds`` timed restores: median seconds."""
-        self.restore_once(session, pages)
-        runs = [self.restore_once(session, pages) for _ in range(self.workload.rounds)]
-        each = [r["end"] - r["start"] for r in runs]
-        return {
-            "seconds": median(each),
-            "rounds_s": each,
-            "bytes": runs[0]["bytes"],
-            "paths": runs[0]["paths"],
-        }
-
-    def control(self, session: str, pages: int) -> dict[str, Any]:
-        """``locate(lease=True)``: lookup + lease + release, no bytes; cold and warm cache."""
-        keys = self.workload.keys(session, pages)
-        cold, warm = [], []
-        for _ in range(CONTROL_SAMPLES):
-            self.client.forget_locations()
-            cold.append(self.client.locate(keys, lease=True))
-            warm.append(self.client.locate(keys, lease=True))
-        return {
-            "warm_ms": median([r.control_seconds * 1e3 for r in warm]),
-            "cold_ms": median([r.control_seconds * 1e3 for r in cold]),
-            "warm_calls": int(median([r.actor_calls for r in warm])),
-            "cold_calls": int(median([r.actor_calls for r in cold])),
-            "warm_direct": int(median([r.direct_calls for r in warm])),
-            "cold_direct": int(median([r.direct_calls for r in cold])),
-        }
 
 
 class FlatCakeBench:
@@ -306,15 +194,21 @@ class FlatCakeBench:
             source = f"scale-src-{k}"
             owner = self.seeded(source, "DRAM")
             ray.get(self.first(owner).put.remote(source, pages, "DRAM"))
+            ray.get([w.prepare.remote(source, pages) for w in team])
             ray.get([w.restore_once.remote(source, pages) for w in team])  # warm-up
-            restore = [
-                aggregate(ray.get([w.restore_once.remote(source, pages) for w in team]))
-                for _ in range(self.workload.rounds)
-            ]
+            restore = []
+            for _ in range(self.workload.rounds):
+                at = start_gate(len(team))
+                calls = [w.restore_once.remote(source, pages, at, False) for w in team]
+                restore.append(aggregate(ray.get(calls)))
+                ray.get([w.check_restored.remote(source, pages) for w in team])
             puts = []
             for r in range(-1, self.workload.rounds):  # round -1: new clients' first puts
+                sessions = [f"scale-{k}-{r}-{i}" for i in range(len(team))]
+                ray.get([w.prepare.remote(s, pages) for w, s in zip(team, sessions, strict=True)])
+                at = start_gate(len(team))
                 refs = [
-                    w.put.remote(f"scale-{k}-{r}-{i}", pages, "DRAM") for i, w in enumerate(team)
+                    w.put.remote(s, pages, "DRAM", at) for w, s in zip(team, sessions, strict=True)
                 ]
                 runs = ray.get(refs)
                 if r >= 0:
@@ -326,12 +220,6 @@ class FlatCakeBench:
                 "clients": len(team),
             }
         return out
-
-
-def aggregate(runs: list[dict[str, Any]]) -> float:
-    """Bytes of all concurrent requests over the span from the first start to the last end."""
-    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
-    return gbps(sum(r["bytes"] for r in runs), span)
 
 
 def put_label(medium: str, samples: list[dict[str, Any]]) -> str:

@@ -29,7 +29,14 @@ from typing import Any
 
 from benchmarks.peers.limits import answer, environment, spawn, stop
 from benchmarks.peers.mooncake_client import client_main
-from benchmarks.peers.workload import CONTROL_SAMPLES, Workload, gbps, median
+from benchmarks.peers.workload import (
+    CONTROL_SAMPLES,
+    Workload,
+    aggregate,
+    gbps,
+    median,
+    start_gate,
+)
 
 # A get fails (LEASE_EXPIRED) if it outlasts its lease: DRAM leases match FlatCake's 60 s TTL;
 # SSD leases are short: DRAM replicas clear only once leases lapse, and a get of a disk-only
@@ -175,7 +182,7 @@ def _wait_port(port: int, timeout_s: float = 60.0) -> None:
 
 
 def _seed(session: str) -> int:
-    from benchmarks.peers.sys_flatcake import seed_of
+    from benchmarks.peers.flatcake_worker import seed_of
 
     return seed_of(session)
 
@@ -233,8 +240,6 @@ def _scale(
 ) -> dict[int, Any]:
     """``k`` pure clients (no segment) per "node": half put into A's segment, half into B's;
     all restore one session in A's segment (a separate process is remote to Mooncake)."""
-    from benchmarks.peers.sys_flatcake import aggregate
-
     source = "mc-scale-src"
     mc.call(0, "put", source, pages, _seed(source), mc.segment(0))
     team: list[int] = []
@@ -243,21 +248,33 @@ def _scale(
         while len(team) < 2 * k:
             mc.add_client(f"c{len(team)}", 0, pages)
             team.append(len(mc.clients) - 1)
+            mc.call(team[-1], "prepare", source, pages, _seed(source))
         restores, puts = [], []
-        for r in range(-1, workload.rounds):
-            for i in team:
-                mc.clients[i][1].send(("get", (source, pages, _seed(source))))
-            runs = [answer(mc.clients[i][1]) for i in team]
+        for r in range(-1, workload.rounds):  # as FlatCake's: together, bytes made apart
+            at = start_gate(len(team))
+            runs = _all(mc, team, [("get", (source, pages, _seed(source), at, False))] * len(team))
+            _all(mc, team, [("check", (source, pages, _seed(source)))] * len(team))
             if r >= 0:
                 restores.append(aggregate(runs))
-            for n, i in enumerate(team):
-                name = f"mc-scale-{k}-{r}-{n}"
-                mc.clients[i][1].send(("put", (name, pages, _seed(name), mc.segment(n % 2))))
-            runs = [answer(mc.clients[i][1]) for i in team]
+            names = [f"mc-scale-{k}-{r}-{n}" for n in range(len(team))]
+            _all(mc, team, [("prepare", (name, pages, _seed(name))) for name in names])
+            at = start_gate(len(team))
+            calls = [
+                ("put", (name, pages, _seed(name), mc.segment(n % 2), at))
+                for n, name in enumerate(names)
+            ]
+            runs = _all(mc, team, calls)
             if r >= 0:
                 puts.append(aggregate(runs))
         out[k] = {"restore_gbps": median(restores), "put_gbps": median(puts), "clients": 2 * k}
     return out
+
+
+def _all(mc: MooncakeCluster, team: list[int], calls: list[tuple[str, tuple]]) -> list[Any]:
+    """Send each client of ``team`` its call at once; their answers, in order."""
+    for i, call in zip(team, calls, strict=True):
+        mc.clients[i][1].send(call)
+    return [answer(mc.clients[i][1]) for i in team]
 
 
 def run_ssd(workload: Workload, root: str) -> dict[str, Any]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -66,3 +68,21 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
+
+
+def start_gate(clients: int) -> float:
+    """A wall-clock time just after every client of a concurrent round has its call (the
+    processes share this machine's clock): they start together, not as each call happens to
+    arrive, and no client makes or checks bytes while another is timed."""
+    return time.time() + 0.05 + 0.01 * clients
+
+
+def wait_until(start_at: float | None) -> None:
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.time()))
+
+
+def aggregate(runs: list[dict[str, Any]]) -> float:
+    """Bytes of all concurrent requests over the span from the first start to the last end."""
+    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    return gbps(sum(r["bytes"] for r in runs), span)
