@@ -51,7 +51,7 @@ GEOMETRY_FIELDS = ("layers", "page_bytes")
 # The service fields a node's store takes.
 STORE_FIELDS: tuple[str, ...] = (*GEOMETRY_FIELDS, "root", "dram_bytes", "ssd_dirs")
 STORE_FIELDS += ("ssd_files_per_dir", "ssd_file_bytes", "hugepages", "fsync", "verify_dram")
-STORE_FIELDS += ("dram_chunks", "ssd_prewrite")
+STORE_FIELDS += ("dram_chunks", "ssd_prewrite", "ssd_prewrite_paced")
 
 
 def path_component(text: str) -> str:
@@ -90,6 +90,7 @@ class ServiceConfig:
     ssd_files_per_dir: int = 4
     ssd_file_bytes: int = 1 << 30
     ssd_prewrite: bool = False  # StoreConfig.ssd_prewrite; examples/cluster.yaml turns it on
+    ssd_prewrite_paced: bool = True  # StoreConfig.ssd_prewrite_paced
     hugepages: str = "auto"
     fsync: bool = True
     # Readers check DRAM too: clients write puts into a node's shared memory, and the check

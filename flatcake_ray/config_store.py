@@ -90,6 +90,10 @@ class StoreConfig:
     # wrote: first puts then overwrite written blocks (1.7x faster on ext4) instead of
     # converting unwritten extents (media/pool_prewrite.py). Costs one write of the pool.
     ssd_prewrite: bool = False
+    # Each prewrite step waits while others read or write the drive (at most a second), so
+    # the prewrite takes the drive's idle time, not live restores' and puts'. Off: as fast as
+    # the drive goes (benches, which wait for it before timing on machines others share).
+    ssd_prewrite_paced: bool = True
     gap_bytes: int = 64 << 10  # coalescing bridges holes smaller than this
     max_read_bytes: int = 32 << 20  # one coalesced read is at most this long
     # DRAM past high_watermark frees its oldest unreferenced scopes down to low_watermark, so

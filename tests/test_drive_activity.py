@@ -17,6 +17,7 @@ import pytest
 
 from flatcake_ray.media.drive_activity import JOURNAL_SLACK, SECTOR, DriveActivity
 from flatcake_ray.media.pool_prewrite import PoolPrewrite, unwritten_ranges
+from tests.test_pool_prewrite import folder  # noqa: F401  (fixture: skips without unwritten space)
 
 FILE_BYTES = 1 << 20
 STEP = 64 << 10
@@ -25,8 +26,8 @@ STEP = 64 << 10
 class FakeDrive:
     """A block device's stat file whose counters the test sets."""
 
-    def __init__(self, folder: Path) -> None:
-        self.path = folder / "stat"
+    def __init__(self, where: Path) -> None:
+        self.path = where / "stat"
         self.read_sectors = self.write_sectors = self.in_flight = 0
         self.publish()
 
@@ -156,3 +157,35 @@ def test_the_real_drive_counts_an_o_direct_read(tmp_path):
         assert activity.others_since(0)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_store_paces_its_prewrite_unless_configured_not_to(
+    folder,  # noqa: F811
+    make_store,
+    monkeypatch,
+    paced,
+):
+    """``ssd_prewrite_paced`` (on by default; the benches turn it off: nothing live to yield
+    to, and a neighbour's I/O must not stretch their wait) reaches the store's pool."""
+    busy = _always_busy_drive(monkeypatch)
+    store = make_store(ssd_prewrite=True, ssd_prewrite_paced=paced)
+    _until(lambda: not store.stats()["ssd_prewrite_pending"], timeout_s=30.0)
+    waited = store.pool.prewrite.paused_seconds
+    assert (waited > 0.5) if paced else (waited == 0.0 and busy.looks == 0)
+
+
+class _Busy:
+    """A drive someone always uses; counts the looks."""
+
+    looks = 0
+
+    def others_since(self, own_bytes: int) -> bool:
+        type(self).looks += 1
+        return True
+
+
+def _always_busy_drive(monkeypatch) -> type[_Busy]:
+    _Busy.looks = 0
+    monkeypatch.setattr(DriveActivity, "of", classmethod(lambda cls, fd: _Busy()))
+    return _Busy

@@ -100,6 +100,7 @@ class FlatCakeStore(RestoreCalls):
                 config.ssd_files_per_dir,
                 config.ssd_file_bytes,
                 prewrite=config.ssd_prewrite,
+                prewrite_paced=config.ssd_prewrite_paced,
             )
             undo.callback(self.pool.close)
             self.manifest = Manifest(
