@@ -7,6 +7,7 @@ real device's, where it has one, to see an O_DIRECT read counted."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -17,6 +18,8 @@ import pytest
 
 from flatcake_ray.media.drive_activity import JOURNAL_SLACK, SECTOR, DriveActivity
 from flatcake_ray.media.pool_prewrite import PoolPrewrite, unwritten_ranges
+from flatcake_ray.metrics.definitions import BY_NAME
+from flatcake_ray.metrics.view import collapse, format_view, status_view
 from tests.test_pool_prewrite import folder  # noqa: F401  (fixture: skips without unwritten space)
 
 FILE_BYTES = 1 << 20
@@ -171,8 +174,31 @@ def test_a_store_paces_its_prewrite_unless_configured_not_to(
     busy = _always_busy_drive(monkeypatch)
     store = make_store(ssd_prewrite=True, ssd_prewrite_paced=paced)
     _until(lambda: not store.stats()["ssd_prewrite_pending"], timeout_s=30.0)
-    waited = store.pool.prewrite.paused_seconds
+    waited = store.stats()["ssd_prewrite_waited_s"]
     assert (waited > 0.5) if paced else (waited == 0.0 and busy.looks == 0)
+
+
+def test_status_says_how_long_a_prewrite_still_to_go_waited_for_its_drive(
+    folder,  # noqa: F811
+    make_store,
+    monkeypatch,
+    failpoints,
+):
+    """An operator who sees a prewrite that is slow to finish sees why: it has waited for
+    live I/O (here a drive always busy; the prewrite stopped at its second step, so bytes
+    stay to go)."""
+    _always_busy_drive(monkeypatch)
+    failpoints.arm("pool.prewrite", raises=OSError(errno.EIO, "injected"), times=1, skip=1)
+    store = make_store(ssd_prewrite=True)
+    _until(lambda: store.stats()["ssd_prewrite_error"], timeout_s=30.0)
+    stats = store.stats()
+    assert stats["ssd_prewrite_pending"] > 0 and stats["ssd_prewrite_waited_s"] >= 1.5
+    series = BY_NAME["flatcake_ssd_prewrite_waited_seconds"].exported
+    samples = store.metrics.samples()
+    gauge = [sample.value for sample in collapse(samples) if sample.name == series]
+    assert gauge == [stats["ssd_prewrite_waited_s"]]
+    shown = format_view(status_view(samples))
+    assert f"waited {stats['ssd_prewrite_waited_s']:.0f} s for an idle drive" in shown
 
 
 class _Busy:

@@ -148,6 +148,11 @@ class SsdPool:
         return 0 if self.prewrite is None else self.prewrite.pending_bytes
 
     @property
+    def prewrite_waited_s(self) -> float:
+        """Seconds the prewriter has waited for its drives to be idle (live I/O first)."""
+        return 0.0 if self.prewrite is None else self.prewrite.paused_seconds
+
+    @property
     def prewrite_error(self) -> str:
         """Why the prewriter stopped early (empty: it did not)."""
         error = None if self.prewrite is None else self.prewrite.error

@@ -139,6 +139,12 @@ METRICS: tuple[MetricDef, ...] = (
         "never-written SSD pool bytes the prewrite has still to write (ssd_prewrite)",
     ),
     MetricDef(
+        "flatcake_ssd_prewrite_waited_seconds",
+        _G,
+        (NODE_ID,),
+        "seconds the prewrite has waited for an idle drive, live I/O first (ssd_prewrite_paced)",
+    ),
+    MetricDef(
         "flatcake_tenant_used_bytes",
         _G,
         (NODE_ID, TENANT, MEDIUM),

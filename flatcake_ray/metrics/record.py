@@ -238,6 +238,7 @@ class Metrics:
         batch.set("flatcake_index_bytes", node, stats["index_bytes"])
         batch.set("flatcake_pool_utilisation", node, stats["ssd_pool_utilisation"])
         batch.set("flatcake_ssd_prewrite_pending_bytes", node, stats["ssd_prewrite_pending"])
+        batch.set("flatcake_ssd_prewrite_waited_seconds", node, stats["ssd_prewrite_waited_s"])
         batch.set("flatcake_node_up", node, 1)
         batch.set("flatcake_node_restarts", node, self.restarts)
         self._tenant_use(batch, node, stats.get("tenants", {}))

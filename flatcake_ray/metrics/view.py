@@ -135,6 +135,9 @@ def _node_only(samples: list[Sample], node: str) -> dict[str, Any]:
         "ssd_prewrite_pending_bytes": int(
             _total(samples, _series("flatcake_ssd_prewrite_pending_bytes"), where)
         ),
+        "ssd_prewrite_waited_s": _total(
+            samples, _series("flatcake_ssd_prewrite_waited_seconds"), where
+        ),
     }
 
 
@@ -212,7 +215,8 @@ def format_view(view: Mapping[str, Any]) -> str:
         if r["ssd_prewrite_pending_bytes"]:
             lines.append(
                 f"node {r[NODE_ID]}: {_mib(r['ssd_prewrite_pending_bytes'])} MiB of its SSD pool "
-                "still to prewrite (its first SSD puts are slower until then)"
+                "still to prewrite (its first SSD puts are slower until then; it has waited "
+                f"{r['ssd_prewrite_waited_s']:.0f} s for an idle drive, live I/O first)"
             )
     lines.append("metrics per tenant (node all: every node)")
     lines.append(

@@ -119,5 +119,6 @@ def store_stats(store: StoreParts) -> dict[str, Any]:
         "ssd_o_direct": store.pool.direct,
         "ssd_prewrite_pending": store.pool.prewrite_pending,  # never-written bytes to go
         "ssd_prewrite_error": store.pool.prewrite_error,
+        "ssd_prewrite_waited_s": store.pool.prewrite_waited_s,  # for an idle drive
         "tenants": tenants,
     }
