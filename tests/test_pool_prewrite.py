@@ -165,8 +165,12 @@ def test_a_reopened_pool_prewrites_the_rest_and_keeps_its_data(folder, failpoint
     with _opened(folder, prewrite=False) as holes:
         left = _holes(holes)
     assert left[0] == [(3 * STEP, FILE_BYTES - BLOCK)] and left[1] == [(0, FILE_BYTES)]
+    # Its first step held until the count is read: the prewriter starts as the pool opens.
+    opened = threading.Event()
+    failpoints.arm("pool.prewrite", call=lambda **_: opened.wait(10), times=1)
     with _opened(folder) as pool:
         assert pool.prewrite_pending == FILE_BYTES - 3 * STEP - BLOCK + FILE_BYTES
+        opened.set()
         _settle(pool)
         assert _holes(pool) == [[], []] and not pool.prewrite_error
         assert np.array_equal(_read(pool, FILE_BYTES - BLOCK), _block(3))
