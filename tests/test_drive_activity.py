@@ -93,12 +93,18 @@ def test_reads_writes_beyond_the_callers_and_commands_in_flight_are_others(drive
     assert activity.others_since(0)
 
 
-def test_a_prewrite_waits_while_others_use_its_drive_then_finishes(drive, pool_file):
-    drive.in_flight = 1  # a live restore's reads, never done while it looks
+def _beside_busy_drive(drive: FakeDrive, pool_file: int, max_pause_s: float) -> PoolPrewrite:
+    """A prewrite of ``pool_file`` started while a command is in flight on ``drive`` (a live
+    restore's reads, never done while it looks)."""
+    drive.in_flight = 1
     drive.publish()
-    prewrite = PoolPrewrite(
-        [pool_file], FILE_BYTES, STEP, activity=drive.activity, max_pause_s=30.0
+    return PoolPrewrite(
+        [pool_file], FILE_BYTES, STEP, activity=drive.activity, max_pause_s=max_pause_s
     )
+
+
+def test_a_prewrite_waits_while_others_use_its_drive_then_finishes(drive, pool_file):
+    prewrite = _beside_busy_drive(drive, pool_file, max_pause_s=30.0)
     try:
         time.sleep(0.3)
         assert prewrite.pending_bytes == FILE_BYTES  # not a step written beside them
@@ -112,11 +118,7 @@ def test_a_prewrite_waits_while_others_use_its_drive_then_finishes(drive, pool_f
 
 
 def test_a_drive_that_is_never_idle_is_still_written_a_step_at_a_time(drive, pool_file):
-    drive.in_flight = 1
-    drive.publish()
-    prewrite = PoolPrewrite(
-        [pool_file], FILE_BYTES, STEP, activity=drive.activity, max_pause_s=0.02
-    )
+    prewrite = _beside_busy_drive(drive, pool_file, max_pause_s=0.02)
     try:
         _until(lambda: prewrite.done)
         steps = FILE_BYTES // STEP
@@ -127,11 +129,7 @@ def test_a_drive_that_is_never_idle_is_still_written_a_step_at_a_time(drive, poo
 
 
 def test_closing_a_waiting_prewrite_stops_it_at_once(drive, pool_file):
-    drive.in_flight = 1
-    drive.publish()
-    prewrite = PoolPrewrite(
-        [pool_file], FILE_BYTES, STEP, activity=drive.activity, max_pause_s=30.0
-    )
+    prewrite = _beside_busy_drive(drive, pool_file, max_pause_s=30.0)
     time.sleep(0.05)
     started = time.monotonic()
     prewrite.close()

@@ -11,7 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.peers.workload import CONTROL_SAMPLES, Workload, check_bytes, median, wait_until
+from benchmarks.peers.workload import (
+    CONTROL_SAMPLES,
+    PreparedBytes,
+    Workload,
+    check_bytes,
+    median,
+    wait_until,
+)
 from flatcake_ray.cli.benchkit import await_prewrite
 
 SHORT_CHAT = {"turn": 2, "prior_reply_tokens": 1, "context_tokens": 1}  # -> DRAM
@@ -35,7 +42,7 @@ class FlatCakeWorker:
         self.workload = workload
         self.node_id = self.client.stats(nodes=False)["local_node_id"]
         self._out: dict[int, np.ndarray] = {}
-        self._prepared: dict[tuple[str, int], np.ndarray] = {}
+        self._bytes = PreparedBytes(workload)
 
     def node(self) -> int:
         return self.node_id
@@ -56,22 +63,15 @@ class FlatCakeWorker:
         return self.client.locate(key).node_id
 
     def prepare(self, session: str, pages: int) -> None:
-        """Make ``session``'s bytes now (a concurrent round's put, or what its restores are
-        checked against): the round's timed calls then overlap only each other, not another
-        client's making or checking of 33 MB of bytes (several times the restore itself)."""
-        self._prepared[(session, pages)] = self.workload.kv(seed_of(session), pages)
-
-    def _bytes_of(self, session: str, pages: int) -> np.ndarray:
-        made = self._prepared.get((session, pages))
-        return self.workload.kv(seed_of(session), pages) if made is None else made
+        """Make ``session``'s bytes before a concurrent round (``workload.PreparedBytes``)."""
+        self._bytes.make(session, pages, seed_of(session))
 
     def put(
         self, session: str, pages: int, medium: str, start_at: float | None = None
     ) -> dict[str, Any]:
         """One put; ``start_at``: a wall-clock time the clients of a round start together."""
         keys = self.workload.keys(session, pages)
-        kv = self._bytes_of(session, pages)
-        self._prepared.pop((session, pages), None)
+        kv = self._bytes.take(session, pages, seed_of(session))
         wait_until(start_at)
         started = time.time()
         result = self.client.put(keys, kv, session_id=session, hints=self._hints(medium))
@@ -119,7 +119,8 @@ class FlatCakeWorker:
 
     def check_restored(self, session: str, pages: int) -> None:
         """The last restore of ``pages`` pages holds ``session``'s bytes, byte for byte."""
-        check_bytes(self._buffer(pages), self._bytes_of(session, pages), f"FlatCake {session}")
+        expected = self._bytes.of(session, pages, seed_of(session))
+        check_bytes(self._buffer(pages), expected, f"FlatCake {session}")
 
     def restore(self, session: str, pages: int) -> dict[str, Any]:
         """One warm-up, then ``rounds`` timed restores: median seconds."""

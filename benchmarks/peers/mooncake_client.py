@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.peers.workload import Workload, check_bytes, wait_until
+from benchmarks.peers.workload import PreparedBytes, Workload, check_bytes, wait_until
 
 
 class StoreClient:
@@ -30,7 +30,7 @@ class StoreClient:
             raise RuntimeError(f"Mooncake client {self.name} failed to set up")
         shape = (workload.layers, spec["pages"], workload.page_bytes)
         self.src, self.out = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
-        self._prepared: dict[tuple[str, int], np.ndarray] = {}
+        self._bytes = PreparedBytes(workload)
         for array in (self.src, self.out):
             if self.store.register_buffer(array.ctypes.data, array.nbytes) != 0:
                 raise RuntimeError("Mooncake register_buffer failed")
@@ -45,21 +45,15 @@ class StoreClient:
         return ptrs, [[size] * self.workload.layers for _ in range(pages)]
 
     def prepare(self, session: str, pages: int, seed: int) -> None:
-        """Make ``session``'s bytes now (a concurrent round's put, or what its gets are
-        checked against), outside the round's timed window (``workload.start_gate``)."""
-        self._prepared[(session, pages)] = self.workload.kv(seed, pages)
-
-    def _bytes_of(self, session: str, pages: int, seed: int) -> np.ndarray:
-        made = self._prepared.get((session, pages))
-        return self.workload.kv(seed, pages) if made is None else made
+        """Make ``session``'s bytes before a concurrent round (``workload.PreparedBytes``)."""
+        self._bytes.make(session, pages, seed)
 
     def put(
         self, session: str, pages: int, seed: int, segment: str, start_at: float | None = None
     ) -> dict[str, Any]:
         from mooncake.store import ReplicateConfig
 
-        self.src[:, :pages] = self._bytes_of(session, pages, seed)
-        self._prepared.pop((session, pages), None)
+        self.src[:, :pages] = self._bytes.take(session, pages, seed)
         ptrs, sizes = self._slices(self.src, pages)
         config = ReplicateConfig()
         config.preferred_segment = segment
@@ -101,7 +95,7 @@ class StoreClient:
 
     def check(self, session: str, pages: int, seed: int) -> None:
         """The last get of ``pages`` pages holds ``session``'s bytes, byte for byte."""
-        expected = self._bytes_of(session, pages, seed)
+        expected = self._bytes.of(session, pages, seed)
         check_bytes(self.out[:, :pages], expected, f"Mooncake {session}")
 
     def control(self, session: str, pages: int) -> dict[str, float]:

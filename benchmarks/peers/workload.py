@@ -86,3 +86,26 @@ def aggregate(runs: list[dict[str, Any]]) -> float:
     """Bytes of all concurrent requests over the span from the first start to the last end."""
     span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     return gbps(sum(r["bytes"] for r in runs), span)
+
+
+class PreparedBytes:
+    """A client's seeded bytes made before a concurrent round (``start_gate``), so its timed
+    calls overlap only the others' timed calls, not another client making or checking 33 MB
+    (several times a restore). Bytes not made ahead are made when asked."""
+
+    def __init__(self, workload: Workload) -> None:
+        self._workload = workload
+        self._made: dict[tuple[str, int], np.ndarray] = {}
+
+    def make(self, session: str, pages: int, seed: int) -> None:
+        self._made[(session, pages)] = self._workload.kv(seed, pages)
+
+    def of(self, session: str, pages: int, seed: int) -> np.ndarray:
+        """``session``'s bytes, kept (what its restores are checked against)."""
+        made = self._made.get((session, pages))
+        return self._workload.kv(seed, pages) if made is None else made
+
+    def take(self, session: str, pages: int, seed: int) -> np.ndarray:
+        """``session``'s bytes, forgotten here (a put's, used once)."""
+        made = self._made.pop((session, pages), None)
+        return self._workload.kv(seed, pages) if made is None else made

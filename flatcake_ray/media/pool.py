@@ -56,7 +56,7 @@ class SsdPool:
                 self.fds.append(self._open(path))
             # Buffered I/O (O_DIRECT refused) writes back through the page cache: nothing to gain.
             if prewrite and self.direct:
-                activity = DriveActivity.of if prewrite_paced else _unpaced
+                activity = DriveActivity.of if prewrite_paced else None
                 self.prewrite = PoolPrewrite(
                     self.fds, file_bytes, prewrite_step, len(folders), activity=activity
                 )
@@ -164,8 +164,3 @@ class SsdPool:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-
-
-def _unpaced(fd: int) -> None:
-    """No view of the drive: a prewrite that never waits for it."""
-    return None

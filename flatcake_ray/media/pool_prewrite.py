@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from flatcake_ray.config import ALIGN
 from flatcake_ray.errors import ConfigError
 from flatcake_ray.failpoints import failpoint
 from flatcake_ray.media.drive_activity import DriveActivity
@@ -36,7 +37,6 @@ from flatcake_ray.media.log import log_once
 log = logging.getLogger("flatcake_ray.media")
 
 STEP = 8 << 20  # zeros written per lock hold: a claim waits at most one such write
-ALIGN = 4096
 IDLE_POLL_S = 0.02  # how often a waiting prewriter looks at its drive again
 # The longest a step waits for an idle drive: one that is never idle is still written, at
 # a step a second.
@@ -178,11 +178,11 @@ class PoolPrewrite:
         step: int = STEP,
         drives: int = 1,
         *,
-        activity: Callable[[int], DriveActivity | None] = DriveActivity.of,
+        activity: Callable[[int], DriveActivity | None] | None = DriveActivity.of,
         max_pause_s: float = MAX_PAUSE_S,
     ) -> None:
         """``activity``: how a drive's use by others is seen, given its first file's
-        descriptor (None: the prewrite never waits for it)."""
+        descriptor (None, or None for a drive: the prewrite never waits for it)."""
         if step <= 0 or step % ALIGN:
             raise ConfigError(f"prewrite step must be a positive multiple of {ALIGN}", "step")
         self._drives = max(1, min(drives, len(fds)))
@@ -198,7 +198,7 @@ class PoolPrewrite:
                 [t for t in todo if t[0] % self._drives == drive],
                 step,
                 self._stop,
-                activity(fds[drive]),
+                None if activity is None else activity(fds[drive]),
                 max_pause_s,
             )
             for drive in range(self._drives)
