@@ -41,7 +41,8 @@ ENV_PREFIX = "FLATCAKE_"
 NODE_TEMPLATE = "{node}"
 TEMPLATED_FIELDS = ("root", "ssd_dirs")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_INT_RE = re.compile(r"^\s*-?[0-9]+\s*$")
+# ASCII blanks only: int() refuses the other characters Unicode calls spaces (e.g. "\x1f").
+_INT_RE = re.compile(r"^\s*-?[0-9]+\s*$", re.ASCII)
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
