@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -25,14 +24,10 @@ from flatcake_ray.cuda_ext._validate import (
     require_tensor,
 )
 from flatcake_ray.cuda_ext.host_copy import copy_many, copy_rows_to
+from flatcake_ray.cuda_ext.layouts import LAYER_FIRST, LAYOUTS, Layout
 from flatcake_ray.errors import ShapeError
 
 SCATTERED_RUNS = 64  # more runs than this, averaging under 4 pages: one fancy-indexed copy
-
-Layout = Literal["layer_first", "page_first"]
-LAYER_FIRST: Layout = "layer_first"
-PAGE_FIRST: Layout = "page_first"
-LAYOUTS: tuple[Layout, ...] = (LAYER_FIRST, PAGE_FIRST)
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,7 @@ from flatcake_ray.cuda_ext._dispatch import Backend, dispatch
 from flatcake_ray.cuda_ext._library import ScatterKernelError, ScatterLibraryError
 from flatcake_ray.cuda_ext._targets import (
     LAYER_COPY,
-    LAYER_FIRST,
-    LAYOUTS,
     OFFSETS_COPY,
-    PAGE_FIRST,
-    Layout,
     copy_layer_torch,
     copy_offsets_torch,
     layer_target,
@@ -56,6 +52,7 @@ from flatcake_ray.cuda_ext._validate import (
     check_slot_ids,
     check_staging,
 )
+from flatcake_ray.cuda_ext.layouts import LAYER_FIRST, LAYOUTS, PAGE_FIRST, Layout
 
 __all__ = [
     "LAYER_FIRST",

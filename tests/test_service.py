@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray")
 from ray import cloudpickle  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
+from flatcake_ray.actors.protocol import node_actor_name  # noqa: E402
 from flatcake_ray.client import deploy as service  # noqa: E402
 from flatcake_ray.client.client import FlatCakeClient  # noqa: E402
 from flatcake_ray.client.source import digests_of  # noqa: E402
@@ -176,6 +177,34 @@ def test_written_on_one_node_restored_on_the_other(
     # saw the session), one `home_of`, a release, and for shipped SSD one ship and one unship
     # per window: never per page.
     assert remote.nodes_asked <= 2 and remote.actor_calls <= remote.nodes_asked + 4
+
+
+# What loads torch in a storage node's store: the restore pipeline and its destinations.
+TORCH_MODULES = (
+    "flatcake_ray.restore.pipeline",
+    "flatcake_ray.restore.dest",
+    "flatcake_ray.cuda_ext.scatter",
+)
+
+
+def test_a_storage_node_serves_every_path_without_its_restore_pipeline(deployment):
+    """A node's store loads its restore pipeline (and torch with it) only to re-check a scope
+    a reader found bad (``node/store_restores.py``): a node that served puts and local and
+    remote restores on both media has not loaded it. (``torch`` itself may be there: NIXL's
+    package imports it to probe CUDA where torch is a CPU build, as here.)"""
+    writer = next(iter(deployment["by_node_id"].values()))
+    for medium, hints in (("DRAM", DRAM), ("SSD", SSD)):
+        name = f"torchless-{medium}"
+        ray.get(writer.put.remote(name, 40, 5, hints))
+        owner = owner_of(deployment, name, 40)
+        for reader in (deployment["by_node_id"][owner], other(deployment, owner)):
+            assert ray.get(reader.restore.remote(name, 40, 5))[1]
+    for ray_node_id in deployment["ray_node_of"].values():
+        node = ray.get_actor(node_actor_name(ray_node_id), NAMESPACE)
+        loaded = ray.get(
+            node.__ray_call__.remote(lambda _: [*filter(sys.modules.get, TORCH_MODULES)])
+        )
+        assert loaded == []
 
 
 def _put_counters(client) -> Counter:

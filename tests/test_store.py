@@ -331,3 +331,50 @@ def test_an_arena_has_no_path_and_goes_with_its_process(tmp_path):
     after = {p for folder in folders if folder.is_dir() for p in folder.iterdir()}
     slug = tmp_path.resolve().as_posix().strip("/").replace("/", "-")
     assert not [p for p in after - before if slug in p.name]
+
+
+TORCH_FREE_STORE = (
+    "import sys\n"
+    "import numpy as np\n"
+    "from flatcake_ray.config import PlacementConfig, StoreConfig\n"
+    "from flatcake_ray.node.store import FlatCakeStore, PutHints\n"
+    "placement = PlacementConfig(dram_policy='table2')  # SSD pages read from SSD\n"
+    "store = FlatCakeStore(StoreConfig(**eval(sys.argv[1]), placement=placement))\n"
+    "kv = np.arange(2 * 2 * 4096, dtype=np.uint8).reshape(2, 2, 4096) % 251\n"
+    "dram, ssd = PutHints(turn=2, prior_reply_tokens=1), PutHints(turn=1)\n"
+    "for hints, name in ((dram, 'dram'), (ssd, 'ssd')):\n"
+    "    store.put([name + '0', name + '1'], kv, hints=hints)\n"
+    "    probe = store.probe([name + '0', name + '1'])\n"
+    "    assert (probe.hits, probe.on_ssd) == (2, name == 'ssd')\n"
+    "assert 'torch' not in sys.modules, 'the store loaded torch before a restore'\n"
+    "out = np.zeros_like(kv)\n"
+    "assert store.get(['ssd0', 'ssd1'], out) == 2 and np.array_equal(out, kv)\n"
+    "assert 'torch' in sys.modules\n"
+    "if sys.argv[2] == 'cuda':  # made without torch: registered for its first GPU restore\n"
+    "    assert not store.arena.cuda_registered\n"
+    "    store.pipeline('cuda')\n"
+    "    assert store.arena.cuda_registered\n"
+    "store.close()\n"
+)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ),
+    ],
+)
+def test_a_store_loads_torch_with_its_first_restore(tmp_path, device):
+    """Puts and lookups need no torch, so a storage node (which restores only to re-check a
+    scope) starts without it; an arena made before torch was loaded is registered with CUDA
+    when the store's first restore into a GPU asks."""
+    import subprocess
+    import sys
+
+    fields = {"root": str(tmp_path), "layers": 2, "page_bytes": 4096, "dram_bytes": 4 << 20}
+    fields |= {"ssd_file_bytes": 8 << 20, "ssd_files_per_dir": 2, "fsync": False}
+    subprocess.run([sys.executable, "-c", TORCH_FREE_STORE, repr(fields), device], check=True)

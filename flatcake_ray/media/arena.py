@@ -83,7 +83,7 @@ class DramArena:
         self._renewing = threading.Lock()  # one renewal at a time (the registrations change)
         # Told the offset of each chunk renewed: exports that registered it (a storage node's).
         self.on_renewed: list[Callable[[int], None]] = []
-        self._register_with_cuda()
+        self.register_with_cuda()
 
     @property
     def cuda_registered(self) -> bool:
@@ -190,16 +190,19 @@ class DramArena:
             return None
         return torch.cuda.cudart()
 
-    def _register_with_cuda(self) -> None:
+    def register_with_cuda(self) -> None:
         """Register every chunk (one registration each, so one can be renewed alone), or
-        none where one fails (copies to a GPU are then staged by CUDA, slower)."""
-        if self._cudart() is None:
-            return
-        for index in range(self.chunks):
-            if not self._register_chunk(index):
-                for registered in list(self._cuda_chunks):
-                    self._unregister_chunk(registered)
+        none where one fails (copies to a GPU are then staged by CUDA, slower). Done as the
+        arena is made in a process that has loaded torch, else when its store's first
+        restore into a GPU asks (a storage node, which loads no torch, never does); once."""
+        with self._renewing:
+            if self._cuda_chunks or self._cudart() is None:
                 return
+            for index in range(self.chunks):
+                if not self._register_chunk(index):
+                    for registered in list(self._cuda_chunks):
+                        self._unregister_chunk(registered)
+                    return
 
     def _register_chunk(self, index: int) -> bool:
         cudart = self._cudart()

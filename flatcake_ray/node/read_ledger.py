@@ -8,17 +8,19 @@ through it (``recheck``), so a bad medium is quarantined here and a torn remote 
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from flatcake_ray.core.catalog import Catalog, Lease
 from flatcake_ray.core.gva import Medium
 from flatcake_ray.core.parts import lease_parts
-from flatcake_ray.cuda_ext.scatter import LAYER_FIRST
+from flatcake_ray.cuda_ext.layouts import LAYER_FIRST
 from flatcake_ray.node.manifest import Manifest
-from flatcake_ray.restore.dest import PagedPool
-from flatcake_ray.restore.pipeline import RestorePipeline
 from flatcake_ray.restore.source import Leased, ReadOutcome
+
+if TYPE_CHECKING:
+    from flatcake_ray.restore.pipeline import RestorePipeline
 
 
 class ReadLedger:
@@ -48,6 +50,8 @@ class ReadLedger:
         the lease's tenant, on the host), verifying every block: a scope whose medium really
         is bad fails its check there and is quarantined by :meth:`account`. Consumes the
         lease: it is released when the re-read ends."""
+        from flatcake_ray.restore.dest import PagedPool  # with the pipeline: see store_restores
+
         parts = [p for p in lease_parts(lease) if p.scope_id in scope_ids]
         pages = sum(p.pages for p in parts)
         renumbered, at = [], 0

@@ -33,10 +33,9 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from flatcake_ray.config import StoreConfig
 from flatcake_ray.core.api import Probe, PutResult
@@ -68,7 +67,11 @@ from flatcake_ray.node.stats import STORE_COUNTERS, store_stats
 from flatcake_ray.node.store_restores import RestoreCalls
 from flatcake_ray.node.tenancy import Tenancy
 from flatcake_ray.node.writer import SegmentWriter
-from flatcake_ray.restore.pipeline import RestorePipeline
+
+if TYPE_CHECKING:  # torch loads with the first restore pipeline (store_restores.py)
+    import torch
+
+    from flatcake_ray.restore.pipeline import RestorePipeline
 
 __all__ = ["FlatCakeStore", "PutHandle", "PutHints", "PutResult"]
 

@@ -6,30 +6,37 @@ Apart from ``store.py`` because restores meet the store only at its sources and 
 the pipeline reads through a tenant's :class:`~flatcake_ray.node.source.NodeSource` and the
 store's :class:`~flatcake_ray.node.read_ledger.ReadLedger` accounts for what it found, while
 the store itself keeps the writes, the catalog's lookups and leases, and its lifecycle.
+
+The pipeline and the destinations (torch) load with the first restore: a storage node's store
+restores only to re-check a scope a remote reader found bad, and a node that never does
+starts about a second sooner and ~190 MiB smaller without torch.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from flatcake_ray.config import StoreConfig
 from flatcake_ray.core.catalog import Lease
 from flatcake_ray.core.keys import KeyLike, PageKey
 from flatcake_ray.core.parts import lease_parts
 from flatcake_ray.core.tenants import DEFAULT_TENANT
-from flatcake_ray.cuda_ext.scatter import LAYER_FIRST, Layout
+from flatcake_ray.cuda_ext.layouts import LAYER_FIRST, Layout
 from flatcake_ray.errors import LeaseError
+from flatcake_ray.media.arena import DramArena
 from flatcake_ray.node.read_ledger import ReadLedger
 from flatcake_ray.node.source import NodeSource
 from flatcake_ray.node.tenancy import Tenancy
-from flatcake_ray.restore.dest import PagedPool, as_destination
-from flatcake_ray.restore.pipeline import RestorePipeline
 from flatcake_ray.restore.source import Leased
+
+if TYPE_CHECKING:
+    import torch
+
+    from flatcake_ray.restore.pipeline import RestorePipeline
 
 __all__ = ["RestoreCalls"]
 
@@ -41,6 +48,7 @@ class RestoreCalls:
     tenancy: Tenancy
     reads: ReadLedger
     counters: dict[str, int]
+    arena: DramArena
     _lock: threading.RLock
     _pipelines: dict[tuple[str, torch.device], RestorePipeline]
 
@@ -55,7 +63,13 @@ class RestoreCalls:
     ) -> RestorePipeline:
         """The store's restore pipeline for ``tenant``'s destinations on ``device`` (made on
         first use)."""
+        import torch
+
+        from flatcake_ray.restore.pipeline import RestorePipeline
+
         key = (tenant, torch.device(device))
+        if key[1].type == "cuda":  # torch is loaded now: copies from the arena can be DMA
+            self.arena.register_with_cuda()
         source = self.source_for(tenant)
         with self._lock:
             self._check_open()
@@ -81,6 +95,8 @@ class RestoreCalls:
     ):
         """Start a layer-pipelined restore of ``keys`` into ``dest``; see ``RestorePipeline``.
         This store hands out no grants: a ``grant`` is another store's (LeaseError)."""
+        from flatcake_ray.restore.dest import as_destination
+
         destination = as_destination(dest, slot_ids, layout)
         pipeline = self.pipeline(destination.device, tenant)
         return pipeline.submit(keys, destination, namespace=namespace, grant=grant)
@@ -94,6 +110,8 @@ class RestoreCalls:
     ) -> int:
         """Restore the consecutive hits into ``out`` (``[layers, >= len(keys), page_elems]``,
         numpy or torch) and return how many pages from the first are valid."""
+        from flatcake_ray.restore.dest import PagedPool
+
         self._check_open()
         pool = PagedPool(out, np.arange(len(keys)), LAYER_FIRST)
         pipeline = self.pipeline(pool.device, tenant)
