@@ -153,7 +153,10 @@ def _no_ray_left_attached(request):
 
 
 # ---- the Ray service, started for a test module -----------------------------------------------
-HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False}
+# No autoscaler monitor and no log monitors (drivers here take no worker logs,
+# ``log_to_driver=False``): a second of CPU less a cluster, and a second less to stop it.
+QUIET_NODE = {"include_log_monitor": False}
+HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False, "no_monitor": True, **QUIET_NODE}
 # The small service most modules start (each adds what it tests).
 SMALL_SERVICE = {
     "layers": LAYERS,
@@ -242,7 +245,7 @@ def _start_cluster(
 
     head = {**HEAD_ARGS, "_system_config": system} if system else HEAD_ARGS
     service.cluster = Cluster(initialize_head=True, head_node_args=head)
-    node_args = {"num_cpus": 1, **worker_args}  # storage-only nodes may ask for none
+    node_args = {"num_cpus": 1, **QUIET_NODE, **worker_args}  # storage-only nodes: num_cpus 0
     service.workers = [service.cluster.add_node(**node_args) for _ in range(workers)]
     if workers:
         service.cluster.wait_for_nodes()

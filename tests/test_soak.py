@@ -13,7 +13,8 @@ accepted; every error a client sees is typed (``flatcake_ray.errors``); at the e
 nodes up again, every committed SSD page is readable unless the driver flipped a byte at or
 before it (then it is a miss: the corruption was detected). The counts are printed (``-s``).
 
-About 60 s of chaos here; ``FLATCAKE_SOAK_S`` sets another length.
+About 40 s of chaos here (about ten ticks: each node and the coordinator restarted in turn);
+``FLATCAKE_SOAK_S`` sets another length.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ ray = pytest.importorskip("ray")
 
 NAMESPACE = "fc-soak"
 LAYERS, PAGE_BYTES, PAGES = 2, 4096, 4
-SOAK_S = float(os.environ.get("FLATCAKE_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("FLATCAKE_SOAK_S", "40"))
 HANG_S = 60.0  # no client call may take longer, whatever the driver is doing
 TICK_S = 3.0
 HINTS = {Medium.DRAM: PutHints(turn=2, prior_reply_tokens=1), Medium.SSD: PutHints(turn=1)}
