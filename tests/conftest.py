@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from flatcake_ray import failpoints as failpoints_module
+from flatcake_ray.cli.benchkit import QUIET_HEAD, QUIET_NODE
 from flatcake_ray.config import PlacementConfig, StoreConfig
 from flatcake_ray.node.store import FlatCakeStore
 
@@ -153,10 +154,7 @@ def _no_ray_left_attached(request):
 
 
 # ---- the Ray service, started for a test module -----------------------------------------------
-# No autoscaler monitor and no log monitors (drivers here take no worker logs,
-# ``log_to_driver=False``): a second of CPU less a cluster, and a second less to stop it.
-QUIET_NODE = {"include_log_monitor": False}
-HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False, "no_monitor": True, **QUIET_NODE}
+HEAD_ARGS = {"num_cpus": 1, "include_dashboard": False, **QUIET_HEAD}
 # The small service most modules start (each adds what it tests).
 SMALL_SERVICE = {
     "layers": LAYERS,
