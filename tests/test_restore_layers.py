@@ -167,6 +167,18 @@ def test_bad_destinations_are_typed_errors(make_store, pipelines):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_pipelines_host_slots_are_page_locked_until_it_closes(make_store, pipelines):
+    """Every chunk read into a host slot crosses to the GPU from it: page-locked, the copy is
+    DMA, not staged by the driver."""
+    store = make_store()
+    pipeline = pipelines(store, device="cuda", windows=2, slot_layers=2, slot_bytes=4 * 4096)
+    assert pipeline.pinned_bytes == 2 * 2 * 4 * 4096
+    pipeline.close()
+    assert pipeline.pinned_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_restore_into_a_gpu_pool_is_byte_exact(make_store, pipelines, layout):
     page_bytes = 6000

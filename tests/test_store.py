@@ -353,7 +353,8 @@ TORCH_FREE_STORE = (
     "if sys.argv[2] == 'cuda':  # made without torch: registered for its first GPU restore\n"
     "    assert not store.arena.cuda_registered\n"
     "    store.pipeline('cuda')\n"
-    "    assert store.arena.cuda_registered\n"
+    "    import torch\n"
+    "    assert store.arena.cuda_registered and torch.from_numpy(store.arena.view).is_pinned()\n"
     "store.close()\n"
 )
 

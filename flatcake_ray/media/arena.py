@@ -19,12 +19,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from flatcake_ray.cuda_ext.host_copy import copy_into
 from flatcake_ray.errors import ConfigError, MediumFullError
+from flatcake_ray.media import cuda_host
 from flatcake_ray.media.chunk_files import new_chunk_file, retire
 from flatcake_ray.media.chunk_map import HUGE_PAGE, ChunkMap
 from flatcake_ray.media.log import log_once
@@ -145,6 +145,7 @@ class DramArena:
         start, nbytes = self.chunk_span(index)
         size = self._mapped_bytes(nbytes)
         fd = new_chunk_file(f"flatcake-{self.name}-{index}", size, huge=self.huge)
+        registered = index in self._cuda_chunks
         try:
             self._unregister_chunk(index)
             self._map.place(start, fd, size, shared=True, populate=False)
@@ -162,7 +163,8 @@ class DramArena:
         # (So where huge pages come only to a mapping that asks, ``shmem_enabled = advise``,
         # a renewed chunk's pages are 4 KiB: renewals are rare, the lock is not.)
         os.posix_fallocate(fd, 0, size)
-        self._register_chunk(index)
+        if registered:
+            self._register_chunk(index)
 
     def _mapped_bytes(self, nbytes: int) -> int:
         return -(-nbytes // HUGE_PAGE) * HUGE_PAGE if self.huge else nbytes
@@ -182,21 +184,13 @@ class DramArena:
             log_once("hugepages", "DRAM arena: no reserved 2 MiB huge pages; using 4 KiB pages")
         return False
 
-    def _cudart(self) -> Any:
-        import sys
-
-        torch = sys.modules.get("torch")  # never import CUDA just for this
-        if torch is None or not self.nbytes or not torch.cuda.is_available():
-            return None
-        return torch.cuda.cudart()
-
     def register_with_cuda(self) -> None:
         """Register every chunk (one registration each, so one can be renewed alone), or
         none where one fails (copies to a GPU are then staged by CUDA, slower). Done as the
         arena is made in a process that has loaded torch, else when its store's first
         restore into a GPU asks (a storage node, which loads no torch, never does); once."""
         with self._renewing:
-            if self._cuda_chunks or self._cudart() is None:
+            if self._cuda_chunks or cuda_host.cudart() is None:
                 return
             for index in range(self.chunks):
                 if not self._register_chunk(index):
@@ -204,14 +198,12 @@ class DramArena:
                         self._unregister_chunk(registered)
                     return
 
-    def _register_chunk(self, index: int) -> bool:
-        cudart = self._cudart()
-        if cudart is None:
-            return False
+    def _chunk_view(self, index: int) -> np.ndarray:
         start, nbytes = self.chunk_span(index)
-        result = cudart.cudaHostRegister(self.view[start:].ctypes.data, nbytes, 0)
-        if int(result) != 0:
-            log_once("cudareg", "cudaHostRegister of a DRAM arena chunk failed: %s", result)
+        return self.view[start : start + nbytes]
+
+    def _register_chunk(self, index: int) -> bool:
+        if not cuda_host.register(self._chunk_view(index), "a DRAM arena chunk"):
             return False
         self._cuda_chunks.add(index)
         return True
@@ -219,8 +211,7 @@ class DramArena:
     def _unregister_chunk(self, index: int) -> None:
         if index in self._cuda_chunks:
             self._cuda_chunks.discard(index)
-            start, _ = self.chunk_span(index)
-            self._cudart().cudaHostUnregister(self.view[start:].ctypes.data)
+            cuda_host.unregister(self._chunk_view(index))
 
     def write(self, offset: int, data: np.ndarray) -> None:
         flat = data.reshape(-1).view(np.uint8)

@@ -69,6 +69,7 @@ from flatcake_ray.errors import (
     ShapeError,
     StoreClosedError,
 )
+from flatcake_ray.media import cuda_host
 from flatcake_ray.media.buffers import AlignedBuffer
 from flatcake_ray.restore.deliver import ChunkDelivery
 from flatcake_ray.restore.dest import Destination, ScatterFn, as_destination
@@ -138,6 +139,7 @@ class RestorePipeline(LaneDispatch):
         self._gauge = Gauge()
         self._delivery = ChunkDelivery(scatter, source.page_bytes)
         self._buffers: list[AlignedBuffer] = []
+        self._pinned: list[np.ndarray] = []  # host slots registered with CUDA
         self._windows = [
             self._lane(f"flatcake-window{i}", slot_layers, True) for i in range(windows)
         ]
@@ -159,6 +161,12 @@ class RestorePipeline(LaneDispatch):
         return sum(slot.nbytes for lane in (*self._windows, self._dram_lane) for slot in lane.slots)
 
     @property
+    def pinned_bytes(self) -> int:
+        """Host staging bytes page-locked for CUDA now (a GPU pipeline's slots until it
+        closes; 0 on the CPU)."""
+        return sum(view.nbytes for view in self._pinned)
+
+    @property
     def held_bytes(self) -> int:
         return self._gauge.held
 
@@ -175,6 +183,9 @@ class RestorePipeline(LaneDispatch):
             buffer = AlignedBuffer(self.slot_bytes) if host else None
             if buffer is not None:
                 self._buffers.append(buffer)
+                # Each chunk crosses to the GPU from here: page-locked, a copy is DMA.
+                if gpu and cuda_host.register(buffer.array, "a restore staging slot"):
+                    self._pinned.append(buffer.array)
             twin = (
                 torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) if gpu else None
             )
@@ -304,6 +315,9 @@ class RestorePipeline(LaneDispatch):
             self._stopped = True
         for lane in (*self._windows, self._dram_lane):
             lane.stop()
+        for view in self._pinned:
+            cuda_host.unregister(view)
+        self._pinned = []
         for buffer in self._buffers:
             buffer.close()
 
