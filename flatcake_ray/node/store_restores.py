@@ -68,7 +68,9 @@ class RestoreCalls:
         from flatcake_ray.restore.pipeline import RestorePipeline
 
         key = (tenant, torch.device(device))
-        if key[1].type == "cuda":  # torch is loaded now: copies from the arena can be DMA
+        if key[1].type == "cuda" and key not in self._pipelines:
+            # Once per pipeline, off the store's lock: torch is loaded now, and page-locked,
+            # the arena's copies to the GPU are DMA.
             self.arena.register_with_cuda()
         source = self.source_for(tenant)
         with self._lock:
