@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.ssd_layout import replace_section
+from flatcake_ray.cli.benchkit import unfit_for_record
 from tests.e2e.engines import BLOCK
 from tests.e2e.tiny_model import Shape
 
@@ -163,3 +164,12 @@ def write_markdown(path: str, run: dict, prompts: Any, repeats: int, command: st
 
 def load_average() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def refusal(run: dict[str, Any]) -> list[str]:
+    """Why this run must not be written into BENCHMARKS.md (empty: it may), by the rule
+    bench-peers follows (``benchkit.unfit_for_record``): a run that started above the load
+    bar measured its neighbours, and an SSD hit's target is set by the O_DIRECT read rate
+    sampled beside its geometry's rows, so one that sagged against the other's makes it loose."""
+    beside = {f"{shape} rows": {"odirect_read": gbps} for shape, gbps in run["read_gbps"].items()}
+    return unfit_for_record(run["load_before"], beside)

@@ -29,7 +29,10 @@ Targets (issue 22): a DRAM hit <= 1.3x the engine's own prefix-cache hit; an SSD
 plus the prefix's bytes at the O_DIRECT read rate measured beside the run. TTFT is the wall
 time of an offline ``generate`` with ``max_tokens=1``; medians of ``--repeats`` distinct
 prefixes; the load average is printed before and after. Every restored request is checked:
-whole prefix reported cached, first token equal to the recomputed one.
+whole prefix reported cached, first token equal to the recomputed one. ``--write-md`` refuses
+(says why, exits 2, leaves the file alone) as bench-peers does: a run that started above load
+average 1.5, or whose O_DIRECT read rate beside one geometry fell more than 20% below the
+other's.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from benchmarks.e2e_report import (  # noqa: E402
     check,
     load_average,
     prefix_bytes,
+    refusal,
     report,
     ssd_read_gbps,
     summarize,
@@ -304,13 +308,15 @@ def main() -> int:
     if args.prefix_tokens % BLOCK or args.new_tokens >= BLOCK:
         parser.error(f"--prefix-tokens must be whole blocks of {BLOCK}, --new-tokens under one")
     prompts = Prompts(args.prefix_tokens, args.new_tokens)
-    run: dict = {"summaries": {}, "limits": {}, "load": [load_average()]}
+    run: dict = {"summaries": {}, "limits": {}, "load": [load_average()], "read_gbps": {}}
+    run["load_before"] = os.getloadavg()[0]
     print(f"load average at start: {run['load'][0]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fc-bench-e2e-") as tmp:
         for shape_name in args.shapes:
             shape = SHAPES[shape_name]
             model = str(write_tiny_llama(Path(tmp) / shape_name, shape=shape))
             read_gbps = ssd_read_gbps(shape, prompts, Path(tmp) / "limit")
+            run["read_gbps"][shape_name] = read_gbps
             for store_name in args.stores:
                 config = f"{shape_name}, {store_name}"
                 root = Path(tmp) / f"{shape_name}-{store_name}"
@@ -327,6 +333,11 @@ def main() -> int:
     run["load"].append(load_average())
     print(f"load average at the end: {run['load'][1]}", flush=True)
     if args.write_md:
+        if reasons := refusal(run):
+            print(f"NOT writing {args.write_md}: rerun on a quiet machine.", file=sys.stderr)
+            for reason in reasons:
+                print(f"  {reason}", file=sys.stderr)
+            return 2
         command = ".venv-e2e/bin/python " + " ".join(["benchmarks/e2e_ttft.py", *sys.argv[1:]])
         write_markdown(args.write_md, run, prompts, args.repeats, command)
         if native:

@@ -1,13 +1,14 @@
 """When a benchmark run may be written into BENCHMARKS.md: pure functions, no timing.
 
-``benchkit.unfit_for_record`` (shared by ``bench-peers`` and ``flatcake-ray bench restore``),
-the peers harness's use of it on a result, the Mooncake bench's loopback pinning, and the
-stage tool's figures (``benchmarks/stages.py``)."""
+``benchkit.unfit_for_record`` (shared by ``bench-peers``, ``bench-e2e`` and ``flatcake-ray
+bench restore``), the peers harness's use of it on a result, the Mooncake bench's loopback
+pinning, and the stage tool's figures (``benchmarks/stages.py``)."""
 
 from __future__ import annotations
 
 import argparse
 
+from benchmarks.e2e_report import refusal as e2e_refusal
 from benchmarks.peers import run as peers_run
 from benchmarks.peers.sys_mooncake import LOOPBACK, MooncakeCluster
 from benchmarks.peers.workload import Workload
@@ -99,6 +100,15 @@ def test_bench_restore_reports_why_its_figures_are_unfit() -> None:
     assert restore_refusal({"config": {"load_before": 0.9}, "paths": paths}) == []
     reasons = restore_refusal({"config": {"load_before": 7.6}, "paths": paths})
     assert reasons == ["the run started at load average 7.60 (> 1.5)"]
+
+
+def test_bench_e2e_refuses_a_busy_start_and_a_read_rate_that_sagged_beside_a_geometry() -> None:
+    steady = {"tiny": 2.8, "wide": 2.5}
+    assert e2e_refusal({"load_before": 0.9, "read_gbps": steady}) == []
+    busy = e2e_refusal({"load_before": 1.77, "read_gbps": steady})
+    assert len(busy) == 1 and "load average 1.77" in busy[0]
+    sagged = e2e_refusal({"load_before": 0.9, "read_gbps": {"tiny": 2.8, "wide": 2.0}})
+    assert len(sagged) == 1 and sagged[0].startswith("wide rows: odirect_read")
 
 
 def test_mooncake_listens_and_connects_on_loopback_only(tmp_path) -> None:
