@@ -78,6 +78,7 @@ from benchmarks.e2e_report import (  # noqa: E402
     summarize,
     write_markdown,
 )
+from flatcake_ray.cli import benchkit  # noqa: E402
 from tests.e2e import engines  # noqa: E402
 from tests.e2e.engines import BLOCK  # noqa: E402
 from tests.e2e.tiny_model import TINY, WIDE, Shape, words, write_tiny_llama  # noqa: E402
@@ -309,7 +310,7 @@ def main() -> int:
         parser.error(f"--prefix-tokens must be whole blocks of {BLOCK}, --new-tokens under one")
     prompts = Prompts(args.prefix_tokens, args.new_tokens)
     run: dict = {"summaries": {}, "limits": {}, "load": [load_average()], "read_gbps": {}}
-    run["load_before"] = os.getloadavg()[0]
+    run["load_before"] = benchkit.load_average()
     print(f"load average at start: {run['load'][0]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="fc-bench-e2e-") as tmp:
         for shape_name in args.shapes:
